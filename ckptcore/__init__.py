@@ -1,0 +1,28 @@
+"""ckptcore: framework-agnostic training-state checkpoints.
+
+One schema for the whole training state, a pickle-free checksummed format and
+an atomic commit that works the same on local disk and in buckets.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import errors
+from .api import CheckpointInfo, TensorInfo, inspect, load_state, save_state, verify
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
+                     CorruptCheckpointError, IncompleteCheckpointError, SchemaError,
+                     UnsafeCheckpointError)
+from .state import (AccumulationState, OptimizerState, ParamInfo, RestoreReport, ScheduleState,
+                    TrainingState)
+
+__all__ = [
+    "__version__",
+    "errors",
+    "save_state", "load_state", "inspect", "verify",
+    "CheckpointInfo", "TensorInfo",
+    "TrainingState", "OptimizerState", "ScheduleState", "AccumulationState", "ParamInfo",
+    "RestoreReport",
+    "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
+    "IncompleteCheckpointError", "CorruptCheckpointError", "SchemaError", "UnsafeCheckpointError",
+]

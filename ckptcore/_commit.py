@@ -1,0 +1,137 @@
+"""Committing a checkpoint: payload first, manifest last; the manifest is the commit.
+
+A reader trusts only ``manifest.msgpack``: a checkpoint exists when, and only
+when, its manifest does, and the manifest names every shard with its size and
+checksum.  Two strategies, chosen by the store's capabilities:
+
+**Local disk (atomic rename).**  Everything is written into a temporary sibling
+directory ``.<name>.tmp-<token>``: shards, fsync each; the manifest, fsync; the
+directory, fsync.  Then the directory is renamed into place and the parent is
+fsynced.  ``rename`` onto an existing non-empty directory fails, so a second
+writer gets :class:`CheckpointExistsError` and its temporary directory is
+removed.  An overwrite swaps the two directories atomically with
+``renameat2(RENAME_EXCHANGE)`` (Linux), so some complete checkpoint is always
+readable at the path; where the kernel or filesystem lacks it, the old
+directory is renamed aside first, leaving a window of two renames without one.
+
+**Object stores (S3, GCS, Azure, memory).**  There is no atomic rename:
+``fs.mv`` and ``fsspec.transaction`` are copy + delete, or in-process only, so
+neither is used.  Shards are written in place under names unique to this save
+attempt (``shard-00000-<token>.bin``), then the manifest is published with a
+create-only PUT (S3 ``If-None-Match: *``).  Two writers racing for one
+checkpoint each write their own shards and exactly one publish succeeds; the
+loser removes its shards (or ``gc()`` does, if it died).  An overwrite replaces
+the manifest with a single PUT, which object stores apply atomically, and only
+then deletes the old shards: at every moment the manifest in place names shards
+that exist.  On stores without an atomic create, create-only is a check and a
+write; docs/RELIABILITY.md spells out what that means.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from typing import Callable
+
+from ._manifest import MANIFEST_NAME, Manifest
+from ._storage import Store, _tick, fsync_dir
+from .errors import CheckpointExistsError
+
+TMP_MARK = ".tmp-"
+
+
+def commit(store: Store, write: Callable[[Store], Manifest], *, token: str, overwrite: bool) -> Manifest:
+    """Write a checkpoint at ``store`` with ``write(target) -> Manifest`` (which writes the shards)."""
+    if store.exists(MANIFEST_NAME) and not overwrite:
+        raise CheckpointExistsError(f"{store.url}: a checkpoint already exists there; "
+                                    "pass overwrite=True to replace it")
+    if store.atomic_rename:
+        return _commit_rename(store, write, token=token, overwrite=overwrite)
+    return _commit_publish(store, write, token=token, overwrite=overwrite)
+
+
+def _commit_rename(store: Store, write, *, token: str, overwrite: bool) -> Manifest:
+    parent = os.path.dirname(store.path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = store.sibling(f".{store.name}{TMP_MARK}{token}")
+    os.makedirs(tmp.path)
+    try:
+        manifest = write(tmp)
+        tmp.write_bytes(MANIFEST_NAME, manifest.to_bytes())
+        fsync_dir(tmp.path)
+        _tick("rename", store.path)
+        if overwrite and os.path.lexists(store.path):
+            _swap_into_place(tmp.path, store.path)
+            tmp.delete_tree()  # now holds the old checkpoint
+        else:
+            try:
+                os.rename(tmp.path, store.path)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    raise CheckpointExistsError(
+                        f"{store.url}: already exists (another writer committed first, or the path "
+                        "holds other files); pass overwrite=True to replace it") from e
+                raise
+        fsync_dir(parent)
+        return manifest
+    except BaseException:
+        tmp.delete_tree()
+        raise
+
+
+def _swap_into_place(new: str, old: str) -> None:
+    if _rename_exchange(new, old):
+        return
+    aside = old + TMP_MARK + "old"
+    os.rename(old, aside)
+    os.rename(new, old)
+    os.rename(aside, new)
+
+
+def _rename_exchange(a: str, b: str) -> bool:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _commit_publish(store: Store, write, *, token: str, overwrite: bool) -> Manifest:
+    old_shards: set[str] = set()
+    if overwrite:
+        old_shards = {e.name for e in store.listdir() if e.name.startswith("shard-")}
+    manifest = None
+    try:
+        manifest = write(store)
+        _tick("publish", store.join(MANIFEST_NAME))
+        store.write_bytes(MANIFEST_NAME, manifest.to_bytes(), create_only=not overwrite)
+    except FileExistsError as e:
+        _remove_shards(store, manifest)
+        raise CheckpointExistsError(f"{store.url}: another writer committed a checkpoint there "
+                                    "first") from e
+    except BaseException:
+        _remove_shards(store, manifest, token=token)
+        raise
+    for name in sorted(old_shards - {s.path for s in manifest.shards}):
+        store.delete(name)
+    return manifest
+
+
+def _remove_shards(store: Store, manifest: Manifest | None, token: str | None = None) -> None:
+    """Best-effort removal of this attempt's shards; ``gc()`` catches what this misses."""
+    try:
+        if manifest is not None:
+            names = [s.path for s in manifest.shards]
+        else:
+            names = [e.name for e in store.listdir() if token and token in e.name]
+        for name in names:
+            store.delete(name)
+    except Exception:  # cleanup must never mask the original error
+        pass

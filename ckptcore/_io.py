@@ -1,0 +1,266 @@
+"""Shard planning, parallel streaming writes, range reads and checksums: the hot path.
+
+Each array's own buffer is written and checksummed in place (``memoryview`` of
+the array, no ``tobytes``).  Many small tensors share one shard, so per-tensor
+cost is a table entry, not a syscall; shards are bounded in size so several
+threads can write or verify them at once (``crc32c`` and file I/O release the
+GIL).  Local shards are read through a private memory map, so loaded arrays
+are writable views of the page cache with no copy.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import crc32c
+import numpy as np
+
+from . import _codec, _knobs
+from ._manifest import Manifest, ShardEntry, TensorEntry
+from ._storage import Store, fsync_close
+from .errors import CorruptCheckpointError, IncompleteCheckpointError
+
+# Callback for progress display (the CLI sets it): called with a number of bytes done.
+progress: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar(
+    "ckptcore_progress", default=None)
+_ZEROS = bytes(4096)
+_COMBINE_MIN = 1 << 18  # below this, re-running the CRC over the bytes is cheaper than combining (~12 us)
+
+
+# -------------------------------------------------------------------------------- crc32c combine
+# zlib's crc32_combine, for the Castagnoli polynomial: crc(A + B) from crc(A), crc(B), len(B).
+_POLY = 0x82F63B78
+
+
+def _mulmod(a: int, b: int) -> int:
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) mod P, reflected
+for _ in range(31):
+    _X2N.append(_mulmod(_X2N[-1], _X2N[-1]))
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    p, k, n = 1 << 31, 3, len2
+    while n:
+        if n & 1:
+            p = _mulmod(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _mulmod(p, crc1) ^ crc2
+
+
+# ------------------------------------------------------------------------------------- writing
+def _as_bytes(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def plan_shards(sizes: Sequence[int], shard_size: int, alignment: int) -> list[list[tuple[int, int]]]:
+    """Group tensors (by index) into shards of at most ``shard_size`` bytes: ``[[(index, offset)]]``."""
+    shards: list[list[tuple[int, int]]] = []
+    end = 0
+    for i, size in enumerate(sizes):
+        offset = -(-end // alignment) * alignment
+        if not shards or (offset + size > shard_size and shards[-1]):
+            shards.append([])
+            offset = 0
+        shards[-1].append((i, offset))
+        end = offset + size
+    return shards
+
+
+@dataclass
+class _Written:
+    shard: ShardEntry
+    tensors: list[tuple[int, int, int]]  # (index, offset, crc)
+
+
+def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
+               layout: list[tuple[int, int]]) -> _Written:
+    f = store.open_write(path)
+    try:
+        pos, shard_crc, out = 0, 0, []
+        report = progress.get()
+        for idx, offset in layout:
+            while pos < offset:
+                pad = _ZEROS[: offset - pos]
+                f.write(pad)
+                shard_crc = crc32c.crc32c(pad, shard_crc)
+                pos += len(pad)
+            buf = _as_bytes(arrays[idx])
+            crc = crc32c.crc32c(buf)
+            f.write(buf)
+            n = len(buf)
+            shard_crc = (crc32c_combine(shard_crc, crc, n) if n >= _COMBINE_MIN
+                         else crc32c.crc32c(buf, shard_crc))
+            pos += n
+            out.append((idx, offset, crc))
+            if report:
+                report(n)
+        fsync_close(f)
+    except BaseException:
+        f.close()
+        raise
+    return _Written(ShardEntry(path=path, size=pos, checksum=shard_crc), out)
+
+
+def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[str],
+                  token: str) -> tuple[list[ShardEntry], list[TensorEntry]]:
+    """Write ``arrays`` (little-endian, C-contiguous) into shards under ``store``."""
+    alignment = int(_knobs.get("alignment"))
+    layout = plan_shards([a.nbytes for a in arrays], int(_knobs.get("shard_size")), alignment)
+    paths = [f"shard-{i:05d}-{token}.bin" for i in range(len(layout))]
+    ctx = contextvars.copy_context()
+    with ThreadPoolExecutor(max(1, min(int(_knobs.get("threads")), len(layout)))) as pool:
+        written = list(pool.map(lambda j: ctx.copy().run(_write_one, store, paths[j], arrays, layout[j]),
+                                range(len(layout))))
+    tensors: list[TensorEntry | None] = [None] * len(arrays)
+    for j, w in enumerate(written):
+        for idx, offset, crc in w.tensors:
+            a = arrays[idx]
+            tensors[idx] = TensorEntry(name=names[idx], dtype=_codec.dtype_name(a.dtype),
+                                       shape=tuple(a.shape), shard=j, offset=offset,
+                                       length=a.nbytes, checksum=crc)
+    return [w.shard for w in written], tensors  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------------- reading
+def _check_size(store: Store, shard: ShardEntry) -> None:
+    """Compare a shard's real size with the manifest before allocating anything for it."""
+    try:
+        real = store.size(shard.path)
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(f"{store.join(shard.path)}: shard file is missing") from e
+    if real < shard.size:
+        raise IncompleteCheckpointError(
+            f"{store.join(shard.path)}: shard is truncated ({real} of {shard.size} bytes)")
+    if real > shard.size:
+        raise CorruptCheckpointError(
+            f"{store.join(shard.path)}: shard has {real} bytes, the manifest says {shard.size}",
+            file=store.join(shard.path))
+
+
+def _map_local(store: Store, shard: ShardEntry) -> memoryview:
+    if shard.size == 0:
+        return memoryview(b"")
+    with open(store.join(shard.path), "rb") as f:
+        # ACCESS_COPY: private pages, so arrays are writable and writes never reach the file.
+        mm = mmap.mmap(f.fileno(), shard.size, access=mmap.ACCESS_COPY)
+    if hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_WILLNEED)
+    return memoryview(mm)
+
+
+def _fetch_remote(store: Store, shard: ShardEntry, entries: list[TensorEntry]) -> dict[str, memoryview]:
+    """Read the byte ranges of ``entries`` from one remote shard, merging neighbours."""
+    spans: list[list] = []
+    for t in sorted(entries, key=lambda t: t.offset):
+        if spans and t.offset - spans[-1][1] <= (1 << 20):
+            spans[-1][1] = max(spans[-1][1], t.offset + t.length)
+            spans[-1][2].append(t)
+        else:
+            spans.append([t.offset, t.offset + t.length, [t]])
+    blobs = store.read_ranges(shard.path, [(s[0], s[1]) for s in spans])
+    out = {}
+    for (start, end, ts), blob in zip(spans, blobs):
+        if len(blob) != end - start:
+            raise IncompleteCheckpointError(f"{store.join(shard.path)}: short read "
+                                            f"({len(blob)} of {end - start} bytes)")
+        view = memoryview(bytearray(blob))  # writable arrays, like the local path
+        for t in ts:
+            out[t.name] = view[t.offset - start: t.offset - start + t.length]
+    return out
+
+
+def _verify(store: Store, shard: ShardEntry, t: TensorEntry, buf: memoryview) -> None:
+    actual = crc32c.crc32c(buf)
+    report = progress.get()
+    if report:
+        report(len(buf))
+    if actual != t.checksum:
+        raise CorruptCheckpointError(
+            f"{store.join(shard.path)}: tensor {t.name!r} is corrupt (crc32c expected "
+            f"{t.checksum:#010x}, got {actual:#010x})",
+            file=store.join(shard.path), tensor=t.name, expected=t.checksum, actual=actual)
+
+
+def read_tensors(store: Store, manifest: Manifest, indices: Sequence[int], *,
+                 verify: bool = True, errors: list | None = None) -> dict[int, np.ndarray]:
+    """Load the tensors at ``indices``.  With ``errors`` given, damage is collected there
+    (one entry per bad shard or tensor) instead of raised."""
+    by_shard: dict[int, list[int]] = {}
+    for i in indices:
+        by_shard.setdefault(manifest.tensors[i].shard, []).append(i)
+    bufs: dict[int, memoryview] = {}
+    checks = []
+    for s, idxs in by_shard.items():
+        shard = manifest.shards[s]
+        try:
+            _check_size(store, shard)
+            entries = [manifest.tensors[i] for i in idxs]
+            if store.local:
+                whole = _map_local(store, shard)
+                views = {t.name: whole[t.offset:t.offset + t.length] for t in entries}
+            else:
+                views = _fetch_remote(store, shard, entries)
+        except (IncompleteCheckpointError, CorruptCheckpointError) as e:
+            if errors is None:
+                raise
+            errors.append(e)
+            continue
+        for i in idxs:
+            bufs[i] = views[manifest.tensors[i].name]
+            checks.append((shard, manifest.tensors[i], bufs[i]))
+    if verify:
+        _run_checks(store, checks, errors, bufs, manifest)
+    return {i: _to_array(manifest.tensors[i], buf) for i, buf in bufs.items()}
+
+
+def _run_checks(store, checks, errors, bufs, manifest) -> None:
+    ctx = contextvars.copy_context()
+    with ThreadPoolExecutor(int(_knobs.get("threads"))) as pool:
+        futures = [(t, pool.submit(ctx.copy().run, _verify, store, s, t, b)) for s, t, b in checks]
+        for t, fut in futures:
+            try:
+                fut.result()
+            except CorruptCheckpointError as e:
+                if errors is None:
+                    raise
+                errors.append(e)
+                bufs.pop(manifest.tensors.index(t), None)
+
+
+def _to_array(t: TensorEntry, buf: memoryview) -> np.ndarray:
+    dtype = _codec.parse_dtype(t.dtype)
+    if t.length == 0:
+        return np.empty(t.shape, dtype)
+    return np.frombuffer(buf, dtype=dtype).reshape(t.shape)
+
+
+def verify_shards(store: Store, manifest: Manifest, errors: list) -> None:
+    """Check each shard's whole-file checksum (covers padding too); append damage to ``errors``."""
+    for shard in manifest.shards:
+        try:
+            _check_size(store, shard)
+            data = _map_local(store, shard) if store.local else memoryview(store.read(shard.path))
+        except (IncompleteCheckpointError, CorruptCheckpointError) as e:
+            errors.append(e)
+            continue
+        actual = crc32c.crc32c(data)
+        if actual != shard.checksum:
+            errors.append(CorruptCheckpointError(
+                f"{store.join(shard.path)}: shard checksum mismatch (expected {shard.checksum:#010x}, "
+                f"got {actual:#010x})", file=store.join(shard.path), expected=shard.checksum,
+                actual=actual))

@@ -1,0 +1,45 @@
+"""Every tunable in one place: defaults, environment overrides, and a context manager for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+# Shard files are bounded so they can be written and read in parallel; a single tensor larger
+# than the bound gets a shard of its own.
+_DEFAULTS = {
+    "shard_size": 128 * 1024 * 1024,
+    # 64 bytes covers the strictest alignment of any numpy dtype and a cache line; it keeps
+    # zero-copy views of memory-mapped shards aligned.
+    "alignment": 64,
+    "threads": max(1, min(8, os.cpu_count() or 1)),
+    # How long a manifest-less leftover must sit before gc() may remove it (seconds).
+    "gc_grace": 15 * 60.0,
+}
+_ENV = {k: "CKPTCORE_" + k.upper() for k in _DEFAULTS}
+_overrides: dict[str, float] = {}
+
+
+def get(name: str) -> int | float:
+    if name in _overrides:
+        return _overrides[name]
+    env = os.environ.get(_ENV[name])
+    if env is not None:
+        return type(_DEFAULTS[name])(env)
+    return _DEFAULTS[name]
+
+
+@contextlib.contextmanager
+def override(**values: float) -> Iterator[None]:
+    """Temporarily change knobs, e.g. ``with override(shard_size=1024): ...``."""
+    unknown = set(values) - set(_DEFAULTS)
+    if unknown:
+        raise KeyError(f"unknown knob(s): {sorted(unknown)}")
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)

@@ -1,0 +1,204 @@
+"""The narrow storage layer: a handful of operations over ``fsspec.url_to_fs``.
+
+Local paths use ``os`` directly (fsync, rename and mmap are only reachable
+there); every other protocol goes through its fsspec filesystem.  Capability
+flags say what a store can do, so the commit code picks a strategy up front
+instead of discovering it through exceptions:
+
+* ``atomic_rename``: a directory can be renamed into place atomically (local disk).
+* ``atomic_create``: a file can be created only if absent, atomically
+  (S3's ``If-None-Match: *`` through s3fs ``pipe(mode="create")``, the in-memory
+  filesystem).  Elsewhere "create only" is a check followed by a write, which is
+  racy between writers; docs/RELIABILITY.md says so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+_ATOMIC_CREATE = {"s3", "s3a", "memory"}
+# Hook for fault-injection tests: called with an operation name before every mutating operation.
+_op_hook: Any = None
+
+
+def _tick(op: str, path: str) -> None:
+    if _op_hook is not None:
+        _op_hook(op, path)
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    is_dir: bool
+    mtime: float | None
+
+
+class Store:
+    """One location (a directory or bucket prefix) and the operations ckptcore needs there."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
+                 _fs: Any = None, _path: str | None = None):
+        if _fs is None:
+            _fs, _path = fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+        self.url = str(url)
+        self.fs = _fs
+        self.local = isinstance(_fs, LocalFileSystem)
+        self.path = os.path.abspath(_path) if self.local else _path.rstrip("/")
+        protocols = _fs.protocol if isinstance(_fs.protocol, (tuple, list)) else (_fs.protocol,)
+        self.atomic_rename = self.local
+        self.atomic_create = self.local or bool(_ATOMIC_CREATE & set(protocols))
+
+    # -- navigation ---------------------------------------------------------------------------
+    def child(self, name: str) -> Store:
+        sep = os.sep if self.local else "/"
+        return Store(self.url.rstrip("/") + "/" + name, _fs=self.fs, _path=self.path + sep + name)
+
+    def sibling(self, name: str) -> Store:
+        parent = os.path.dirname(self.path) if self.local else self.path.rsplit("/", 1)[0]
+        sep = os.sep if self.local else "/"
+        base = self.url.rstrip("/").rsplit("/", 1)[0]
+        return Store(base + "/" + name, _fs=self.fs, _path=parent + sep + name)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path) if self.local else self.path.rsplit("/", 1)[-1]
+
+    def join(self, rel: str = "") -> str:
+        if not rel:
+            return self.path
+        return os.path.join(self.path, rel) if self.local else f"{self.path}/{rel}"
+
+    # -- reads ----------------------------------------------------------------------------------
+    def exists(self, rel: str = "") -> bool:
+        return os.path.exists(self.join(rel)) if self.local else self.fs.exists(self.join(rel))
+
+    def size(self, rel: str) -> int:
+        """Size in bytes; ``FileNotFoundError`` when absent."""
+        if self.local:
+            return os.stat(self.join(rel)).st_size
+        info = self.fs.info(self.join(rel))
+        if info.get("type") == "directory":
+            raise FileNotFoundError(self.join(rel))
+        return int(info["size"])
+
+    def read(self, rel: str) -> bytes:
+        if self.local:
+            with open(self.join(rel), "rb") as f:
+                return f.read()
+        return self.fs.cat_file(self.join(rel))
+
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Bytes ``[start, end)`` of each range, fetched concurrently where the backend can."""
+        if not ranges:
+            return []
+        path = self.join(rel)
+        return self.fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges],
+                                  [r[1] for r in ranges])
+
+    def listdir(self, rel: str = "") -> list[Entry]:
+        """Entries directly below ``rel``; empty when it does not exist."""
+        path = self.join(rel)
+        if self.local:
+            try:
+                with os.scandir(path) as it:
+                    return [Entry(e.name, e.is_dir(), e.stat().st_mtime) for e in it]
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        try:
+            infos = self.fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        out = []
+        for info in infos:
+            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+            mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
+            out.append(Entry(name, info.get("type") == "directory", _as_time(mtime)))
+        return out
+
+    # -- writes ---------------------------------------------------------------------------------
+    def makedirs(self, rel: str = "") -> None:
+        if self.local:
+            os.makedirs(self.join(rel), exist_ok=True)
+
+    def open_write(self, rel: str):
+        """A binary file for streaming writes (local: ``fsync_close`` makes it durable)."""
+        _tick("open_write", self.join(rel))
+        if self.local:
+            return open(self.join(rel), "wb", buffering=1 << 20)
+        return self.fs.open(self.join(rel), "wb")
+
+    def write_bytes(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
+        """Write a whole file.  ``create_only`` raises ``FileExistsError`` if it exists (atomically
+        where ``atomic_create`` holds)."""
+        _tick("write_bytes", self.join(rel))
+        if self.local:
+            with open(self.join(rel), "xb" if create_only else "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            return
+        if create_only:
+            self.fs.pipe_file(self.join(rel), data, mode="create")
+        else:
+            self.fs.pipe_file(self.join(rel), data)
+
+    def delete(self, rel: str) -> None:
+        _tick("delete", self.join(rel))
+        try:
+            if self.local:
+                os.unlink(self.join(rel))
+            else:
+                self.fs.rm_file(self.join(rel))
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, rel: str = "") -> None:
+        _tick("delete_tree", self.join(rel))
+        path = self.join(rel)
+        if self.local:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def fsync_close(f: Any) -> None:
+    """Close a file from ``open_write``, first forcing local data to disk."""
+    if hasattr(f, "fileno") and isinstance(f, (os.PathLike, object)):
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        except (OSError, AttributeError, ValueError):  # remote files have no descriptor
+            pass
+    f.close()
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _as_time(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if hasattr(value, "timestamp"):
+        return value.timestamp()
+    return None
+
+
+def iter_chunks(buf: memoryview, size: int = 1 << 26) -> Iterable[memoryview]:
+    for start in range(0, len(buf), size):
+        yield buf[start:start + size]

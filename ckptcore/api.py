@@ -1,0 +1,202 @@
+"""The public functions: save_state, load_state, inspect, verify."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from . import __version__, _codec, _io
+from ._commit import commit
+from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from ._storage import Store
+from .errors import CheckpointError, CheckpointNotFoundError, SchemaError
+from .registry import adapter_for
+from .state import TrainingState
+
+__all__ = ["save_state", "load_state", "inspect", "verify", "CheckpointInfo", "TensorInfo"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    shard: str
+    checksum: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """What a checkpoint's manifest says, without reading any tensor data."""
+
+    url: str
+    format_version: int
+    created: float
+    step: int
+    epoch: int
+    framework: str | None
+    framework_versions: Mapping[str, Any]
+    sections: tuple[str, ...]
+    tensors: tuple[TensorInfo, ...]
+    nbytes: int
+    shards: tuple[str, ...]
+    writer: Mapping[str, Any]
+    library: Mapping[str, Any]
+    data: Mapping[str, Any] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _info(url: str, m: Manifest) -> CheckpointInfo:
+    tree = _codec.substitute(m.tree, lambda r: f"<tensor {m.tensors[r.index].name}>")
+    sections = tuple(k for k in TrainingState.SECTIONS
+                     if tree.get(k) not in (None, {}, [], "") and k not in ("step", "epoch"))
+    return CheckpointInfo(
+        url=url, format_version=m.version, created=m.created,
+        step=int(tree.get("step") or 0), epoch=int(tree.get("epoch") or 0),
+        framework=m.framework.get("name"), framework_versions=m.framework.get("versions") or {},
+        sections=sections,
+        tensors=tuple(TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.length,
+                                 shard=m.shards[t.shard].path, checksum=t.checksum) for t in m.tensors),
+        nbytes=sum(t.length for t in m.tensors), shards=tuple(s.path for s in m.shards),
+        writer=m.writer, library=m.library,
+        data=tree.get("data") if isinstance(tree.get("data"), dict) else {},
+        metadata=tree.get("metadata") if isinstance(tree.get("metadata"), dict) else {})
+
+
+def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
+               storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
+               **objects: Any) -> CheckpointInfo:
+    """Save a training state as a checkpoint directory at ``url`` (any fsspec URL).
+
+    Pass either a :class:`TrainingState` or framework objects (``model=...,
+    optimizer=..., cursor=...``), which the matching adapter captures.  The
+    save is atomic: readers see the whole checkpoint or none of it.
+
+    Example:
+        >>> import numpy as np, ckptcore
+        >>> s = ckptcore.TrainingState(model={"w": np.arange(3.0)}, step=1)
+        >>> info = ckptcore.save_state("memory://doc/ckpt-1", s)
+        >>> ckptcore.load_state("memory://doc/ckpt-1").model["w"]
+        array([0., 1., 2.])
+
+    Raises:
+        CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
+        TypeError: the state holds a value that cannot be stored (the message names it).
+    """
+    if state is None:
+        if "model" not in objects:
+            raise TypeError("save_state needs a TrainingState or framework objects (model=...)")
+        state = adapter_for(objects["model"]).capture(**objects)
+    elif objects:
+        raise TypeError(f"save_state got both a state and objects {sorted(objects)}; pass one")
+    enc = _codec.encode_state(state)
+    arrays = [_codec.to_little_endian(a) for a in enc.arrays]
+    store = Store(os.fspath(url), dict(storage_options or {}))
+    token = uuid.uuid4().hex[:16]
+
+    def write(target: Store) -> Manifest:
+        shards, tensors = _io.write_payload(target, arrays, enc.names, token)
+        return Manifest(
+            created=time.time(),
+            writer={"id": token, "host": socket.gethostname(), "pid": os.getpid()},
+            library={"ckptcore": __version__, "numpy": np.__version__,
+                     "python": platform.python_version()},
+            framework={"name": state.framework,
+                       "versions": dict(state.metadata.get("versions") or {})},
+            alignment=_knobs_alignment(), shards=tuple(shards), tensors=tuple(tensors),
+            tree=enc.tree)
+
+    manifest = commit(store, write, token=token, overwrite=overwrite)
+    return _info(store.url, manifest)
+
+
+def _knobs_alignment() -> int:
+    from . import _knobs
+    return int(_knobs.get("alignment"))
+
+
+def read_manifest(store: Store) -> Manifest:
+    """The validated manifest at ``store``; ``CheckpointNotFoundError`` if there is none."""
+    try:
+        data = store.read(MANIFEST_NAME)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+        what = ("has no manifest: it is not a committed checkpoint (perhaps the leftovers of an "
+                "interrupted save)") if store.exists() else "does not exist"
+        raise CheckpointNotFoundError(f"{store.url}: {what}") from e
+    return Manifest.from_bytes(data, source=store.join(MANIFEST_NAME))
+
+
+def _select(tree: dict, keys: Iterable[str] | None) -> dict:
+    if keys is None:
+        return tree
+    keys = [keys] if isinstance(keys, str) else list(keys)
+    unknown = [k for k in keys if k not in TrainingState.SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown section(s) {unknown}; choose from {TrainingState.SECTIONS}")
+    # Small bookkeeping sections always come along: they hold no tensors worth skipping.
+    wanted = set(keys) | {"step", "epoch", "framework", "metadata", "params"}
+    return {k: v for k, v in tree.items() if k in wanted}
+
+
+def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[str] | None = None,
+               storage_options: Mapping[str, Any] | None = None, **objects: Any) -> TrainingState:
+    """Load the checkpoint at ``url``; with framework objects, restore into them too.
+
+    Sizes are always checked before reading; with ``verify`` every tensor read
+    is checked against its checksum before anything is returned.  ``keys``
+    loads only some sections (e.g. ``["model"]``) and reads only their bytes.
+
+    Example:
+        >>> state = ckptcore.load_state("memory://doc/ckpt-1", keys=["model"])  # doctest: +SKIP
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at ``url``.
+        CorruptCheckpointError: a checksum does not match (names the file and tensor).
+        IncompleteCheckpointError: a shard is missing or truncated.
+        SchemaError: the manifest is malformed or of an unsupported version.
+    """
+    store = Store(os.fspath(url), dict(storage_options or {}))
+    manifest = read_manifest(store)
+    tree = _select(manifest.tree, keys)
+    wanted = sorted({r.index for r in _codec.refs(tree)})
+    arrays = _io.read_tensors(store, manifest, wanted, verify=verify)
+    tree = _codec.substitute(tree, lambda r: arrays[r.index][()] if r.scalar else arrays[r.index])
+    state = _codec.decode_state(tree)
+    if objects:
+        if "model" not in objects:
+            raise TypeError("restoring into framework objects needs model=...")
+        adapter_for(objects["model"]).restore(state, **objects)
+    return state
+
+
+def inspect(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
+    """Describe the checkpoint at ``url`` from its manifest alone (no tensor data is read)."""
+    store = Store(os.fspath(url), dict(storage_options or {}))
+    return _info(store.url, read_manifest(store))
+
+
+def verify(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None
+           ) -> list[CheckpointError]:
+    """Check every shard and tensor checksum; return the problems found (empty when intact).
+
+    A missing or unreadable manifest is raised, not returned: there is nothing to verify.
+    """
+    store = Store(os.fspath(url), dict(storage_options or {}))
+    manifest = read_manifest(store)
+    errors: list[CheckpointError] = []
+    _io.read_tensors(store, manifest, range(len(manifest.tensors)), verify=True, errors=errors)
+    tensor_files = {e.file for e in errors if getattr(e, "file", None)}
+    shard_errors: list[CheckpointError] = []
+    _io.verify_shards(store, manifest, shard_errors)
+    # A damaged tensor already names its shard; report shard-level damage only where it adds news.
+    errors += [e for e in shard_errors if getattr(e, "file", None) not in tensor_files
+               and str(e) not in {str(x) for x in errors}]
+    return errors

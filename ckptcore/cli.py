@@ -1,0 +1,198 @@
+"""``ckpt``: thin verbs over the public API.  No logic lives here, and no framework is needed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import api, _io
+from ._storage import Store
+from .errors import CheckpointError
+
+
+def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``key=value`` pairs as storage options; values parse as JSON when they can."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"ckpt: --storage-option expects key=value, got {pair!r}")
+        try:
+            parsed: Any = json.loads(value)
+        except ValueError:
+            parsed = value
+        node = out
+        *parents, leaf = key.split(".")  # client_kwargs.endpoint_url=... nests
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = parsed
+    return out
+
+
+class _Progress:
+    """A one-line progress bar on stderr, shown only when stdout is a terminal."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.done, self.label = max(total, 1), 0, label
+        self.enabled = sys.stdout.isatty() and total > (64 << 20)
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.enabled:
+            frac = min(1.0, self.done / self.total)
+            bar = "#" * int(30 * frac)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%}")
+            sys.stderr.flush()
+
+    def __enter__(self) -> _Progress:
+        self._token = _io.progress.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _io.progress.reset(self._token)
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_inspect(args: argparse.Namespace, so: dict) -> int:
+    info = api.inspect(args.url, storage_options=so)
+    if args.json:
+        d = {k: getattr(info, k) for k in info.__dataclass_fields__ if k != "tensors"}
+        d["tensors"] = [dict(t.__dict__) for t in info.tensors]
+        print(json.dumps(d, indent=2, default=str))
+        return 0
+    print(f"checkpoint  {info.url}")
+    print(f"format      v{info.format_version}, written by ckptcore {info.library.get('ckptcore')}")
+    print(f"step        {info.step}    epoch {info.epoch}    framework {info.framework or '-'}")
+    print(f"sections    {', '.join(info.sections)}")
+    if info.data:
+        d = info.data
+        print(f"data        epoch {d.get('epoch')} / position {d.get('position')} / seed {d.get('seed')}"
+              + (f"  ({d.get('num_samples')} samples, batch {d.get('batch_size')})"
+                 if "num_samples" in d else ""))
+    print(f"tensors     {len(info.tensors)} in {len(info.shards)} shard(s), {_size(info.nbytes)}")
+    _print_tree(info.tensors)
+    return 0
+
+
+def _print_tree(tensors) -> None:
+    last: list[str] = []
+    for t in tensors:
+        parts = t.name.split("/")
+        common = 0
+        while common < min(len(last), len(parts) - 1) and last[common] == parts[common]:
+            common += 1
+        for depth in range(common, len(parts) - 1):
+            print("  " * (depth + 1) + parts[depth] + "/")
+        shape = "x".join(map(str, t.shape)) or "scalar"
+        print("  " * len(parts) + f"{parts[-1]:<28} {t.dtype:<10} {shape:<16} {_size(t.nbytes)}")
+        last = parts[:-1]
+
+
+def cmd_verify(args: argparse.Namespace, so: dict) -> int:
+    info = api.inspect(args.url, storage_options=so)
+    with _Progress(info.nbytes, "verifying"):
+        problems = api.verify(args.url, storage_options=so)
+    for p in problems:
+        print(f"BAD  {p}")
+    if problems:
+        print(f"{args.url}: {len(problems)} problem(s)")
+        return 1
+    print(f"{args.url}: OK ({len(info.tensors)} tensors, {_size(info.nbytes)})")
+    return 0
+
+
+def _flat(state) -> dict[str, np.ndarray]:
+    from . import _codec
+    enc = _codec.encode_state(state)
+    return dict(zip(enc.names, enc.arrays))
+
+
+def cmd_diff(args: argparse.Namespace, so: dict) -> int:
+    a, b = (_flat(api.load_state(u, storage_options=so)) for u in (args.a, args.b))
+    differ = 0
+    for name in sorted(set(a) | set(b)):
+        if name not in b or name not in a:
+            print(f"{'-' if name not in b else '+'} {name}  (only in {'A' if name not in b else 'B'})")
+            differ += 1
+        elif a[name].shape != b[name].shape or a[name].dtype != b[name].dtype:
+            print(f"~ {name}  {a[name].dtype}{list(a[name].shape)} vs {b[name].dtype}{list(b[name].shape)}")
+            differ += 1
+        elif a[name].tobytes() != b[name].tobytes():
+            print(f"~ {name}  max abs diff {_maxdiff(a[name], b[name])}")
+            differ += 1
+    print(f"{differ} of {len(set(a) | set(b))} tensors differ")
+    return 1 if differ else 0
+
+
+def _maxdiff(x: np.ndarray, y: np.ndarray) -> str:
+    try:
+        return f"{float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))):.6g}"
+    except (TypeError, ValueError):
+        return "n/a (non-numeric)"
+
+
+def cmd_ls(args: argparse.Namespace, so: dict) -> int:
+    root = Store(args.root, so)
+    found = 0
+    for entry in sorted(root.listdir(), key=lambda e: e.name):
+        if not entry.is_dir or entry.name.startswith("."):
+            continue
+        try:
+            info = api.inspect(root.child(entry.name).url, storage_options=so)
+        except CheckpointError:
+            continue
+        found += 1
+        print(f"{entry.name:<32} step {info.step:<8} epoch {info.epoch:<4} "
+              f"{info.framework or '-':<7} {_size(info.nbytes)}")
+    if not found:
+        print(f"no committed checkpoints under {args.root}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt", description="Inspect, verify and compare ckptcore checkpoints.")
+    p.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option (repeatable; dots nest: client_kwargs.endpoint_url=...)")
+    sub = p.add_subparsers(dest="verb", required=True)
+    s = sub.add_parser("inspect", help="show a checkpoint's contents from its manifest")
+    s.add_argument("url")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_inspect)
+    s = sub.add_parser("verify", help="check every checksum; non-zero exit names each bad tensor")
+    s.add_argument("url")
+    s.set_defaults(fn=cmd_verify)
+    s = sub.add_parser("diff", help="which tensors differ between two checkpoints, and by how much")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.set_defaults(fn=cmd_diff)
+    s = sub.add_parser("ls", help="list the committed checkpoints under a folder")
+    s.add_argument("root")
+    s.set_defaults(fn=cmd_ls)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # --storage-option may also follow the verb
+    try:
+        return int(args.fn(args, _options(args.storage_option)) or 0)
+    except (CheckpointError, FileNotFoundError, ValueError, TypeError) as e:
+        print(f"ckpt {args.verb}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

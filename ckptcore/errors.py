@@ -1,0 +1,79 @@
+"""One error hierarchy for everything ckptcore raises on purpose.
+
+Every class derives from :class:`CheckpointError`, and where a caller would
+naturally catch a builtin (``FileNotFoundError`` around a load, ``ValueError``
+around bad input) the class derives from that builtin too, so existing
+``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "SchemaError",
+    "UnsafeCheckpointError",
+    "LockedError",
+    "RestoreError",
+    "MigrationError",
+    "AdapterNotFoundError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error ckptcore raises deliberately."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint at the given location."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint (or another writer's) already occupies the location."""
+
+
+class IncompleteCheckpointError(CheckpointError, OSError):
+    """Data a manifest names is missing or shorter than declared (an interrupted or partial copy)."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """Bytes on storage do not match their recorded checksum.
+
+    Attributes name the shard file, the tensor (if any) and both checksums so a
+    caller can report exactly what is damaged.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None,
+                 expected: int | None = None, actual: int | None = None):
+        super().__init__(message)
+        self.file = file
+        self.tensor = tensor
+        self.expected = expected
+        self.actual = actual
+
+
+class SchemaError(CheckpointError, ValueError):
+    """A manifest or state tree is malformed, unsupported or inconsistent."""
+
+
+class UnsafeCheckpointError(CheckpointError, ValueError):
+    """A foreign file (e.g. a pickle) asks for something that could run code; it was refused."""
+
+
+class LockedError(CheckpointError, BlockingIOError):
+    """Another writer holds the lock on a checkpoint root."""
+
+
+class RestoreError(CheckpointError, ValueError):
+    """A state does not fit the objects it is restored into (missing names, shape or dtype mismatch)."""
+
+
+class MigrationError(CheckpointError, ValueError):
+    """A state cannot be converted to another framework's layout exactly."""
+
+
+class AdapterNotFoundError(CheckpointError, LookupError):
+    """No installed adapter handles the given framework objects."""

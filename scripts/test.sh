@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up .venv (created on first use) and run the whole test suite.
+# The core runs first; each framework's tests run in a pytest process of their own, because
+# importing TensorFlow before Paddle in one process crashes.  Extra arguments go to every pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_venv.sh "dev,keras,paddle"
+
+status=0
+run() {  # pytest exit 5 means "no tests collected": not a failure for an optional group
+  .venv/bin/python -m pytest "$@" || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
+}
+run tests --ignore=tests/keras --ignore=tests/paddle "${@}"
+[ -d tests/paddle ] && run tests/paddle "${@}"
+[ -d tests/keras ] && run tests/keras "${@}"
+exit $status
