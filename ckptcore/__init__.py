@@ -12,7 +12,11 @@ from . import errors
 from .api import CheckpointInfo, TensorInfo, inspect, load_state, save_state, verify
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompleteCheckpointError, SchemaError,
-                     UnsafeCheckpointError)
+                     LockedError, UnsafeCheckpointError)
+from .cursor import DataCursor
+from .manager import CheckpointFallbackWarning, CheckpointManager, SaveHandle
+from .policies import KeepAll, KeepAny, KeepBest, KeepEvery, KeepEveryDuration, KeepLast
+from .rng import capture_rng, restore_rng
 from .state import (AccumulationState, OptimizerState, ParamInfo, RestoreReport, ScheduleState,
                     TrainingState)
 
@@ -21,8 +25,12 @@ __all__ = [
     "errors",
     "save_state", "load_state", "inspect", "verify",
     "CheckpointInfo", "TensorInfo",
+    "CheckpointManager", "SaveHandle", "CheckpointFallbackWarning",
+    "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
+    "DataCursor", "capture_rng", "restore_rng",
     "TrainingState", "OptimizerState", "ScheduleState", "AccumulationState", "ParamInfo",
     "RestoreReport",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
     "IncompleteCheckpointError", "CorruptCheckpointError", "SchemaError", "UnsafeCheckpointError",
+    "LockedError",
 ]

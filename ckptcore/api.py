@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import socket
@@ -91,12 +92,7 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
         TypeError: the state holds a value that cannot be stored (the message names it).
     """
-    if state is None:
-        if "model" not in objects:
-            raise TypeError("save_state needs a TrainingState or framework objects (model=...)")
-        state = adapter_for(objects["model"]).capture(**objects)
-    elif objects:
-        raise TypeError(f"save_state got both a state and objects {sorted(objects)}; pass one")
+    state = _capture(state, objects)
     enc = _codec.encode_state(state)
     arrays = [_codec.to_little_endian(a) for a in enc.arrays]
     store = Store(os.fspath(url), dict(storage_options or {}))
@@ -170,11 +166,34 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
     arrays = _io.read_tensors(store, manifest, wanted, verify=verify)
     tree = _codec.substitute(tree, lambda r: arrays[r.index][()] if r.scalar else arrays[r.index])
     state = _codec.decode_state(tree)
-    if objects:
-        if "model" not in objects:
-            raise TypeError("restoring into framework objects needs model=...")
-        adapter_for(objects["model"]).restore(state, **objects)
+    restore_objects(state, objects)
     return state
+
+
+def _capture(state: TrainingState | None, objects: dict[str, Any]) -> TrainingState:
+    """The state to save: ``state`` itself (plus a ``cursor``'s position) or an adapter's capture."""
+    if state is None:
+        if "model" not in objects:
+            raise TypeError("save_state needs a TrainingState or framework objects (model=...)")
+        return adapter_for(objects["model"]).capture(**objects)
+    cursor = objects.pop("cursor", None)
+    if objects:
+        raise TypeError(f"got both a state and framework objects {sorted(objects)}; pass one")
+    if cursor is not None:
+        state = dataclasses.replace(state, data=cursor.state_dict())
+    return state
+
+
+def restore_objects(state: TrainingState, objects: Mapping[str, Any]) -> None:
+    """Restore framework objects from ``state`` through their adapter (a lone cursor needs none)."""
+    if not objects:
+        return
+    if "model" in objects:
+        adapter_for(objects["model"]).restore(state, **objects)
+    elif set(objects) == {"cursor"}:
+        objects["cursor"].load_state_dict(state.data)
+    else:
+        raise TypeError(f"restoring into {sorted(objects)} needs model=... as well")
 
 
 def inspect(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:

@@ -181,7 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ls", help="list the committed checkpoints under a folder")
     s.add_argument("root")
     s.set_defaults(fn=cmd_ls)
+    s = sub.add_parser("demo", help="train a tiny model, SIGKILL it mid-epoch, resume, compare")
+    s.add_argument("--root", default=None, help="where checkpoints go (any fsspec URL; default: a temp folder)")
+    s.add_argument("--framework", default="numpy", choices=["numpy", "keras", "paddle"])
+    s.set_defaults(fn=cmd_demo)
     return p
+
+
+def cmd_demo(args: argparse.Namespace, so: dict) -> int:
+    from .demo import run_demo
+    return run_demo(args.root, args.framework, so)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

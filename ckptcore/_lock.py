@@ -1,0 +1,90 @@
+"""The writer lock on a manager's root.
+
+Local disk: an OS lock (``flock``) on ``<root>/.ckptcore.lock``; the kernel
+drops it when the process dies, so a crashed run never blocks its own resume.
+Object stores: a lease object created with a create-only PUT, holding who took
+it and until when.  A lease past its expiry is taken over (its holder is
+presumed dead); a live one raises :class:`LockedError` naming the holder.  The
+holder refreshes the lease on every save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+
+from ._storage import Store
+from .errors import LockedError
+
+LOCK_NAME = ".ckptcore.lock"
+
+
+class WriterLock:
+    def __init__(self, store: Store, *, lease_seconds: float = 3600.0):
+        self.store, self.lease_seconds = store, lease_seconds
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._fd: int | None = None
+        self._held = False
+
+    def acquire(self) -> None:
+        if self._held:
+            return
+        if self.store.local:
+            self._acquire_flock()
+        else:
+            self._acquire_lease(retry=True)
+        self._held = True
+
+    def _acquire_flock(self) -> None:
+        import fcntl
+        self.store.makedirs()
+        fd = os.open(self.store.join(LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise LockedError(f"{self.store.url}: another writer holds the lock ({holder}); "
+                              "one CheckpointManager may write a root at a time") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, self.holder.encode(), 0)
+        self._fd = fd
+
+    def _lease(self) -> bytes:
+        return json.dumps({"holder": self.holder, "expires": time.time() + self.lease_seconds}).encode()
+
+    def _acquire_lease(self, *, retry: bool) -> None:
+        try:
+            self.store.write_bytes(LOCK_NAME, self._lease(), create_only=True)
+            return
+        except FileExistsError:
+            pass
+        try:
+            lease = json.loads(self.store.read(LOCK_NAME))
+            holder, expires = str(lease["holder"]), float(lease["expires"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            holder, expires = "unreadable lease", 0.0
+        if retry and expires < time.time():
+            self.store.delete(LOCK_NAME)  # expired: its holder stopped refreshing it
+            return self._acquire_lease(retry=False)
+        raise LockedError(
+            f"{self.store.url}: another writer holds the lease {LOCK_NAME} ({holder}, expires "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(expires))}); delete that object "
+            "if its holder is gone")
+
+    def refresh(self) -> None:
+        if self._held and not self.store.local:
+            self.store.write_bytes(LOCK_NAME, self._lease())
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+        else:
+            self.store.delete(LOCK_NAME)

@@ -1,0 +1,324 @@
+"""CheckpointManager: a run's checkpoints under one root, with retention, async saves and fallback.
+
+Layout: ``<root>/step-000000000042/`` holds the checkpoint of step 42 (zero-padded,
+so names sort in step order), written through :func:`ckptcore.save_state` and
+therefore committed atomically.  Only a step folder with a valid manifest is a
+checkpoint; anything else under the root is a leftover for :meth:`gc`.
+
+Async saves: ``save()`` takes a consistent in-memory snapshot (a copy of every
+array; framework captures are copies already) and a single background thread
+writes and commits it.  At most one save is in flight: a second ``save()`` first
+waits for the previous one.  A failure in the background is raised by the next
+``save()``, ``wait()`` or ``close()``; interpreter exit waits for the save in
+flight, and a killed process leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import dataclasses
+import re
+import threading
+import time
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping
+
+from . import _knobs, api
+from ._commit import TMP_MARK
+from ._lock import LOCK_NAME, WriterLock
+from ._manifest import MANIFEST_NAME
+from ._storage import Store
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                     IncompleteCheckpointError, SchemaError)
+from .policies import CheckpointEntry, as_policy
+from .state import TrainingState
+
+__all__ = ["CheckpointManager", "SaveHandle", "CheckpointFallbackWarning"]
+
+_STEP = re.compile(r"^step-(\d{12,})$")
+_live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """The newest checkpoint did not verify, and an older one was restored instead."""
+
+
+class SaveHandle:
+    """The future of one save: ``result()`` blocks until it is committed and returns its info."""
+
+    def __init__(self, step: int, url: str, future: Future):
+        self.step, self.url, self._future = step, url, future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> api.CheckpointInfo:
+        return self._future.result(timeout)
+
+    wait = result
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, done={self.done()})"
+
+
+def _completed(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class CheckpointManager:
+    """Checkpoints of one run under ``root`` (a folder or bucket prefix).
+
+    Args:
+        root: Any fsspec URL.
+        keep: Retention: a policy (``KeepLast(3) | KeepBest("loss")``), an int n
+            (``KeepLast(n)``), a list of policies (kept if any keeps it), or None to keep all.
+            The newest committed checkpoint is always kept.
+        async_save: Write in a background thread after snapshotting the state.
+        storage_options: Passed to fsspec.
+        lock: Hold a writer lock on the root while saving (recommended).
+
+    Example:
+        >>> mgr = ckptcore.CheckpointManager("memory://run1", keep=3)  # doctest: +SKIP
+        >>> mgr.save(100, state).result()                              # doctest: +SKIP
+        >>> state = mgr.restore()                                      # doctest: +SKIP
+    """
+
+    def __init__(self, root: str, *, keep: Any = None, async_save: bool = False,
+                 storage_options: Mapping[str, Any] | None = None, lock: bool = True):
+        self.root = Store(str(root), dict(storage_options or {}))
+        self.policy = as_policy(keep)
+        self.async_save = async_save
+        self._options = dict(storage_options or {})
+        self._lock = WriterLock(self.root) if lock else None
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: Future | None = None
+        self._error: BaseException | None = None
+        self._entries: dict[int, CheckpointEntry] = {}
+        self._mutex = threading.Lock()
+        self._closed = False
+        _live.add(self)
+
+    # -- listing --------------------------------------------------------------------------------
+    def step_url(self, step: int) -> str:
+        return self.root.child(self._name(step)).url
+
+    @staticmethod
+    def _name(step: int) -> str:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        return f"step-{step:012d}"
+
+    def steps(self) -> list[int]:
+        """Committed steps (those with a manifest), ascending."""
+        found = []
+        for e in self.root.listdir():
+            m = _STEP.match(e.name)
+            if m and self.root.child(e.name).exists(MANIFEST_NAME):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save(self, step: int, state: TrainingState | None = None, *,
+             metrics: Mapping[str, float] | None = None, **objects: Any) -> SaveHandle:
+        """Save ``state`` (or framework objects, captured now) as checkpoint ``step``."""
+        self._check_open()
+        name = self._name(step)
+        self._wait_inflight()  # at most one save in flight; raises a previous background error
+        self._acquire()
+        snapshot = self._snapshot(step, state, metrics, objects)
+        url = self.root.child(name).url
+        if not self.async_save:
+            return SaveHandle(step, url, _completed(self._write(step, url, snapshot)))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptcore-save")
+        fut = self._pool.submit(self._write, step, url, snapshot)
+        self._inflight = fut
+        return SaveHandle(step, url, fut)
+
+    def _acquire(self) -> None:
+        if self._lock is not None:
+            self._lock.acquire()
+
+    def _snapshot(self, step, state, metrics, objects) -> TrainingState:
+        user_state = state is not None
+        state = api._capture(state, dict(objects))  # a framework capture is a copy already
+        if user_state and self.async_save:
+            state = copy.deepcopy(state)  # the caller may keep training on these arrays
+        metadata = dict(state.metadata)
+        if metrics is not None:
+            metadata["metrics"] = {k: float(v) for k, v in metrics.items()}
+        return dataclasses.replace(state, metadata=metadata, step=state.step or step)
+
+    def _write(self, step: int, url: str, state: TrainingState) -> api.CheckpointInfo:
+        info = api.save_state(url, state, storage_options=self._options)
+        self._entries[step] = CheckpointEntry(step, info.created, state.metadata.get("metrics"))
+        if self._lock is not None:
+            self._lock.refresh()
+        self._apply_retention()
+        return info
+
+    def _wait_inflight(self) -> None:
+        fut, self._inflight = self._inflight, None
+        if fut is not None:
+            try:
+                fut.result()
+            except BaseException as e:  # surfaced once, here
+                self._error = e
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; re-raise its error if it failed."""
+        self._wait_inflight()
+
+    # -- retention and gc -----------------------------------------------------------------------
+    def _entry(self, step: int) -> CheckpointEntry | None:
+        if step not in self._entries:
+            try:
+                info = api.inspect(self.step_url(step), storage_options=self._options)
+            except CheckpointError:
+                return None
+            self._entries[step] = CheckpointEntry(step, info.created, info.metadata.get("metrics"))
+        return self._entries[step]
+
+    def _apply_retention(self) -> None:
+        steps = self.steps()
+        if not steps:
+            return
+        entries = [e for e in (self._entry(s) for s in steps) if e is not None]
+        keep = set(self.policy.keep(entries)) | {steps[-1]}  # the newest committed one, always
+        for s in steps[:-1]:  # every step below the newest has a committed successor
+            if s not in keep:
+                self._delete(s)
+
+    def _delete(self, step: int) -> None:
+        ckpt = self.root.child(self._name(step))
+        ckpt.delete(MANIFEST_NAME)  # uncommit first: a half-deleted step is never "committed"
+        ckpt.delete_tree()
+        self._entries.pop(step, None)
+
+    def delete(self, step: int) -> None:
+        """Remove checkpoint ``step`` (manifest first, then its data)."""
+        self._check_open()
+        self._wait_inflight()
+        self._acquire()
+        self._delete(step)
+
+    def gc(self, *, grace: float | None = None) -> list[str]:
+        """Remove leftovers of interrupted saves older than ``grace`` seconds; return what went.
+
+        Leftovers are temporary directories, step folders without a manifest, and shard files a
+        committed manifest does not name.  Committed checkpoints are never touched.
+        """
+        self._check_open()
+        self._wait_inflight()
+        self._acquire()
+        grace = float(_knobs.get("gc_grace")) if grace is None else grace
+        cutoff = time.time() - grace
+        removed = []
+        for e in self.root.listdir():
+            if e.name == LOCK_NAME:
+                continue
+            child = self.root.child(e.name)
+            if TMP_MARK in e.name or (_STEP.match(e.name) and not child.exists(MANIFEST_NAME)):
+                if _older(child, e, cutoff):
+                    child.delete_tree()
+                    removed.append(child.url)
+            elif _STEP.match(e.name):
+                removed += _gc_shards(child, cutoff)
+        return removed
+
+    # -- restoring ------------------------------------------------------------------------------
+    def restore(self, step: int | None = None, **objects: Any) -> TrainingState:
+        """Load a checkpoint (the newest that verifies, by default) and restore ``objects`` from it.
+
+        With ``step=None`` a newest checkpoint that is corrupt or incomplete is skipped with a
+        :class:`CheckpointFallbackWarning` naming it; an explicit ``step`` never falls back.
+        """
+        if step is not None:
+            return api.load_state(self.step_url(step), storage_options=self._options, **objects)
+        steps = self.steps()
+        if not steps:
+            raise CheckpointNotFoundError(f"{self.root.url}: no committed checkpoints")
+        last: Exception | None = None
+        for s in reversed(steps):
+            try:
+                state = api.load_state(self.step_url(s), storage_options=self._options)
+            except (CorruptCheckpointError, IncompleteCheckpointError, SchemaError) as e:
+                warnings.warn(f"checkpoint step {s} ({self.step_url(s)}) does not verify: {e}; "
+                              "falling back to an older one", CheckpointFallbackWarning, stacklevel=2)
+                last = e
+                continue
+            api.restore_objects(state, objects)
+            return state
+        raise CorruptCheckpointError(f"{self.root.url}: none of the {len(steps)} checkpoints "
+                                     f"verifies; the last error was: {last}") from last
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this CheckpointManager is closed")
+
+    def close(self) -> None:
+        """Wait for the save in flight, release the writer lock; re-raise a background error."""
+        if self._closed:
+            return
+        try:
+            self._wait_inflight()
+        finally:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            if self._lock is not None:
+                self._lock.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.root.url!r}, keep={self.policy!r}, async_save={self.async_save})"
+
+
+def _older(store: Store, entry, cutoff: float) -> bool:
+    """Whether ``entry`` (a leftover folder or file) was last touched before ``cutoff``."""
+    times = [entry.mtime] if entry.mtime is not None else []
+    if entry.is_dir:
+        times += [e.mtime for e in store.listdir() if e.mtime is not None]
+    return (max(times) if times else 0.0) <= cutoff
+
+
+def _gc_shards(ckpt: Store, cutoff: float) -> list[str]:
+    """Shards in a committed step folder that its manifest does not name (a losing writer's)."""
+    try:
+        named = {s.path for s in api.read_manifest(ckpt).shards}
+    except CheckpointError:
+        return []
+    removed = []
+    for e in ckpt.listdir():
+        if e.name.startswith("shard-") and e.name not in named and (e.mtime or 0.0) <= cutoff:
+            ckpt.delete(e.name)
+            removed.append(ckpt.join(e.name))
+    return removed
+
+
+@atexit.register
+def _drain() -> None:
+    # Interpreter exit waits for saves in flight, so a finished script never drops its last save.
+    for mgr in list(_live):
+        try:
+            mgr.close()
+        except BaseException as e:  # noqa: BLE001 - nothing left to raise to at exit
+            warnings.warn(f"ckptcore: a background save failed at exit: {e}")
