@@ -1,0 +1,79 @@
+"""ckptcore adapter for PaddlePaddle (dynamic graph).
+
+Importing this package does not import Paddle; it loads on the first call that needs it, and
+:func:`import_paddle_files` / :func:`export_paddle_files` never need it.  The registry finds
+:data:`ADAPTER` through the ``ckptcore.adapters`` entry point (``paddle = "ckptcore_paddle:ADAPTER"``).
+
+Example:
+    >>> import ckptcore_paddle                                                # doctest: +SKIP
+    >>> state = ckptcore_paddle.capture(net, opt, cursor=cursor)              # doctest: +SKIP
+    >>> ckptcore_paddle.restore(state, new_net, new_opt, cursor=cursor)       # doctest: +SKIP
+    >>> state = ckptcore_paddle.import_paddle_files("m.pdparams", "m.pdopt")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import os
+
+    from ckptcore.state import RestoreReport, TrainingState
+
+__all__ = ["ADAPTER", "capture", "restore", "import_paddle_files", "export_paddle_files"]
+
+# Classes this adapter handles, by (top-level package, class name) anywhere in the MRO.
+_HANDLED = {"Layer", "DataParallel", "Model"}
+
+
+def capture(model: Any, optimizer: Any = None, *, scheduler: Any = None, cursor: Any = None,
+            scaler: Any = None, rng: bool = True, step: int | None = None,
+            accumulate_every: int | None = None, accumulated: int | None = None) -> TrainingState:
+    """Snapshot a Paddle model, optimizer, scheduler, scaler, RNGs and cursor (see ``_capture.py``)."""
+    from ._capture import capture as _capture
+    return _capture(model, optimizer, scheduler=scheduler, cursor=cursor, scaler=scaler, rng=rng,
+                    step=step, accumulate_every=accumulate_every, accumulated=accumulated)
+
+
+def restore(state: TrainingState, model: Any, optimizer: Any = None, *, scheduler: Any = None,
+            cursor: Any = None, scaler: Any = None, strict: bool = True, rng: bool = True) -> RestoreReport:
+    """Put a captured state back into Paddle objects, bit for bit (see ``_capture.py``)."""
+    from ._capture import restore as _restore
+    return _restore(state, model, optimizer, scheduler=scheduler, cursor=cursor, scaler=scaler,
+                    strict=strict, rng=rng)
+
+
+def import_paddle_files(pdparams: str | os.PathLike, pdopt: str | os.PathLike | None = None) -> TrainingState:
+    """Read ``paddle.save`` files without running code or importing Paddle (see ``pd_files.py``)."""
+    from .pd_files import import_paddle_files as _import
+    return _import(pdparams, pdopt)
+
+
+def export_paddle_files(state: TrainingState, prefix: str | os.PathLike, *,
+                        param_names: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """Write ``prefix.pdparams`` (and ``prefix.pdopt``) for ``paddle.load`` (see ``pd_files.py``)."""
+    from .pd_files import export_paddle_files as _export
+    return _export(state, prefix, param_names=param_names)
+
+
+class PaddleAdapter:
+    """The registry's view of this package: ``name``, ``handles``, ``capture``, ``restore``."""
+
+    name = "paddle"
+
+    def handles(self, obj: object) -> bool:
+        # Looks only at class and module names, so asking never imports Paddle.
+        return any(cls.__name__ in _HANDLED and getattr(cls, "__module__", "").split(".")[0] == "paddle"
+                   for cls in type(obj).__mro__)
+
+    def capture(self, **objects: Any) -> TrainingState:
+        return capture(**objects)
+
+    def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
+        return restore(state, **objects)
+
+    def __repr__(self) -> str:
+        return "<ckptcore_paddle.ADAPTER>"
+
+
+ADAPTER = PaddleAdapter()
