@@ -1,0 +1,74 @@
+"""ckptcore adapter for Keras 3 on the TensorFlow backend.
+
+Importing this package imports neither TensorFlow nor Keras; they load on the
+first call that needs them.  The registry finds :data:`ADAPTER` through the
+``ckptcore.adapters`` entry point (``keras = "ckptcore_keras:ADAPTER"``).
+
+Example:
+    >>> import ckptcore_keras                                           # doctest: +SKIP
+    >>> state = ckptcore_keras.capture(model, optimizer, cursor=cursor)  # doctest: +SKIP
+    >>> ckptcore_keras.restore(state, new_model, new_optimizer)          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ckptcore.state import RestoreReport, TrainingState
+
+__all__ = ["ADAPTER", "capture", "restore", "import_tf_checkpoint", "export_tf_checkpoint"]
+
+# Top-level packages whose classes this adapter handles (tf.keras is Keras 3 in TF >= 2.16).
+_MODULES = ("keras", "tensorflow", "tf_keras")
+
+
+def capture(model: Any, optimizer: Any = None, *, cursor: Any = None,
+            rng: bool = True) -> TrainingState:
+    """Snapshot a Keras model, its optimizer, RNG states and a data cursor (see ``_capture.py``)."""
+    from ._capture import capture as _capture
+    return _capture(model, optimizer, cursor=cursor, rng=rng)
+
+
+def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
+            strict: bool = True) -> RestoreReport:
+    """Put a captured state back into a Keras model and optimizer (see ``_capture.py``)."""
+    from ._capture import restore as _restore
+    return _restore(state, model, optimizer, cursor=cursor, strict=strict)
+
+
+def import_tf_checkpoint(prefix_or_dir: Any, *, model: Any = None,
+                         optimizer: Any = None) -> TrainingState:
+    """Read a ``tf.train.Checkpoint`` file as a state (see ``tf_checkpoint.py``)."""
+    from .tf_checkpoint import import_tf_checkpoint as _import
+    return _import(prefix_or_dir, model=model, optimizer=optimizer)
+
+
+def export_tf_checkpoint(state: TrainingState, prefix: Any, model: Any,
+                         optimizer: Any = None) -> str:
+    """Write a state as a ``tf.train.Checkpoint`` file (see ``tf_checkpoint.py``)."""
+    from .tf_checkpoint import export_tf_checkpoint as _export
+    return _export(state, prefix, model, optimizer)
+
+
+class KerasAdapter:
+    """The registry's view of this package: ``name``, ``handles``, ``capture``, ``restore``."""
+
+    name = "keras"
+
+    def handles(self, obj: object) -> bool:
+        # Looks only at module names, so asking never imports TensorFlow.
+        return any(getattr(cls, "__module__", "").split(".")[0] in _MODULES
+                   for cls in type(obj).__mro__)
+
+    def capture(self, **objects: Any) -> TrainingState:
+        return capture(**objects)
+
+    def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
+        return restore(state, **objects)
+
+    def __repr__(self) -> str:
+        return "<ckptcore_keras.ADAPTER>"
+
+
+ADAPTER = KerasAdapter()

@@ -1,0 +1,255 @@
+"""Keras 3 optimizer state <-> :class:`OptimizerState`, :class:`ScheduleState`, :class:`AccumulationState`.
+
+Slots are found through the optimizer's own structure, not by parsing names:
+every list attribute with one entry per ``optimizer._trainable_variables``
+(``_momentums``, ``_velocities``, ``momentums``, ``_velocity_hats``, EMA
+averages...) holds, at index ``i``, a slot of the ``i``-th trainable variable.
+The slot name is the variable name with the parameter's prefix removed
+(``dense_kernel_momentum`` -> ``momentum``).
+
+* ``OptimizerState.step`` is the number of updates applied (``optimizer.iterations``).
+  With ``gradient_accumulation_steps=N`` the stored counter counts micro-batches;
+  it is split into ``step`` and ``AccumulationState.count`` (``raw = step*N + count``)
+  and the accumulators (raw sums) become ``AccumulationState.buffers``.
+* ``hyperparams`` are the plain values of ``get_config()``; ``learning_rate`` is the
+  current rate as a float (exact for a float32 variable).
+* ``extra["loss_scale"]``: a ``LossScaleOptimizer``'s own variables and config; the
+  wrapped optimizer is described by the other fields.  ``extra["variables"]``: any
+  other optimizer variable, by name (e.g. Nadam's ``u_product``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import numpy as np
+
+from ckptcore.errors import RestoreError
+from ckptcore.state import AccumulationState, OptimizerState, ScheduleState
+
+from ._variables import check_value, read
+
+_NOT_SLOTS = ("_variables", "_trainable_variables", "_accumulated_gradients")
+_DROP = object()
+
+
+def plain(value: Any) -> Any:
+    """``value`` with only msgpack-able plain values kept (numpy scalars become Python ones)."""
+    if isinstance(value, dict):
+        out = {str(k): plain(v) for k, v in value.items()}
+        return {k: v for k, v in out.items() if v is not _DROP}
+    if isinstance(value, (list, tuple)):
+        items = [plain(v) for v in value]
+        return _DROP if any(v is _DROP for v in items) else items
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return _DROP
+
+
+def unwrap(optimizer: Any) -> tuple[Any, Any]:
+    """``(inner, loss_scale_wrapper_or_None)``."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return (inner, optimizer) if inner is not None else (optimizer, None)
+
+
+def ensure_built(optimizer: Any, model: Any) -> None:
+    """Build an optimizer that has not taken a step yet, as its first ``apply`` would."""
+    if optimizer.built:
+        return
+    variables = model.trainable_variables
+    if not variables:
+        raise RestoreError("the model has no trainable variables yet, so its optimizer cannot be "
+                           "built: build the model first (call it on a batch or model.build())")
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        optimizer.build(variables)
+
+
+def _is_variable(x: Any) -> bool:
+    import keras
+    return isinstance(x, keras.Variable)
+
+
+def _slot_table(inner: Any) -> tuple[dict[int, dict[str, Any]], dict[int, Any]]:
+    """``({param index: {slot name: var}}, {param index: gradient accumulator})``."""
+    params = list(inner._trainable_variables)
+    slots: dict[int, dict[str, Any]] = {}
+    seen: set[int] = set()
+    for attr, value in list(vars(inner).items()):
+        if attr in _NOT_SLOTS or not isinstance(value, (list, tuple)) or len(value) != len(params):
+            continue
+        if not value or not all(x is None or _is_variable(x) for x in value):
+            continue
+        for i, var in enumerate(value):
+            if var is None or id(var) in seen:
+                continue
+            seen.add(id(var))
+            prefix = params[i].path.replace("/", "_") + "_"
+            name = var.name[len(prefix):] if var.name.startswith(prefix) else attr.strip("_")
+            slots.setdefault(i, {})[name] = var
+    acc = {i: v for i, v in enumerate(getattr(inner, "_accumulated_gradients", None) or ())}
+    return slots, acc
+
+
+def _param_names(inner: Any, names: dict[int, str]) -> list[str]:
+    """The state name of each ``inner._trainable_variables[i]`` (its path if not a model variable)."""
+    return [names.get(id(p)) or p.path for p in inner._trainable_variables]
+
+
+def _other_variables(inner: Any, slots: dict, acc: dict, lr_var: Any) -> dict[str, Any]:
+    """Optimizer variables that are no slot, accumulator, counter or rate, by stable name.
+
+    The attribute holding a variable names it (Nadam's ``_u_product`` -> ``u_product``):
+    unnamed variables get per-process names (``variable_3``) that would not match.
+    """
+    known = {id(inner._iterations), id(lr_var)} | {id(v) for v in acc.values()}
+    known |= {id(v) for d in slots.values() for v in d.values()}
+    by_attr = {id(v): a.strip("_") for a, v in vars(inner).items() if _is_variable(v)}
+    return {by_attr.get(id(v), v.name): v for v in inner.variables if id(v) not in known}
+
+
+def variable_roles(inner: Any) -> list[tuple[Any, ...]]:
+    """What each of ``inner.variables`` is, in order: ``("iteration",)``, ``("learning_rate",)``,
+    ``("slot", param_index, name)``, ``("accumulator", param_index)`` or ``("extra", name)``."""
+    slots, acc = _slot_table(inner)
+    lr_var = _lr_variable(inner)
+    roles: dict[int, tuple[Any, ...]] = {id(inner._iterations): ("iteration",), id(lr_var): ("learning_rate",)}
+    roles.update({id(v): ("slot", i, name) for i, d in slots.items() for name, v in d.items()})
+    roles.update({id(v): ("accumulator", i) for i, v in acc.items()})
+    roles.update({id(v): ("extra", name) for name, v in _other_variables(inner, slots, acc, lr_var).items()})
+    return [roles[id(v)] for v in inner.variables]
+
+
+def _lr_variable(inner: Any) -> Any:
+    return inner._learning_rate if _is_variable(inner._learning_rate) else None
+
+
+def capture_optimizer(optimizer: Any, names: dict[int, str]) -> tuple[
+        OptimizerState, ScheduleState | None, AccumulationState | None]:
+    """The optimizer's state; ``names`` maps ``id(model variable)`` to its state name."""
+    from keras.optimizers.schedules import LearningRateSchedule
+
+    inner, wrapper = unwrap(optimizer)
+    slots, acc = _slot_table(inner)
+    pnames = _param_names(inner, names)
+    raw = int(inner._iterations.numpy())
+    every = inner.gradient_accumulation_steps or 0
+    lr_var = _lr_variable(inner)
+    hyper = plain(inner.get_config())
+    hyper["learning_rate"] = float(np.asarray(inner.learning_rate))
+    extra: dict[str, Any] = {}
+    others = {name: read(v) for name, v in _other_variables(inner, slots, acc, lr_var).items()}
+    if others:
+        extra["variables"] = others
+    if wrapper is not None:
+        extra["loss_scale"] = {
+            "variables": {v.name: read(v) for v in wrapper._variables},
+            "config": {"initial_scale": float(wrapper.initial_scale),
+                       "dynamic_growth_steps": int(wrapper.dynamic_growth_steps)}}
+    state = OptimizerState(
+        kind=type(inner).__name__.lower(), step=raw // every if every else raw,
+        hyperparams=hyper, extra=extra,
+        slots={pnames[i]: {k: read(v) for k, v in d.items()} for i, d in sorted(slots.items())})
+    schedule = None
+    if isinstance(inner._learning_rate, LearningRateSchedule):
+        schedule = ScheduleState(kind=type(inner._learning_rate).__name__,
+                                 config=plain(inner._learning_rate.get_config()),
+                                 step=raw, last_lr=hyper["learning_rate"])
+    accumulation = None
+    if every:
+        accumulation = AccumulationState(every=every, count=raw % every,
+                                         buffers={pnames[i]: read(v) for i, v in sorted(acc.items())})
+    return state, schedule, accumulation
+
+
+Assignment = tuple[str, Any, np.ndarray]
+
+
+def plan_optimizer(state: OptimizerState, accumulation: AccumulationState | None,
+                   optimizer: Any, to_target: Callable[[str], Any | None], *, strict: bool,
+                   missing: list[str], unexpected: list[str]) -> list[Assignment]:
+    """Check ``state`` against a built ``optimizer``; list the assignments that restore it.
+
+    ``to_target`` maps a saved parameter name to the live model variable (or None).
+    Names that do not fit are appended to ``missing`` / ``unexpected``; shape and
+    dtype mismatches raise :class:`RestoreError`.
+    """
+    inner, wrapper = unwrap(optimizer)
+    slots, acc = _slot_table(inner)
+    kind = type(inner).__name__.lower()
+    if state.kind != kind:
+        if strict:
+            raise RestoreError(f"the state holds {state.kind!r} optimizer state but the target "
+                               f"optimizer is {kind!r}; use a {state.kind} optimizer, or "
+                               "strict=False to restore the model alone")
+        unexpected.append(f"optimizer:{state.kind}")
+        missing.append(f"optimizer:{kind}")
+        return []
+    index = {inner._var_key(p): i for i, p in enumerate(inner._trainable_variables)}
+    paths = [p.path for p in inner._trainable_variables]
+
+    def position(pname: str) -> int | None:
+        var = to_target(pname)
+        return index.get(inner._var_key(var)) if var is not None else None
+
+    plan: list[Assignment] = []
+    done: set[int] = set()
+    for pname, saved in state.slots.items():
+        i = position(pname)
+        if i is None:
+            unexpected.extend(f"optimizer:{pname}:{s}" for s in saved)
+            continue
+        done.add(i)
+        plan += _plan_named(saved, slots.get(i, {}), f"optimizer:{pname}:", missing, unexpected)
+    for i in sorted(set(slots) - done):
+        missing.extend(f"optimizer:{paths[i]}:{s}" for s in slots[i])
+
+    every = inner.gradient_accumulation_steps or 0
+    if every != (accumulation.every if accumulation is not None else 0):
+        raise RestoreError(f"the state was captured with gradient_accumulation_steps="
+                           f"{accumulation.every if accumulation else None} but the target "
+                           f"optimizer has {every or None}")
+    raw = state.step * every + accumulation.count if every else state.step
+    plan.append(("optimizer:iteration", inner._iterations,
+                 check_value("optimizer:iteration", inner._iterations, np.int64(raw))))
+    if every:
+        done = set()
+        for pname, value in accumulation.buffers.items():
+            i = position(pname)
+            if i is None or i not in acc:
+                unexpected.append(f"accumulation:{pname}")
+                continue
+            done.add(i)
+            plan.append((f"accumulation:{pname}", acc[i],
+                         check_value(f"accumulation:{pname}", acc[i], value)))
+        missing.extend(f"accumulation:{paths[i]}" for i in sorted(set(acc) - done))
+
+    lr_var = _lr_variable(inner)
+    if lr_var is not None and "learning_rate" in state.hyperparams:
+        value = np.asarray(state.hyperparams["learning_rate"], dtype=lr_var.dtype)
+        plan.append(("optimizer:learning_rate", lr_var,
+                     check_value("optimizer:learning_rate", lr_var, value)))
+    elif lr_var is not None:
+        missing.append("optimizer:learning_rate")
+    others = _other_variables(inner, slots, acc, lr_var)
+    plan += _plan_named(state.extra.get("variables", {}), others, "optimizer.extra:",
+                        missing, unexpected)
+    saved_ls = (state.extra.get("loss_scale") or {}).get("variables", {})
+    target_ls = {v.name: v for v in wrapper._variables} if wrapper is not None else {}
+    plan += _plan_named(saved_ls, target_ls, "optimizer.loss_scale:", missing, unexpected)
+    return plan
+
+
+def _plan_named(saved: dict[str, Any], targets: dict[str, Any], label: str,
+                missing: list[str], unexpected: list[str]) -> list[Assignment]:
+    plan = []
+    for name, value in saved.items():
+        if name in targets:
+            plan.append((label + name, targets[name], check_value(label + name, targets[name], value)))
+        else:
+            unexpected.append(label + name)
+    missing.extend(label + n for n in targets if n not in saved)
+    return plan

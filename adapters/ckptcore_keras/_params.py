@@ -1,0 +1,165 @@
+"""Framework-neutral :class:`~ckptcore.ParamInfo` for every variable of a Keras model.
+
+``kind`` names the layer family (``dense``, ``conv2d``, ``batch_norm``, ``lstm``...),
+``role`` the variable's part in it (``kernel``, ``bias``, ``moving_mean``...), and
+``layout`` its axis order (``io``, ``hwio``, ``hwoi``...) or, for recurrent
+layers, the gate order (``ifco``, ``zrh``).  ``index`` is the ordinal of the
+layer among the layers that own weights, in model order (depth first), so that
+two frameworks' lists can be aligned; seed states and custom variables get -1.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ckptcore.state import ParamInfo
+
+from ._variables import layer_path, raw_owners, walk_layers
+
+_KINDS = {
+    "Dense": "dense", "EinsumDense": "einsum_dense", "Embedding": "embedding",
+    "Conv1D": "conv1d", "Conv2D": "conv2d", "Conv3D": "conv3d",
+    "DepthwiseConv1D": "depthwise_conv1d", "DepthwiseConv2D": "depthwise_conv2d",
+    "SeparableConv1D": "separable_conv1d", "SeparableConv2D": "separable_conv2d",
+    "Conv1DTranspose": "conv1d_transpose", "Conv2DTranspose": "conv2d_transpose",
+    "Conv3DTranspose": "conv3d_transpose",
+    "BatchNormalization": "batch_norm", "LayerNormalization": "layer_norm",
+    "GroupNormalization": "group_norm", "UnitNormalization": "unit_norm",
+    "LSTM": "lstm", "GRU": "gru", "SimpleRNN": "simple_rnn",
+    "MultiHeadAttention": "multi_head_attention", "PReLU": "prelu",
+}
+_CONV = {"conv1d": "kio", "conv2d": "hwio", "conv3d": "dhwio",
+         "conv1d_transpose": "koi", "conv2d_transpose": "hwoi", "conv3d_transpose": "dhwoi",
+         "depthwise_conv1d": "kim", "depthwise_conv2d": "hwim"}
+_GATES = {"lstm": "ifco", "gru": "zrh", "simple_rnn": None}
+_CONV_ATTRS = ("kernel_size", "strides", "padding", "dilation_rate", "data_format", "groups",
+               "depth_multiplier", "output_padding")
+_NORM_ATTRS = ("axis", "epsilon", "momentum", "center", "scale", "groups")
+# Layers a flattened feature map passes through unchanged on its way from Flatten to Dense.
+_PASSTHROUGH = {"Dropout", "Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "GaussianNoise",
+                "GaussianDropout", "AlphaDropout", "ActivityRegularization", "Identity", "Masking"}
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _reporting_layer(owner: Any, ancestors: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
+    """The layer a variable is described under: an RNN for its cell, an MHA for its projections."""
+    attrs: dict[str, Any] = {}
+    parent = ancestors[-1] if ancestors else None
+    if parent is not None and getattr(parent, "cell", None) is owner:
+        owner, ancestors, parent = parent, ancestors[:-1], ancestors[-2] if len(ancestors) > 1 else None
+        if parent is not None and type(parent).__name__ == "Bidirectional":
+            attrs["direction"] = "backward" if getattr(parent, "backward_layer", None) is owner \
+                else "forward"
+        for key in ("units", "reset_after", "go_backwards", "return_sequences"):
+            if hasattr(owner, key):
+                attrs[key] = _plain(getattr(owner, key))
+    elif parent is not None and type(parent).__name__ == "MultiHeadAttention":
+        attrs["projection"] = owner.name
+        for key in ("num_heads", "key_dim", "value_dim"):
+            attrs[key] = _plain(getattr(parent, f"_{key}", None))
+        owner = parent
+    return owner, attrs
+
+
+def _describe(kind: str, role: str, layer: Any, attrs: dict[str, Any]) -> str | None:
+    if kind in _CONV or kind.startswith("separable"):
+        for key in _CONV_ATTRS:
+            if hasattr(layer, key):
+                attrs[key] = _plain(getattr(layer, key))
+    elif kind in ("batch_norm", "layer_norm", "group_norm"):
+        for key in _NORM_ATTRS:
+            if hasattr(layer, key):
+                attrs[key] = _plain(getattr(layer, key))
+    if role == "bias" and kind not in _GATES and kind != "multi_head_attention":
+        return "o"
+    if kind == "dense" and role == "kernel":
+        return "io"
+    if kind in _CONV and role == "kernel":
+        return _CONV[kind]
+    if kind.startswith("separable"):
+        spatial = "k" if kind.endswith("1d") else "hw"
+        return {"depthwise_kernel": spatial + "im", "pointwise_kernel": spatial + "io"}.get(role)
+    if kind == "embedding" and role == "embeddings":
+        return "vd"
+    if kind in _GATES:
+        if role in ("kernel", "recurrent_kernel"):
+            attrs["axes"] = "io"
+        return _GATES[kind]
+    if kind == "multi_head_attention":
+        out = attrs.get("projection") == "attention_output"
+        return {("kernel", False): "ehd", ("bias", False): "hd",
+                ("kernel", True): "hde", ("bias", True): "e"}.get((role, out))
+    return None
+
+
+def _flatten_input(layer: Any) -> list[int] | None:
+    """The feature-map shape a Dense layer reads through a Flatten, in flattening order."""
+    nodes = getattr(layer, "_inbound_nodes", None)
+    node = nodes[0] if nodes else None
+    for _ in range(16):
+        parents = node.parent_nodes if node is not None else []
+        if len(parents) != 1:
+            return None
+        node = parents[0]
+        name = type(node.operation).__name__
+        if name == "Flatten":
+            shape = list(node.input_tensors[0].shape[1:])
+            if len(shape) < 2 or any(d is None for d in shape):
+                return None
+            if getattr(node.operation, "data_format", None) == "channels_first":
+                shape = shape[1:] + shape[:1]  # Flatten moves channels last before reshaping
+            return [int(d) for d in shape]
+        if name not in _PASSTHROUGH:
+            return None
+    return None
+
+
+def describe_params(model: Any, names: dict[int, str]) -> dict[str, ParamInfo]:
+    """``ParamInfo`` for every variable named in ``names`` (``id(variable) -> name``)."""
+    out: dict[str, ParamInfo] = {}
+    index = -1
+    raw = raw_owners(model)
+    for layer, ancestors in walk_layers(model):
+        own = [(v, False) for v in list(layer._trainable_variables) + list(layer._non_trainable_variables)]
+        own += [(sg.state, True) for sg in getattr(layer, "_seed_generators", ())]
+        own = [(v, seed) for v, seed in own if id(v) in names and names[id(v)] not in out]
+        if not own:
+            continue
+        rep, attrs = _reporting_layer(layer, ancestors)
+        kind = _KINDS.get(type(rep).__name__, _snake(type(rep).__name__))
+        if any(not seed for _, seed in own):
+            index += 1
+        if kind == "dense":
+            shape = _flatten_input(rep)
+            if shape is not None:
+                attrs.update(input_shape=shape, input_order="channels_last")
+        for var, seed in own:
+            a = dict(attrs)
+            if seed:
+                out[names[id(var)]] = ParamInfo(index=-1, layer=layer_path(rep), kind=kind,
+                                                role="seed_state", attrs=a)
+                continue
+            role = var.name
+            if "projection" in a:
+                role = f"{a['projection']}_{var.name}" if a["projection"] != "attention_output" \
+                    else f"output_{var.name}"
+            layout = _describe(kind, var.name, rep, a)
+            out[names[id(var)]] = ParamInfo(index=index, layer=layer_path(rep), kind=kind,
+                                            role=role, layout=layout, attrs=a)
+    for vid, name in names.items():
+        if name not in out and vid in raw:
+            out[name] = ParamInfo(index=-1, layer=layer_path(raw[vid]), kind="custom",
+                                  role=name[len(layer_path(raw[vid])) + 1:])
+    return out
