@@ -34,7 +34,7 @@ _PLAIN = ("bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float3
 _ML = ("bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz float8_e4m3b11fnuz "
        "float8_e3m4 float8_e4m3 float8_e8m0fnu float6_e2m3fn float6_e3m2fn float4_e2m1fn "
        "int2 int4 uint2 uint4").split()
-_SIZED = re.compile(r"^([USV])([1-9][0-9]{0,8})$")
+_SIZED = re.compile(r"^([USV])(0|[1-9][0-9]{0,8})$")  # 0: numpy allows zero-width V0
 _TIME = re.compile(r"^(datetime64|timedelta64)(\[[0-9]*(?:Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?$")
 
 
@@ -74,7 +74,11 @@ def parse_dtype(name: object, *, where: str = "tensor") -> np.dtype:
 def to_little_endian(arr: np.ndarray) -> np.ndarray:
     """A C-contiguous, little-endian array with ``arr``'s values (no copy when already so)."""
     if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
+        little = arr.dtype.newbyteorder("<")
+        if arr.dtype.kind in "mM":  # numpy's cast skips the byte swap for generic-unit datetimes
+            arr = np.ascontiguousarray(arr).reshape(arr.shape).byteswap().view(little)
+        else:
+            arr = arr.astype(little)
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr).reshape(arr.shape)
     return arr
@@ -114,24 +118,23 @@ class _Encoder:
         return len(self.arrays) - 1
 
     def encode(self, value: Any, path: tuple) -> Any:
-        if value is None or isinstance(value, (bool, str, bytes, float)):
-            return value
-        if isinstance(value, int):
-            if not _INT_MIN <= value <= _UINT_MAX:
-                raise TypeError(f"{_where(path)}: integer {value} does not fit in 64 bits; "
-                                "store it as a string")
-            return value
-        if isinstance(value, np.ndarray):
-            return msgpack.ExtType(EXT_TENSOR, msgpack.packb(self._add(value, path)))
+        # numpy scalars first: np.float64, np.str_ and np.bytes_ subclass float, str and bytes,
+        # and would otherwise come back as plain Python values.
         if isinstance(value, np.generic):
             idx = self._add(np.asarray(value), path)
             return msgpack.ExtType(EXT_SCALAR, msgpack.packb(idx))
+        if value is None or isinstance(value, (bool, bytes, float)):
+            return value
+        if isinstance(value, (str, int)):
+            return _check_atom(value, path)
+        if isinstance(value, np.ndarray):
+            return msgpack.ExtType(EXT_TENSOR, msgpack.packb(self._add(value, path)))
         if isinstance(value, dict):
             out = {}
             for k, v in value.items():
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise TypeError(f"{_where(path)}: dict keys must be str or int, got {k!r}")
-                out[k] = self.encode(v, path + (k,))
+                out[_check_atom(k, path)] = self.encode(v, path + (k,))
             return out
         if isinstance(value, list):
             return [self.encode(v, path + (i,)) for i, v in enumerate(value)]
@@ -140,6 +143,18 @@ class _Encoder:
             return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
         raise TypeError(f"{_where(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__}; "
                         "use numpy arrays, numbers, strings, bytes, lists, tuples and dicts")
+
+
+def _check_atom(value: str | int, path: tuple) -> str | int:
+    """A str or int (value or dict key) that msgpack can hold, else ``TypeError`` naming ``path``."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates
+            raise TypeError(f"{_where(path)}: string {value!r} is not valid UTF-8 ({e.reason})") from e
+    elif not _INT_MIN <= value <= _UINT_MAX:
+        raise TypeError(f"{_where(path)}: integer {value} does not fit in 64 bits; store it as a string")
+    return value
 
 
 def _where(path: tuple) -> str:
@@ -213,7 +228,8 @@ def encode_state(state: TrainingState) -> Encoded:
             "extra": state.optimizer.extra},
         "schedule": None if state.schedule is None else {
             "kind": state.schedule.kind, "config": state.schedule.config,
-            "step": state.schedule.step, "last_lr": state.schedule.last_lr},
+            "step": state.schedule.step, "last_lr": state.schedule.last_lr,
+            "state": state.schedule.state},
         "rng": state.rng, "data": state.data,
         "accumulation": None if state.accumulation is None else {
             "every": state.accumulation.every, "count": state.accumulation.count,
@@ -252,7 +268,7 @@ def decode_state(tree: Any) -> TrainingState:
                 slots=o.get("slots") or {}, extra=o.get("extra") or {}),
             schedule=None if s is None else ScheduleState(
                 kind=s["kind"], config=s.get("config") or {}, step=int(s["step"]),
-                last_lr=s.get("last_lr")),
+                last_lr=s.get("last_lr"), state=s.get("state") or {}),
             rng=_section(tree, "rng", dict, {}) or {},
             data=_section(tree, "data", dict, {}) or {},
             accumulation=None if a is None else AccumulationState(

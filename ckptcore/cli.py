@@ -181,11 +181,66 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ls", help="list the committed checkpoints under a folder")
     s.add_argument("root")
     s.set_defaults(fn=cmd_ls)
+    s = sub.add_parser("import", help="turn a tf.train.Checkpoint or .pdparams/.pdopt into a ckptcore checkpoint")
+    s.add_argument("src", help="a tf.train.Checkpoint prefix or directory, or a .pdparams file")
+    s.add_argument("dst", help="where the ckptcore checkpoint goes (any fsspec URL)")
+    s.add_argument("--pdopt", help="the .pdopt file that goes with a .pdparams (default: beside it)")
+    s.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="builds the Keras model (and optimizer) whose variable paths name the tensors")
+    s.add_argument("--overwrite", action="store_true")
+    s.set_defaults(fn=cmd_import)
+    s = sub.add_parser("export", help="write a ckptcore checkpoint as another framework's native files")
+    s.add_argument("src", help="a ckptcore checkpoint URL")
+    s.add_argument("dst", help="the file prefix to write (PREFIX.pdparams / PREFIX.index ...)")
+    s.add_argument("--to", required=True, choices=["pdparams", "tf-checkpoint"])
+    s.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="builds the Keras model (and optimizer) to export through (tf-checkpoint only)")
+    s.set_defaults(fn=cmd_export)
     s = sub.add_parser("demo", help="train a tiny model, SIGKILL it mid-epoch, resume, compare")
     s.add_argument("--root", default=None, help="where checkpoints go (any fsspec URL; default: a temp folder)")
     s.add_argument("--framework", default="numpy", choices=["numpy", "keras", "paddle"])
     s.set_defaults(fn=cmd_demo)
     return p
+
+
+def load_factory(spec: str | None) -> tuple[Any, Any]:
+    """Call ``module:factory`` and return ``(model, optimizer or None)``."""
+    if not spec or ":" not in spec:
+        raise SystemExit("ckpt: --model expects MODULE:FACTORY, e.g. mymodels:build")
+    import importlib
+    import os
+    sys.path.insert(0, os.getcwd())
+    module, _, attr = spec.partition(":")
+    built = getattr(importlib.import_module(module), attr)()
+    return tuple(built) if isinstance(built, (tuple, list)) else (built, None)  # type: ignore[return-value]
+
+
+def cmd_import(args: argparse.Namespace, so: dict) -> int:
+    if args.src.endswith(".pdparams"):
+        from ckptcore_paddle import import_paddle_files
+        pdopt = args.pdopt or args.src[: -len(".pdparams")] + ".pdopt"
+        import os
+        state = import_paddle_files(args.src, pdopt if os.path.exists(pdopt) else None)
+    else:
+        from ckptcore_keras import import_tf_checkpoint
+        model, optimizer = load_factory(args.model) if args.model else (None, None)
+        state = import_tf_checkpoint(args.src, model=model, optimizer=optimizer)
+    info = api.save_state(args.dst, state, storage_options=so, overwrite=args.overwrite)
+    print(f"imported {args.src} -> {info.url} ({len(info.tensors)} tensors, {_size(info.nbytes)})")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, so: dict) -> int:
+    state = api.load_state(args.src, storage_options=so)
+    if args.to == "pdparams":
+        from ckptcore_paddle import export_paddle_files
+        written = export_paddle_files(state, args.dst)
+    else:
+        from ckptcore_keras import export_tf_checkpoint
+        model, optimizer = load_factory(args.model)
+        written = export_tf_checkpoint(state, args.dst, model, optimizer)
+    print(f"exported {args.src} -> {written}")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace, so: dict) -> int:

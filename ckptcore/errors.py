@@ -18,6 +18,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "LockedError",
     "RestoreError",
+    "CaptureError",
     "MigrationError",
     "AdapterNotFoundError",
 ]
@@ -69,6 +70,10 @@ class LockedError(CheckpointError, BlockingIOError):
 
 class RestoreError(CheckpointError, ValueError):
     """A state does not fit the objects it is restored into (missing names, shape or dtype mismatch)."""
+
+
+class CaptureError(CheckpointError, ValueError):
+    """Framework objects are inconsistent and cannot be captured (e.g. an optimizer over foreign parameters)."""
 
 
 class MigrationError(CheckpointError, ValueError):

@@ -52,13 +52,15 @@ class ScheduleState:
 
     ``config`` is the schedule's own serialized configuration (e.g. Keras'
     ``get_config()``); ``step`` is the schedule's step counter and ``last_lr``
-    the rate it gave last.
+    the rate it gave last.  ``state`` holds runtime state a framework keeps
+    beyond its config and step (e.g. a recursive scheduler's current values).
     """
 
     kind: str
     config: dict[str, Any] = field(default_factory=dict)
     step: int = 0
     last_lr: float | None = None
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
