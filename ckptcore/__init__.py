@@ -9,11 +9,12 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import errors
-from .api import CheckpointInfo, TensorInfo, inspect, load_state, save_state, verify
+from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompleteCheckpointError, SchemaError,
-                     LockedError, UnsafeCheckpointError)
+                     LockedError, MigrationError, UnsafeCheckpointError)
 from .cursor import DataCursor
+from .migrate import MigrationWarning
 from .manager import CheckpointFallbackWarning, CheckpointManager, SaveHandle
 from .policies import KeepAll, KeepAny, KeepBest, KeepEvery, KeepEveryDuration, KeepLast
 from .rng import capture_rng, restore_rng
@@ -23,7 +24,7 @@ from .state import (AccumulationState, OptimizerState, ParamInfo, RestoreReport,
 __all__ = [
     "__version__",
     "errors",
-    "save_state", "load_state", "inspect", "verify",
+    "save_state", "load_state", "inspect", "verify", "convert", "MigrationWarning",
     "CheckpointInfo", "TensorInfo",
     "CheckpointManager", "SaveHandle", "CheckpointFallbackWarning",
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
@@ -32,5 +33,5 @@ __all__ = [
     "RestoreReport",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
     "IncompleteCheckpointError", "CorruptCheckpointError", "SchemaError", "UnsafeCheckpointError",
-    "LockedError",
+    "LockedError", "MigrationError",
 ]

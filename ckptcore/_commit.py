@@ -63,7 +63,10 @@ def _commit_rename(store: Store, write, *, token: str, overwrite: bool) -> Manif
         _tick("rename", store.path)
         if overwrite and os.path.lexists(store.path):
             _swap_into_place(tmp.path, store.path)
-            tmp.delete_tree()  # now holds the old checkpoint
+            # tmp now holds the old checkpoint: uncommit it (manifest first) before removing its
+            # shards, so a crash mid-removal never leaves a manifest naming missing shards.
+            tmp.delete(MANIFEST_NAME)
+            tmp.delete_tree()
         else:
             try:
                 os.rename(tmp.path, store.path)

@@ -5,7 +5,9 @@ drops it when the process dies, so a crashed run never blocks its own resume.
 Object stores: a lease object created with a create-only PUT, holding who took
 it and until when.  A lease past its expiry is taken over (its holder is
 presumed dead); a live one raises :class:`LockedError` naming the holder.  The
-holder refreshes the lease on every save.
+holder checks that the lease is still its own and extends it on every save, so a
+writer whose lease lapsed and was taken over stops (``LockedError``) instead of
+writing beside the new holder; it never deletes a lease that is not its own.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class WriterLock:
 
     def acquire(self) -> None:
         if self._held:
+            self.refresh()  # a lease can lapse between saves: make sure it is still ours
             return
         if self.store.local:
             self._acquire_flock()
@@ -62,11 +65,8 @@ class WriterLock:
             return
         except FileExistsError:
             pass
-        try:
-            lease = json.loads(self.store.read(LOCK_NAME))
-            holder, expires = str(lease["holder"]), float(lease["expires"])
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            holder, expires = "unreadable lease", 0.0
+        holder, expires = self._read_lease()
+        holder = holder or "released just now"
         if retry and expires < time.time():
             self.store.delete(LOCK_NAME)  # expired: its holder stopped refreshing it
             return self._acquire_lease(retry=False)
@@ -75,9 +75,30 @@ class WriterLock:
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(expires))}); delete that object "
             "if its holder is gone")
 
+    def _read_lease(self) -> tuple[str, float]:
+        try:
+            lease = json.loads(self.store.read(LOCK_NAME))
+            return str(lease["holder"]), float(lease["expires"])
+        except FileNotFoundError:
+            return "", 0.0
+        except (ValueError, KeyError, TypeError):
+            return "unreadable lease", 0.0
+
     def refresh(self) -> None:
-        if self._held and not self.store.local:
-            self.store.write_bytes(LOCK_NAME, self._lease())
+        """Extend a held lease; ``LockedError`` if it lapsed and another writer took it over."""
+        if not self._held or self.store.local:
+            return
+        holder, _ = self._read_lease()
+        if holder == "":  # removed by hand: take it again if nobody else has
+            self._held = False
+            self._acquire_lease(retry=False)
+            self._held = True
+            return
+        if holder != self.holder:
+            self._held = False
+            raise LockedError(f"{self.store.url}: this writer's lease {LOCK_NAME} lapsed and "
+                              f"another writer took it over ({holder}); stop writing here")
+        self.store.write_bytes(LOCK_NAME, self._lease())
 
     def release(self) -> None:
         if not self._held:
@@ -86,5 +107,5 @@ class WriterLock:
         if self._fd is not None:
             os.close(self._fd)  # closing drops the flock
             self._fd = None
-        else:
+        elif self._read_lease()[0] == self.holder:  # never remove a lease another writer took
             self.store.delete(LOCK_NAME)

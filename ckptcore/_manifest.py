@@ -92,7 +92,10 @@ class Manifest:
             b = _codec.unpack(body)
         except SchemaError as e:
             raise SchemaError(f"{source}: {e}") from e
-        return _validate(b, source)
+        try:
+            return _validate(b, source)
+        except RecursionError as e:  # the tree walk is recursive; a hostile body can nest deeply
+            raise SchemaError(f"{source}: the state tree is nested too deeply") from e
 
 
 def _req(d: Any, key: str, kind: type | tuple, where: str) -> Any:
@@ -128,6 +131,8 @@ def _validate(b: Any, source: str) -> Manifest:
     tensors = []
     for i, t in enumerate(_req(b, "tensors", list, source)):
         tensors.append(_tensor(t, i, shards, source))
+    if len({t.name for t in tensors}) != len(tensors):  # readers key tensors by name
+        raise SchemaError(f"{source}: tensor names are not unique")
     tree = _req(b, "tree", dict, source)
     for ref in _codec.refs(tree):
         if ref.index >= len(tensors):

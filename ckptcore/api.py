@@ -1,4 +1,4 @@
-"""The public functions: save_state, load_state, inspect, verify."""
+"""The public functions: save_state, load_state, inspect, verify, convert."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from . import __version__, _codec, _io
 from ._commit import commit
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from ._storage import Store
-from .errors import CheckpointError, CheckpointNotFoundError, SchemaError
-from .registry import adapter_for
+from .errors import (CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError,
+                     SchemaError)
+from .registry import adapter_for, get_adapter
 from .state import TrainingState
 
-__all__ = ["save_state", "load_state", "inspect", "verify", "CheckpointInfo", "TensorInfo"]
+__all__ = ["save_state", "load_state", "inspect", "verify", "convert", "CheckpointInfo", "TensorInfo"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +62,7 @@ def _info(url: str, m: Manifest) -> CheckpointInfo:
                      if tree.get(k) not in (None, {}, [], "") and k not in ("step", "epoch"))
     return CheckpointInfo(
         url=url, format_version=m.version, created=m.created,
-        step=int(tree.get("step") or 0), epoch=int(tree.get("epoch") or 0),
+        step=_count(tree, "step"), epoch=_count(tree, "epoch"),
         framework=m.framework.get("name"), framework_versions=m.framework.get("versions") or {},
         sections=sections,
         tensors=tuple(TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.length,
@@ -70,6 +71,13 @@ def _info(url: str, m: Manifest) -> CheckpointInfo:
         writer=m.writer, library=m.library,
         data=tree.get("data") if isinstance(tree.get("data"), dict) else {},
         metadata=tree.get("metadata") if isinstance(tree.get("metadata"), dict) else {})
+
+
+def _count(tree: dict, key: str) -> int:
+    value = tree.get(key) or 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SchemaError(f"state tree: {key!r} must be an integer, got {type(value).__name__}")
+    return value
 
 
 def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
@@ -160,14 +168,33 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
         SchemaError: the manifest is malformed or of an unsupported version.
     """
     store = Store(os.fspath(url), dict(storage_options or {}))
-    manifest = read_manifest(store)
-    tree = _select(manifest.tree, keys)
-    wanted = sorted({r.index for r in _codec.refs(tree)})
-    arrays = _io.read_tensors(store, manifest, wanted, verify=verify)
+    for attempt in range(_READ_ATTEMPTS):
+        manifest = read_manifest(store)
+        tree = _select(manifest.tree, keys)
+        wanted = sorted({r.index for r in _codec.refs(tree)})
+        try:
+            arrays = _io.read_tensors(store, manifest, wanted, verify=verify)
+            break
+        except (IncompleteCheckpointError, FileNotFoundError):
+            # An overwrite may have replaced the checkpoint between our reading its manifest and
+            # its shards: then read the new one; otherwise the shards really are missing.
+            if attempt + 1 == _READ_ATTEMPTS or not _replaced(store, manifest):
+                raise
     tree = _codec.substitute(tree, lambda r: arrays[r.index][()] if r.scalar else arrays[r.index])
     state = _codec.decode_state(tree)
     restore_objects(state, objects)
     return state
+
+
+_READ_ATTEMPTS = 5
+
+
+def _replaced(store: Store, manifest: Manifest) -> bool:
+    """Whether the checkpoint at ``store`` is no longer the one ``manifest`` describes."""
+    try:
+        return read_manifest(store).writer != manifest.writer
+    except CheckpointError:
+        return False
 
 
 def _capture(state: TrainingState | None, objects: dict[str, Any]) -> TrainingState:
@@ -184,16 +211,76 @@ def _capture(state: TrainingState | None, objects: dict[str, Any]) -> TrainingSt
     return state
 
 
+_MIGRATION_OPTIONS = ("name_map", "approximate")
+
+
 def restore_objects(state: TrainingState, objects: Mapping[str, Any]) -> None:
-    """Restore framework objects from ``state`` through their adapter (a lone cursor needs none)."""
+    """Restore framework objects from ``state`` through their adapter (a lone cursor needs none).
+
+    A state from another framework is converted first (:func:`convert`); ``name_map`` and
+    ``approximate`` among ``objects`` are passed to it.
+    """
+    objects = dict(objects)
+    options = {k: objects.pop(k) for k in _MIGRATION_OPTIONS if k in objects}
     if not objects:
         return
     if "model" in objects:
-        adapter_for(objects["model"]).restore(state, **objects)
+        adapter = adapter_for(objects["model"])
+        if state.framework not in (None, adapter.name):
+            state = convert(state, adapter.name, objects["model"], objects.get("optimizer"),
+                            scheduler=objects.get("scheduler"), **options)
+        adapter.restore(state, **objects)
     elif set(objects) == {"cursor"}:
         objects["cursor"].load_state_dict(state.data)
     else:
         raise TypeError(f"restoring into {sorted(objects)} needs model=... as well")
+
+
+def convert(state: TrainingState | str | os.PathLike, to: str, model: Any, optimizer: Any = None, *,
+            scheduler: Any = None, name_map: Mapping[str, str | None] | None = None,
+            approximate: bool = False, storage_options: Mapping[str, Any] | None = None) -> TrainingState:
+    """Convert a state captured in one framework into another's layout, without restoring it.
+
+    The target's structure comes from live target objects: ``model`` (and ``optimizer``, and for
+    Paddle ``scheduler``), which are only read (a Keras optimizer that never stepped is built).
+    Parameters are paired by layer order, kind and shape; ``name_map`` pins pairs
+    (``{source name or layer: target name or layer}``, ``None`` drops a source layer).  Weights
+    and optimizer slots get the same layout transforms; step counters, the schedule position, the
+    data cursor and gradient accumulation are carried; framework RNGs are reseeded
+    deterministically.  See docs/MIGRATION.md.
+
+    Example:
+        >>> state = ckptcore.load_state("s3://runs/keras/step-100")                # doctest: +SKIP
+        >>> pd_state = ckptcore.convert(state, "paddle", net, opt)                  # doctest: +SKIP
+        >>> ckptcore.save_state("s3://runs/paddle/step-100", pd_state)              # doctest: +SKIP
+
+    Args:
+        state: A :class:`TrainingState`, or the URL of a checkpoint to load.
+        to: ``"paddle"`` or ``"keras"``.
+        approximate: Convert schedules (and a few optimizer settings) that cannot continue exactly,
+            with a :class:`~ckptcore.migrate.MigrationWarning` saying how far off, instead of raising.
+
+    Raises:
+        MigrationError: something cannot be placed or continued; the message lists every problem.
+        AdapterNotFoundError: no adapter for ``to`` is installed.
+    """
+    from .migrate import convert_state
+
+    if not isinstance(state, TrainingState):
+        state = load_state(state, storage_options=storage_options)
+    if state.framework == to:
+        return state
+    adapter = get_adapter(to)
+    if not adapter.handles(model):
+        raise TypeError(f"convert(to={to!r}) needs a {to} model as the target; got "
+                        f"{type(model).__module__}.{type(model).__qualname__}")
+    objects: dict[str, Any] = {"model": model, "rng": False}
+    if optimizer is not None:
+        objects["optimizer"] = optimizer
+    if scheduler is not None:
+        objects["scheduler"] = scheduler
+    template = adapter.capture(**objects)
+    return convert_state(state, template, name_map=name_map, approximate=approximate)
 
 
 def inspect(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:

@@ -196,6 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", metavar="MODULE:FACTORY",
                    help="builds the Keras model (and optimizer) to export through (tf-checkpoint only)")
     s.set_defaults(fn=cmd_export)
+    s = sub.add_parser("convert", help="migrate a checkpoint to another framework's layout (Keras <-> Paddle)")
+    s.add_argument("src", help="a ckptcore checkpoint URL")
+    s.add_argument("dst", help="a ckptcore checkpoint URL, or a file prefix with --to pdparams/tf-checkpoint")
+    s.add_argument("--to", required=True, choices=["paddle", "keras", "pdparams", "tf-checkpoint"])
+    s.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                   help="builds the target model (and optimizer, and for Paddle a scheduler) that gives the "
+                        "target's structure")
+    s.add_argument("--approximate", action="store_true",
+                   help="convert what cannot continue exactly (schedules...) with a warning instead of failing")
+    s.add_argument("--overwrite", action="store_true")
+    s.set_defaults(fn=cmd_convert)
     s = sub.add_parser("demo", help="train a tiny model, SIGKILL it mid-epoch, resume, compare")
     s.add_argument("--root", default=None, help="where checkpoints go (any fsspec URL; default: a temp folder)")
     s.add_argument("--framework", default="numpy", choices=["numpy", "keras", "paddle"])
@@ -203,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_factory(spec: str | None) -> tuple[Any, Any]:
-    """Call ``module:factory`` and return ``(model, optimizer or None)``."""
+def load_factory(spec: str | None) -> tuple[Any, ...]:
+    """Call ``module:factory`` and return ``(model, optimizer or None, ...)``."""
     if not spec or ":" not in spec:
         raise SystemExit("ckpt: --model expects MODULE:FACTORY, e.g. mymodels:build")
     import importlib
@@ -240,6 +251,32 @@ def cmd_export(args: argparse.Namespace, so: dict) -> int:
         model, optimizer = load_factory(args.model)
         written = export_tf_checkpoint(state, args.dst, model, optimizer)
     print(f"exported {args.src} -> {written}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace, so: dict) -> int:
+    import warnings
+
+    target = {"pdparams": "paddle", "tf-checkpoint": "keras"}.get(args.to, args.to)
+    built = load_factory(args.model)
+    model, optimizer = built[0], built[1] if len(built) > 1 else None
+    scheduler = built[2] if len(built) > 2 else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = api.convert(args.src, target, model, optimizer, scheduler=scheduler,
+                            approximate=args.approximate, storage_options=so)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    if args.to == "pdparams":
+        from ckptcore_paddle import export_paddle_files
+        written: Any = export_paddle_files(state, args.dst)
+    elif args.to == "tf-checkpoint":
+        from ckptcore_keras import export_tf_checkpoint
+        written = export_tf_checkpoint(state, args.dst, model, optimizer)
+    else:
+        written = api.save_state(args.dst, state, storage_options=so, overwrite=args.overwrite).url
+    print(f"converted {args.src} ({state.metadata.get('migrated_from', {}).get('framework')}) -> "
+          f"{written} ({target})")
     return 0
 
 

@@ -26,13 +26,14 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
-from . import _knobs, api
+import numpy as np
+
+from . import _codec, _knobs, api
 from ._commit import TMP_MARK
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
 from ._storage import Store
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                     IncompleteCheckpointError, SchemaError)
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .policies import CheckpointEntry, as_policy
 from .state import TrainingState
 
@@ -99,6 +100,7 @@ class CheckpointManager:
         self._inflight: Future | None = None
         self._error: BaseException | None = None
         self._entries: dict[int, CheckpointEntry] = {}
+        self._staging: dict[str, np.ndarray] = {}
         self._mutex = threading.Lock()
         self._closed = False
         _live.add(self)
@@ -115,12 +117,18 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps (those with a manifest), ascending."""
+        self._forget_listings()
         found = []
         for e in self.root.listdir():
             m = _STEP.match(e.name)
             if m and self.root.child(e.name).exists(MANIFEST_NAME):
                 found.append(int(m.group(1)))
         return sorted(found)
+
+    def _forget_listings(self) -> None:
+        # fsspec's object stores answer exists() from cached folder listings (gc() lists step
+        # folders), which miss other processes' commits and deletions since.
+        self.root.fs.invalidate_cache()
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -152,11 +160,32 @@ class CheckpointManager:
         user_state = state is not None
         state = api._capture(state, dict(objects))  # a framework capture is a copy already
         if user_state and self.async_save:
-            state = copy.deepcopy(state)  # the caller may keep training on these arrays
+            state = self._copy_state(state)  # the caller may keep training on these arrays
         metadata = dict(state.metadata)
         if metrics is not None:
             metadata["metrics"] = {k: float(v) for k, v in metrics.items()}
         return dataclasses.replace(state, metadata=metadata, step=state.step or step)
+
+    def _copy_state(self, state: TrainingState) -> TrainingState:
+        """A deep copy whose arrays land in staging buffers kept from the previous async save.
+
+        Reusing the buffers avoids faulting in fresh pages on every save, which costs more than
+        the copy itself; they are free to reuse because at most one save is in flight.
+        """
+        enc = _codec.encode_state(state)
+
+        def copy_one(i: int) -> np.ndarray:
+            src, buf = enc.arrays[i], self._staging.get(enc.names[i])
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = np.empty(src.shape, src.dtype)
+            np.copyto(buf, src)
+            return buf
+
+        with ThreadPoolExecutor(int(_knobs.get("threads"))) as pool:
+            copies = list(pool.map(copy_one, range(len(enc.arrays))))
+        self._staging = dict(zip(enc.names, copies))
+        # deepcopy's memo maps id(original) -> copy, so the tree is rebuilt around these copies.
+        return copy.deepcopy(state, {id(a): c for a, c in zip(enc.arrays, copies)})
 
     def _write(self, step: int, url: str, state: TrainingState) -> api.CheckpointInfo:
         info = api.save_state(url, state, storage_options=self._options)
@@ -195,8 +224,10 @@ class CheckpointManager:
         steps = self.steps()
         if not steps:
             return
-        entries = [e for e in (self._entry(s) for s in steps) if e is not None]
-        keep = set(self.policy.keep(entries)) | {steps[-1]}  # the newest committed one, always
+        read = {s: self._entry(s) for s in steps}
+        keep = set(self.policy.keep([e for e in read.values() if e is not None]))
+        keep.add(steps[-1])  # the newest committed one, always
+        keep.update(s for s, e in read.items() if e is None)  # unreadable: a policy cannot judge it
         for s in steps[:-1]:  # every step below the newest has a committed successor
             if s not in keep:
                 self._delete(s)
@@ -226,6 +257,7 @@ class CheckpointManager:
         grace = float(_knobs.get("gc_grace")) if grace is None else grace
         cutoff = time.time() - grace
         removed = []
+        self._forget_listings()  # a stale "no manifest" here would delete a committed step
         for e in self.root.listdir():
             if e.name == LOCK_NAME:
                 continue
@@ -254,7 +286,7 @@ class CheckpointManager:
         for s in reversed(steps):
             try:
                 state = api.load_state(self.step_url(s), storage_options=self._options)
-            except (CorruptCheckpointError, IncompleteCheckpointError, SchemaError) as e:
+            except CheckpointError as e:  # corrupt, incomplete, malformed, unsafe, or gone meanwhile
                 warnings.warn(f"checkpoint step {s} ({self.step_url(s)}) does not verify: {e}; "
                               "falling back to an older one", CheckpointFallbackWarning, stacklevel=2)
                 last = e
@@ -314,11 +346,20 @@ def _gc_shards(ckpt: Store, cutoff: float) -> list[str]:
     return removed
 
 
-@atexit.register
 def _drain() -> None:
     # Interpreter exit waits for saves in flight, so a finished script never drops its last save.
     for mgr in list(_live):
         try:
             mgr.close()
         except BaseException as e:  # noqa: BLE001 - nothing left to raise to at exit
-            warnings.warn(f"ckptcore: a background save failed at exit: {e}")
+            warnings.warn(f"ckptcore: a background save failed at exit: {e!r}")
+
+
+# A plain atexit hook runs too late: concurrent.futures refuses new thread pools once the
+# interpreter starts shutting down (before atexit hooks run), and a save uses pools to write
+# its shards.  threading's own exit hooks run first, in reverse order of registration, so this
+# one (registered after concurrent.futures.thread's) drains saves while pools still work.
+try:
+    threading._register_atexit(_drain)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # pragma: no cover - other interpreters
+    atexit.register(_drain)

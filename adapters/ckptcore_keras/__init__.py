@@ -4,10 +4,16 @@ Importing this package imports neither TensorFlow nor Keras; they load on the
 first call that needs them.  The registry finds :data:`ADAPTER` through the
 ``ckptcore.adapters`` entry point (``keras = "ckptcore_keras:ADAPTER"``).
 
+Modules: ``_capture`` (capture/restore), ``callbacks`` (``BackupAndRestore``: exact
+resume in ``model.fit``), ``data`` (``dataset``: ``tf.data`` input that follows a
+``DataCursor``), ``tf_checkpoint`` (``tf.train.Checkpoint`` files).
+
 Example:
     >>> import ckptcore_keras                                           # doctest: +SKIP
     >>> state = ckptcore_keras.capture(model, optimizer, cursor=cursor)  # doctest: +SKIP
     >>> ckptcore_keras.restore(state, new_model, new_optimizer)          # doctest: +SKIP
+    >>> cb = ckptcore_keras.BackupAndRestore("s3://b/run", cursor=cursor, save_freq=100)  # doctest: +SKIP
+    >>> model.fit(ckptcore_keras.dataset(cursor, x, y), epochs=5, callbacks=[cb])  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from ckptcore.state import RestoreReport, TrainingState
 
-__all__ = ["ADAPTER", "capture", "restore", "import_tf_checkpoint", "export_tf_checkpoint"]
+__all__ = ["ADAPTER", "capture", "restore", "import_tf_checkpoint", "export_tf_checkpoint",
+           "dataset", "BackupAndRestore"]
 
 # Top-level packages whose classes this adapter handles (tf.keras is Keras 3 in TF >= 2.16).
 _MODULES = ("keras", "tensorflow", "tf_keras")
@@ -49,6 +56,20 @@ def export_tf_checkpoint(state: TrainingState, prefix: Any, model: Any,
     """Write a state as a ``tf.train.Checkpoint`` file (see ``tf_checkpoint.py``)."""
     from .tf_checkpoint import export_tf_checkpoint as _export
     return _export(state, prefix, model, optimizer)
+
+
+def dataset(cursor: Any, *arrays: Any, map_fn: Any = None, prefetch: bool = True) -> Any:
+    """A ``tf.data.Dataset`` of a ``DataCursor``'s batches, resumable mid-epoch (see ``data.py``)."""
+    from .data import dataset as _dataset
+    return _dataset(cursor, *arrays, map_fn=map_fn, prefetch=prefetch)
+
+
+def __getattr__(name: str) -> Any:
+    # BackupAndRestore subclasses keras.callbacks.Callback: defining it imports Keras.
+    if name == "BackupAndRestore":
+        from .callbacks import BackupAndRestore
+        return BackupAndRestore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class KerasAdapter:

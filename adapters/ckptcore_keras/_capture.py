@@ -46,6 +46,10 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None,
         cursor: A ``ckptcore.DataCursor`` (anything with ``state_dict()``).
         rng: Include Python, numpy, TensorFlow and Keras global RNG states.
 
+    Variables are captured without copying: the arrays are read-only views of
+    TensorFlow's copy-on-write buffers, so training on never changes them
+    (``np.array(a)`` for a writable copy).
+
     Example:
         >>> state = ckptcore_keras.capture(model, cursor=cursor)   # doctest: +SKIP
         >>> state.optimizer.slots["dense/kernel"]["momentum"].shape  # doctest: +SKIP
@@ -114,6 +118,9 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
             kind or gradient accumulation differs, or, with ``strict``, a name is
             missing or unexpected (lists them).
     """
+    if state.framework not in (None, "keras"):  # another framework's state: migrate it first
+        from ckptcore.api import convert
+        state = convert(state, "keras", model, _optimizer_of(model, optimizer))
     missing, unexpected = restore_objects(state, model, optimizer, strict=strict,
                                           expect_data=cursor is not None)
     if state.rng:
@@ -157,6 +164,9 @@ def restore_objects(state: TrainingState, model: Any, optimizer: Any = None, *,
         missing.append("data")
     if strict and (missing or unexpected):
         raise RestoreError(_mismatch_message(missing, unexpected))
+    # Each assign copies the array into a new TensorFlow buffer (conversion never aliases numpy
+    # memory), then swaps it in.  Converting on several threads was measured slower: each
+    # thread's allocations take fresh pages instead of the buffers the swaps just freed.
     for _, var, value in plan:
         var.assign(value)
     return missing, unexpected

@@ -135,8 +135,22 @@ def np_dtype(var: Any) -> np.dtype:
 
 
 def read(var: Any) -> np.ndarray:
-    """The variable's value as a new numpy array (the first replica's for mirrored variables)."""
-    return np.asarray(var.numpy())  # .numpy() already returns a copy
+    """The variable's value now, as a read-only numpy array that later updates never change.
+
+    No copy is made: the array views the tensor a read of the variable returns,
+    which shares the variable's buffer.  TensorFlow variables are copy-on-write:
+    while that tensor lives, an update (``assign*``, an optimizer step) writes a
+    new buffer, so the array stays a snapshot.  An asynchronous save therefore
+    costs one copy only if training updates the variable before the write ends.
+    Mirrored variables give the first replica's value.
+    """
+    import tensorflow as tf
+
+    tf_var = var if isinstance(var, tf.Variable) else getattr(var, "value", None)  # keras.Variable
+    arr = np.asarray(tf_var.read_value() if isinstance(tf_var, tf.Variable) else var.numpy())
+    if arr.flags.writeable:  # a path that copied: fine, but make every capture read-only alike
+        arr.flags.writeable = False
+    return arr
 
 
 def check_value(name: str, var: Any, value: Any) -> np.ndarray:

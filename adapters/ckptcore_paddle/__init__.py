@@ -1,7 +1,8 @@
 """ckptcore adapter for PaddlePaddle (dynamic graph).
 
-Importing this package does not import Paddle; it loads on the first call that needs it, and
-:func:`import_paddle_files` / :func:`export_paddle_files` never need it.  The registry finds
+Importing this package does not import Paddle; it loads on the first call that needs it (and
+``Checkpoint``, a ``paddle.callbacks.Callback``, on first access), while :func:`import_paddle_files`,
+:func:`export_paddle_files` and :class:`ResumableBatchSampler` never need it.  The registry finds
 :data:`ADAPTER` through the ``ckptcore.adapters`` entry point (``paddle = "ckptcore_paddle:ADAPTER"``).
 
 Example:
@@ -9,6 +10,9 @@ Example:
     >>> state = ckptcore_paddle.capture(net, opt, cursor=cursor)              # doctest: +SKIP
     >>> ckptcore_paddle.restore(state, new_net, new_opt, cursor=cursor)       # doctest: +SKIP
     >>> state = ckptcore_paddle.import_paddle_files("m.pdparams", "m.pdopt")  # doctest: +SKIP
+    >>> sampler = ckptcore_paddle.ResumableBatchSampler(cursor)               # doctest: +SKIP
+    >>> loader = paddle.io.DataLoader(dataset, batch_sampler=sampler)         # doctest: +SKIP
+    >>> model.fit(loader, epochs=3, callbacks=[ckptcore_paddle.Checkpoint("ckpts", cursor=sampler)])  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -20,7 +24,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ckptcore.state import RestoreReport, TrainingState
 
-__all__ = ["ADAPTER", "capture", "restore", "import_paddle_files", "export_paddle_files"]
+    from ._callback import Checkpoint
+    from ._sampler import ResumableBatchSampler
+
+__all__ = ["ADAPTER", "capture", "restore", "import_paddle_files", "export_paddle_files",
+           "ResumableBatchSampler", "Checkpoint"]
+
+# Public classes, imported on first access (Checkpoint subclasses a Paddle class).
+_LAZY = {"ResumableBatchSampler": "._sampler", "Checkpoint": "._callback"}
 
 # Classes this adapter handles, by (top-level package, class name) anywhere in the MRO.
 _HANDLED = {"Layer", "DataParallel", "Model"}
@@ -28,11 +39,12 @@ _HANDLED = {"Layer", "DataParallel", "Model"}
 
 def capture(model: Any, optimizer: Any = None, *, scheduler: Any = None, cursor: Any = None,
             scaler: Any = None, rng: bool = True, step: int | None = None,
-            accumulate_every: int | None = None, accumulated: int | None = None) -> TrainingState:
+            accumulate_every: int | None = None, accumulated: int | None = None,
+            copy: bool = True) -> TrainingState:
     """Snapshot a Paddle model, optimizer, scheduler, scaler, RNGs and cursor (see ``_capture.py``)."""
     from ._capture import capture as _capture
     return _capture(model, optimizer, scheduler=scheduler, cursor=cursor, scaler=scaler, rng=rng,
-                    step=step, accumulate_every=accumulate_every, accumulated=accumulated)
+                    step=step, accumulate_every=accumulate_every, accumulated=accumulated, copy=copy)
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, scheduler: Any = None,
@@ -54,6 +66,19 @@ def export_paddle_files(state: TrainingState, prefix: str | os.PathLike, *,
     """Write ``prefix.pdparams`` (and ``prefix.pdopt``) for ``paddle.load`` (see ``pd_files.py``)."""
     from .pd_files import export_paddle_files as _export
     return _export(state, prefix, param_names=param_names)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 class PaddleAdapter:

@@ -18,8 +18,11 @@ Naming (a contract: checkpoints written today must restore tomorrow):
   scheduler's ``last_epoch``; else 0.  ``optimizer.extra["step_source"]`` says which one was used.
   ``state.step`` is the same number.
 * ``state.schedule``: ``ScheduleState(kind=<class name>, config=<constructor arguments that can be
-  read back>, step=last_epoch, last_lr=last_lr)``; ``extra["paddle"]["scheduler"]`` holds Paddle's
-  own ``state_dict()`` plus what it lacks (``T_cur``/``T_i`` of ``CosineAnnealingWarmRestarts``).
+  read back>, step=last_epoch, last_lr=last_lr, state=...)``; ``state`` is Paddle's own
+  ``state_dict()`` (plain values, e.g. ``LinearWarmup_LR`` nested) plus the attributes it lacks
+  (``T_cur``/``T_i`` of ``CosineAnnealingWarmRestarts``), all at the top level.  States captured
+  before ``ScheduleState.state`` existed kept this in ``extra["paddle"]["scheduler"]``; restore
+  still reads it there.
 * ``optimizer.extra["grad_scaler"]``: a ``GradScaler``'s ``state_dict()`` (or
   ``extra["paddle"]["grad_scaler"]`` without an optimizer).
 * ``state.accumulation``: gradients in flight (``param.grad``) that are not all zero, with
@@ -80,12 +83,16 @@ def named_tensors(layer: Any) -> tuple[dict[str, Any], dict[str, str]]:
 
 def capture(model: Any, optimizer: Any = None, *, scheduler: Any = None, cursor: Any = None,
             scaler: Any = None, rng: bool = True, step: int | None = None,
-            accumulate_every: int | None = None, accumulated: int | None = None) -> TrainingState:
+            accumulate_every: int | None = None, accumulated: int | None = None,
+            copy: bool = True) -> TrainingState:
     """Snapshot a Paddle model, optimizer, LR scheduler, GradScaler, RNGs, gradients and a data cursor.
 
     ``scheduler`` defaults to the optimizer's own ``LRScheduler``; a hapi ``paddle.Model`` brings its
     network and optimizer.  ``step`` overrides the derived update count; ``accumulate_every`` and
-    ``accumulated`` describe a gradient-accumulation window in progress.
+    ``accumulated`` describe a gradient-accumulation window in progress.  ``copy=False`` returns
+    views of the tensors' own buffers instead of copies: for a synchronous save straight after the
+    capture (``save_state(url, capture(..., copy=False))``), before training changes them; never for
+    an asynchronous save.
 
     Example:
         >>> state = ckptcore_paddle.capture(net, opt, cursor=cursor)      # doctest: +SKIP
@@ -95,22 +102,22 @@ def capture(model: Any, optimizer: Any = None, *, scheduler: Any = None, cursor:
     optimizer = hapi_opt if optimizer is None else optimizer
     tensors, aliases = named_tensors(layer)
     runtime = {t.name: s for s, t in tensors.items()}
-    state = TrainingState(framework="paddle", model={s: to_numpy(t) for s, t in tensors.items()},
+    state = TrainingState(framework="paddle", model={s: to_numpy(t, copy) for s, t in tensors.items()},
                           params=describe(layer, tensors))
     extra: dict[str, Any] = {"param_names": {s: t.name for s, t in tensors.items()}}
     if aliases:
         extra["aliases"] = aliases
     sch = scheduler if scheduler is not None else (attached_scheduler(optimizer) if optimizer else None)
     if optimizer is not None:
-        state.optimizer = capture_optimizer(optimizer, runtime, step=step, scheduler=sch)
+        state.optimizer = capture_optimizer(optimizer, runtime, step=step, scheduler=sch, copy=copy)
         state.step = state.optimizer.step
     elif step is not None:
         state.step = int(step)
     if sch is not None:
-        state.schedule, extra["scheduler"] = capture_schedule(sch)
+        state.schedule = capture_schedule(sch)
     if scaler is not None:
         (state.optimizer.extra if state.optimizer else extra)["grad_scaler"] = capture_scaler(scaler)
-    buffers, extra["zero_grads"] = _capture_grads(tensors)
+    buffers, extra["zero_grads"] = _capture_grads(tensors, copy)
     if buffers or accumulate_every or accumulated:
         state.accumulation = AccumulationState(every=int(accumulate_every or 0), count=int(accumulated or 0),
                                                buffers=buffers)
@@ -125,19 +132,26 @@ def capture(model: Any, optimizer: Any = None, *, scheduler: Any = None, cursor:
     return state
 
 
-def _capture_grads(tensors: dict[str, Any]) -> tuple[dict[str, np.ndarray], list[str]]:
+def _capture_grads(tensors: dict[str, Any], copy: bool = True) -> tuple[dict[str, np.ndarray], list[str]]:
     buffers: dict[str, np.ndarray] = {}
     zero: list[str] = []
     for name, t in tensors.items():
         g = None if t.stop_gradient else t.grad
         if g is None:
             continue
-        arr = to_numpy(g)
-        if arr.reshape(-1).view(np.uint8).any():  # bitwise, so -0.0 is kept as it is
-            buffers[name] = arr
+        view = to_numpy(g, copy=False)  # look before copying: cleared gradients are all zero
+        if _any_bit(view):
+            buffers[name] = view.copy() if copy else view
         else:
             zero.append(name)
     return buffers, zero
+
+
+def _any_bit(arr: np.ndarray) -> bool:
+    """Whether any bit is set (so -0.0 counts as a value), reading words rather than bytes."""
+    flat = arr.reshape(-1).view(np.uint8)
+    n = flat.size - flat.size % 8
+    return bool(flat[:n].view(np.uint64).any() or flat[n:].any())
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, scheduler: Any = None,
@@ -150,13 +164,15 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, schedule
     as ``optimizer/<param>/<slot>``.  Objects not passed are left alone.
 
     Raises:
-        RestoreError: a mismatch as described, or a state captured from another framework.
+        RestoreError: a mismatch as described.
+        MigrationError: a state captured from another framework (it is converted first, see
+            ``ckptcore.convert``) that cannot be converted.
     """
-    if state.framework not in (None, "paddle"):
-        raise RestoreError(f"this state was captured from {state.framework}; convert it to Paddle's "
-                           "layout first (ckptcore.load_state does so when given Paddle objects)")
     layer, hapi_opt = unwrap(model)
     optimizer = hapi_opt if optimizer is None else optimizer
+    if state.framework not in (None, "paddle"):  # another framework's state: migrate it first
+        from ckptcore.api import convert
+        state = convert(state, "paddle", model, optimizer, scheduler=scheduler)
     extra = (state.extra or {}).get("paddle") or {}
     missing: list[str] = []
     unexpected: list[str] = []
@@ -257,11 +273,22 @@ def _plan_grads(state: TrainingState, extra: dict, tensors: dict[str, Any]) -> l
         if name in buffers:
             actions.append(lambda t=t, a=buffers[name]: _set_grad(t, a))
         elif name in zero:
-            actions.append(lambda t=t: _set_grad(t, np.zeros(t.shape, dtype=numpy_dtype(t))))
+            actions.append(lambda t=t: _zero_grad(t))
         else:
             actions.append(lambda t=t: t.clear_gradient(False))
     return actions
 
 
 def _set_grad(t: Any, value: np.ndarray) -> None:
-    t.grad = paddle.to_tensor(np.ascontiguousarray(value), dtype=t.dtype, place=t.place)
+    g = t.grad
+    if g is not None and list(g.shape) == list(t.shape) and g.dtype == t.dtype:
+        assign(g, value)  # in place: no new tensor of the parameter's size
+    else:
+        t.grad = paddle.to_tensor(np.ascontiguousarray(value), dtype=t.dtype, place=t.place)
+
+
+def _zero_grad(t: Any) -> None:
+    if t.grad is not None:
+        t.clear_gradient(True)  # zeroes the existing gradient in place
+    else:
+        t.grad = paddle.to_tensor(np.zeros(t.shape, dtype=numpy_dtype(t)), dtype=t.dtype, place=t.place)

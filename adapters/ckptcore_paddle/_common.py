@@ -20,6 +20,10 @@ KNOWN_SLOTS = tuple(sorted({
 }, key=len, reverse=True))
 MASTER_SLOT = "master_weight"  # a multi-precision optimizer's float32 copy of a low-precision parameter
 
+# Scheduler state that Paddle's own state_dict() leaves out (FRAMEWORKS.md §4.3): restoring from
+# state_dict() alone is silently wrong for these, so ScheduleState.state carries them too.
+SCHEDULER_EXTRA_ATTRS = {"CosineAnnealingWarmRestarts": ("T_cur", "T_i")}
+
 _COUNTER = re.compile(r"_\d+$")
 _MASTER = re.compile(r"^fp32_master_\d+_")
 # Paddle's own key for the structured-name table; it is not a parameter.

@@ -10,10 +10,10 @@ from typing import Any, Callable
 import numpy as np
 import paddle
 
-from ckptcore.errors import CheckpointError, RestoreError
+from ckptcore.errors import CaptureError, RestoreError
 from ckptcore.state import OptimizerState, ScheduleState
 
-from ._common import MASTER_SLOT, adam_step, plain, split_accumulator_key
+from ._common import MASTER_SLOT, SCHEDULER_EXTRA_ATTRS, adam_step, plain, split_accumulator_key
 from ._tensors import check_fits, to_numpy
 
 LRScheduler = paddle.optimizer.lr.LRScheduler
@@ -24,8 +24,6 @@ _HYPER = (("_beta1", "beta1"), ("_beta2", "beta2"), ("_epsilon", "epsilon"), ("_
           ("_lazy_mode", "lazy_mode"), ("_amsgrad", "amsgrad"), ("_multi_precision", "multi_precision"),
           ("_rescale_grad", "rescale_grad"), ("_regularization_method", "regularization_method"),
           ("_regularization_coeff", "regularization_coeff"))
-# Scheduler state that Paddle's own state_dict() leaves out (FRAMEWORKS.md §4.3).
-_MISSING_STATE = {"CosineAnnealingWarmRestarts": ("T_cur", "T_i")}
 # Constructor argument -> attribute, where Paddle stores it under another name.
 _CTOR_ALIASES = {"learning_rate": "base_lr", "base_learning_rate": "base_lr",
                  "max_learning_rate": "max_lr", "exp_gamma": "gamma"}
@@ -48,7 +46,7 @@ def attached_scheduler(opt: Any) -> Any:
 
 
 def capture_optimizer(opt: Any, runtime_to_struct: dict[str, str], *, step: int | None,
-                      scheduler: Any) -> OptimizerState:
+                      scheduler: Any, copy: bool = True) -> OptimizerState:
     """``opt``'s accumulators re-keyed by structured parameter name, its hyperparameters and update count."""
     prefix = f"{opt._name}_" if opt._name else ""
     master = dict(getattr(opt, "_master_weights", None) or {})
@@ -58,23 +56,23 @@ def capture_optimizer(opt: Any, runtime_to_struct: dict[str, str], *, step: int 
     def struct_of(pname: str) -> str:
         pname = owner.get(pname, pname)
         if pname not in runtime_to_struct:
-            raise CheckpointError(f"the optimizer updates parameter {pname!r}, which is not part of the model; "
-                                  "pass the model that owns every optimized parameter")
+            raise CaptureError(f"the optimizer updates parameter {pname!r}, which is not part of the model; "
+                               "pass the model that owns every optimized parameter")
         return runtime_to_struct[pname]
 
     if opt._accumulators:
         for acc, per_param in opt._accumulators.items():
             slot = acc[len(prefix):] if prefix and acc.startswith(prefix) else acc
             for pname, var in per_param.items():
-                slots.setdefault(struct_of(pname), {})[slot] = to_numpy(var)
+                slots.setdefault(struct_of(pname), {})[slot] = to_numpy(var, copy)
     else:  # set_state_dict() was called but no step taken yet: the values wait in the holder
         for key, value in (opt._accumulators_holder or {}).items():
             pname = _longest_prefix(key, runtime_to_struct)
             if pname is not None:
                 slot, _, _ = split_accumulator_key(key[len(pname) + 1:])
-                slots.setdefault(runtime_to_struct[pname], {})[slot] = to_numpy(value)
+                slots.setdefault(runtime_to_struct[pname], {})[slot] = to_numpy(value, copy)
     for pname, var in master.items():
-        slots.setdefault(struct_of(pname), {})[MASTER_SLOT] = to_numpy(var)
+        slots.setdefault(struct_of(pname), {})[MASTER_SLOT] = to_numpy(var, copy)
 
     hyper = hyperparams(opt, runtime_to_struct)
     source = "argument"
@@ -212,15 +210,15 @@ def restore_learning_rate(opt: Any, state: OptimizerState) -> None:
 # ----------------------------------------------------------------------------- scheduler
 
 
-def capture_schedule(sch: Any) -> tuple[ScheduleState, dict[str, Any]]:
-    """The scheduler as ScheduleState, plus its complete runtime state for an exact restore."""
-    full = {"state": plain(sch.state_dict())}
-    missing = {a: plain(getattr(sch, a)) for a in _MISSING_STATE.get(type(sch).__name__, ()) if hasattr(sch, a)}
-    if missing:
-        full["attrs"] = missing
+def capture_schedule(sch: Any) -> ScheduleState:
+    """The scheduler as ScheduleState; ``state`` is its ``state_dict()`` plus what that lacks."""
+    state = plain(sch.state_dict())
+    for attr in SCHEDULER_EXTRA_ATTRS.get(type(sch).__name__, ()):
+        if hasattr(sch, attr):
+            state[attr] = plain(getattr(sch, attr))
     last_lr = _scalar(sch.last_lr)
-    return (ScheduleState(kind=type(sch).__name__, config=scheduler_config(sch), step=int(sch.last_epoch),
-                          last_lr=None if last_lr is None else float(last_lr)), full)
+    return ScheduleState(kind=type(sch).__name__, config=scheduler_config(sch), step=int(sch.last_epoch),
+                         last_lr=None if last_lr is None else float(last_lr), state=state)
 
 
 def scheduler_config(sch: Any) -> dict[str, Any]:
@@ -248,17 +246,27 @@ def schedule_fits(sch: Any, schedule: ScheduleState) -> bool:
     return schedule.kind in (type(sch).__name__, "LRScheduler")
 
 
-def restore_schedule(sch: Any, schedule: ScheduleState, full: dict[str, Any] | None) -> None:
+def restore_schedule(sch: Any, schedule: ScheduleState, legacy: dict[str, Any] | None = None) -> None:
+    """Load ``schedule.state`` (else just its step and last rate) into ``sch``.
+
+    ``legacy`` is ``extra["paddle"]["scheduler"]``, where states captured before
+    ``ScheduleState.state`` existed kept the same values as ``{"state": ..., "attrs": ...}``.
+    """
     kind = type(sch).__name__
-    state = dict((full or {}).get("state") or {"last_epoch": schedule.step, "last_lr": schedule.last_lr})
+    state = dict(schedule.state or {})
+    if not state and legacy:
+        state = {**(legacy.get("state") or {}), **(legacy.get("attrs") or {})}
+    if not state:
+        state = {"last_epoch": schedule.step, "last_lr": schedule.last_lr}
+    extra_names = SCHEDULER_EXTRA_ATTRS.get(kind, ())
+    attrs = {k: state.pop(k) for k in extra_names if k in state}
     try:
         sch.set_state_dict(state)
     except (RuntimeError, KeyError) as e:
         raise RestoreError(f"the {kind} scheduler does not accept the saved schedule state: {e}") from e
-    attrs = (full or {}).get("attrs") or {}
     for name, value in attrs.items():
         setattr(sch, name, value)
-    if kind in _MISSING_STATE and not attrs and sch.last_epoch >= 0:
+    if extra_names and not attrs and sch.last_epoch >= 0:
         # Saved by Paddle itself (a .pdopt): T_cur/T_i are not in it, so replay the wrap-arounds that
         # step() does, in integers (step(epoch) uses a float logarithm that misses exact boundaries).
         sch.T_cur, sch.T_i = _warm_restart_position(int(sch.last_epoch), int(sch.T_0), int(sch.T_mult))

@@ -43,8 +43,8 @@ import numpy as np
 from ckptcore.errors import CorruptCheckpointError, SchemaError, UnsafeCheckpointError
 from ckptcore.state import OptimizerState, ScheduleState, TrainingState
 
-from ._common import (BIG_PARAM_INFO, MASTER_SLOT, NAME_TABLE, adam_step, infer_optimizer_kind, plain,
-                      split_accumulator_key)
+from ._common import (BIG_PARAM_INFO, MASTER_SLOT, NAME_TABLE, SCHEDULER_EXTRA_ATTRS, adam_step,
+                      infer_optimizer_kind, plain, split_accumulator_key)
 
 __all__ = ["import_paddle_files", "export_paddle_files", "load_paddle_pickle"]
 
@@ -303,8 +303,7 @@ def _import_optimizer(state: TrainingState, path: str | os.PathLike, runtime_to_
     if schedule is not None:
         schedule = plain(schedule)
         state.schedule = ScheduleState(kind="LRScheduler", step=int(schedule.get("last_epoch", 0)),
-                                       last_lr=schedule.get("last_lr"))
-        extra["scheduler"] = {"state": schedule}
+                                       last_lr=schedule.get("last_lr"), state=schedule)
         if step is None:
             step, opt_extra["step_source"] = max(state.schedule.step, 0), "scheduler"
     state.optimizer = OptimizerState(kind=kind, step=int(step or 0), slots=slots, extra=opt_extra)
@@ -397,8 +396,9 @@ def _optimizer_dict(state: TrainingState, names: dict[str, str], extra: dict[str
     if masters:
         out["master_weights"] = masters
     if state.schedule is not None:
-        saved = (extra.get("scheduler") or {}).get("state")
-        out["LR_Scheduler"] = dict(saved) if saved else {"last_epoch": int(state.schedule.step),
-                                                         "last_lr": state.schedule.last_lr}
+        saved = dict(state.schedule.state or (extra.get("scheduler") or {}).get("state") or {})
+        for attr in SCHEDULER_EXTRA_ATTRS.get(state.schedule.kind, ()):
+            saved.pop(attr, None)  # not Paddle's: its set_state_dict would warn about unused values
+        out["LR_Scheduler"] = saved or {"last_epoch": int(state.schedule.step), "last_lr": state.schedule.last_lr}
     out[NAME_TABLE] = table
     return out

@@ -1,18 +1,20 @@
 """Subprocess worker for test_mirrored.py (seed 003: a MirroredStrategy custom loop).
 
-``strategy <dir>``: two logical CPUs, train a small CNN with ``strategy.run``, capture
-inside the scope, check one copy per variable, restore into a model without a
-strategy (same process) and a strategy model from a non-strategy state; save the
-state, weights and test accuracy.
-``plain <dir>``: one CPU, no strategy: restore the saved state into a fresh model and
-save its weights and test accuracy.
+``strategy <dir>``: two logical CPUs, train a small CNN with ``strategy.run`` on
+``ckptcore_keras.dataset(cursor, ...)`` distributed by the strategy, saving every 3
+steps with a ``ckptcore.CheckpointManager`` inside the scope.  Then: capture inside
+the scope, check one copy per variable, restore into a model without a strategy
+(same process) and a strategy model from a non-strategy state; resume a fresh
+strategy model from the mid-epoch checkpoint and train to the end (must equal the
+uninterrupted run); save weights and test accuracy.
+``plain <dir>``: one CPU, no strategy: restore the manager's newest checkpoint into
+a fresh model and save its weights and test accuracy.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import sys
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -28,9 +30,11 @@ if PHASE == "strategy":  # before anything initializes the runtime
 
 import keras  # noqa: E402
 
+import ckptcore  # noqa: E402
 import ckptcore_keras  # noqa: E402
 
 GLOBAL_BATCH_SIZE = 16
+EPOCHS, SAVE_EVERY = 3, 3
 
 
 def data():
@@ -58,19 +62,18 @@ def weights(model, optimizer) -> list[np.ndarray]:
     return [v.numpy() for v in model.variables] + [v.numpy() for v in optimizer.variables]
 
 
-def strategy_phase() -> None:
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    assert strategy.num_replicas_in_sync == 2
-    (x, y), test = data()
-    dist = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH_SIZE))
-    keras.utils.set_random_seed(0)
+def make_model(strategy):
     with strategy.scope():
         model = create_model()
         optimizer = keras.optimizers.Adam(0.01)
         # Keras 3 cannot build the optimizer lazily inside strategy.run in a tf.function
         # ("You must feed a value for placeholder tensor 'cond/else/...'"): build it here.
         optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+def make_step(strategy, model, optimizer):
+    with strategy.scope():
         loss_object = keras.losses.SparseCategoricalCrossentropy(reduction="none")
 
     def train_step(inputs):
@@ -87,9 +90,46 @@ def strategy_phase() -> None:
         losses = strategy.run(train_step, args=(inputs,))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
-    for _ in range(3):
-        for batch in dist:
-            distributed_train_step(batch)
+    return distributed_train_step
+
+
+def train(strategy, model, optimizer, cursor, x, y, mgr=None) -> None:
+    """Seed 003's loop over the cursor's batches, saving every SAVE_EVERY steps."""
+    step_fn = make_step(strategy, model, optimizer)
+    while cursor.epoch < EPOCHS:
+        for batch in strategy.experimental_distribute_dataset(ckptcore_keras.dataset(cursor, x, y)):
+            step_fn(batch)
+            cursor.next_batch()  # this batch has been trained
+            step = int(optimizer.iterations.numpy())
+            if mgr is not None and step % SAVE_EVERY == 0:
+                with strategy.scope():
+                    mgr.save(step, model=model, optimizer=optimizer, cursor=cursor)
+
+
+def strategy_phase() -> None:
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert strategy.num_replicas_in_sync == 2
+    (x, y), test = data()
+    keras.utils.set_random_seed(0)
+    model, optimizer = make_model(strategy)
+    mgr = ckptcore.CheckpointManager(os.path.join(OUT, "ckpt"), keep=2)
+    train(strategy, model, optimizer, ckptcore.DataCursor(len(x), GLOBAL_BATCH_SIZE, seed=3),
+          x, y, mgr)
+    mgr.close()
+    assert mgr.steps() == [9, 12]
+
+    # A fresh strategy model resumes from the mid-epoch checkpoint (epoch 2, batch 1 of 4).
+    keras.utils.set_random_seed(9)
+    resumed, resumed_opt = make_model(strategy)
+    cursor = ckptcore.DataCursor(len(x), GLOBAL_BATCH_SIZE, seed=3)
+    with strategy.scope():
+        ckptcore.CheckpointManager(os.path.join(OUT, "ckpt")).restore(
+            9, model=resumed, optimizer=resumed_opt, cursor=cursor)
+    assert (cursor.epoch, cursor.position) == (2, GLOBAL_BATCH_SIZE)
+    train(strategy, resumed, resumed_opt, cursor, x, y)
+    resumed_same = all(np.array_equal(a, b) for a, b in
+                       zip(weights(model, optimizer), weights(resumed, resumed_opt)))
+
     with strategy.scope():
         state = ckptcore_keras.capture(model, optimizer)
     assert type(model.variables[0].value).__name__ == "MirroredVariable"
@@ -113,23 +153,21 @@ def strategy_phase() -> None:
     replicas_ok &= all(len(v.value.values) == 2 for v in mirrored.variables)
     same_after = all(np.array_equal(a, b) for a, b in zip(weights(model, optimizer), weights(mirrored, mirrored_opt)))
 
-    with open(os.path.join(OUT, "state.pkl"), "wb") as f:
-        pickle.dump(state, f)
     np.savez(os.path.join(OUT, "strategy.npz"), *weights(model, optimizer))
     with open(os.path.join(OUT, "strategy.json"), "w") as f:
         json.dump({"accuracy": accuracy(model, test, save=True), "plain_accuracy": accuracy(plain_model, test),
                    "mirrored_accuracy": accuracy(mirrored, test), "same_weights": same,
-                   "replicas_ok": bool(replicas_ok), "same_after_round_trip": same_after}, f)
+                   "replicas_ok": bool(replicas_ok), "same_after_round_trip": same_after,
+                   "resumed_same": resumed_same}, f)
 
 
 def plain_phase() -> None:
     assert len(tf.config.list_logical_devices("CPU")) == 1
     _, test = data()
-    with open(os.path.join(OUT, "state.pkl"), "rb") as f:
-        state = pickle.load(f)
     keras.utils.set_random_seed(5)
     model, optimizer = create_model(), keras.optimizers.Adam(0.01)
-    assert ckptcore_keras.restore(state, model, optimizer).ok
+    state = ckptcore.CheckpointManager(os.path.join(OUT, "ckpt")).restore(model=model, optimizer=optimizer)
+    assert state.step == 12 and state.data["epoch"] == EPOCHS
     np.savez(os.path.join(OUT, "plain.npz"), *weights(model, optimizer))
     with open(os.path.join(OUT, "plain.json"), "w") as f:
         json.dump({"accuracy": accuracy(model, test, save=True)}, f)

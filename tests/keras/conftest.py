@@ -52,3 +52,15 @@ def run_python():
 def run_python_module():
     """:func:`run_python` for module-scoped fixtures."""
     return _runner()
+
+
+@pytest.fixture(scope="module")
+def spawn_python():
+    """Start ``python <args>`` in a fresh process with the repo importable; return its ``Popen``.
+
+    For workers that are expected to die (SIGKILL): the caller checks the return code.
+    """
+    def spawn(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *args], env=subprocess_env(), cwd=str(HERE),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return spawn

@@ -1,4 +1,4 @@
-"""Seed 003: a MirroredStrategy custom loop on two logical CPUs, saved with ckptcore_keras.
+"""Seed 003: a MirroredStrategy custom loop on two logical CPUs, saved with ckptcore.CheckpointManager.
 
 The logical devices must be configured before TensorFlow initializes, so the
 strategy side runs in its own process; the strategy-free restore runs in another.
@@ -36,6 +36,7 @@ def test_strategy_process_round_trips(runs):
     assert result["same_weights"], "restore without a strategy differs (same process)"
     assert result["replicas_ok"], "a replica of a mirrored variable was not restored"
     assert result["same_after_round_trip"]
+    assert result["resumed_same"], "a strategy run resumed from its mid-epoch checkpoint differs"
     assert result["accuracy"] == result["plain_accuracy"] == result["mirrored_accuracy"]
 
 

@@ -80,6 +80,23 @@ class Mnist(nn.Layer):
         return self.fc(paddle.reshape(x, [x.shape[0], 16]))
 
 
+class SeedCNN(nn.Layer):
+    """Seed 004's CNN at full size: conv 1->20 5x5 pad 2, max-pool 2, conv 20->20, max-pool 2, linear 980->10."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2D(in_channels=1, out_channels=20, kernel_size=5, stride=1, padding=2)
+        self.max_pool1 = nn.MaxPool2D(kernel_size=2, stride=2)
+        self.conv2 = nn.Conv2D(in_channels=20, out_channels=20, kernel_size=5, stride=1, padding=2)
+        self.max_pool2 = nn.MaxPool2D(kernel_size=2, stride=2)
+        self.fc = nn.Linear(in_features=980, out_features=10)
+
+    def forward(self, x):
+        x = self.max_pool1(paddle.nn.functional.relu(self.conv1(x)))
+        x = self.max_pool2(paddle.nn.functional.relu(self.conv2(x)))
+        return self.fc(paddle.reshape(x, [x.shape[0], 980]))
+
+
 class Zoo(nn.Layer):
     """One of each layer kind ParamInfo describes."""
 

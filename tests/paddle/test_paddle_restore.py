@@ -13,7 +13,10 @@ from _paddle_util import run_worker
 
 SCENARIOS = ["dataparallel_names", "strict_and_report", "mismatch_errors", "grad_scaler",
              "hapi_model_and_handles", "param_info", "step_counting", "optimizer_lifecycle",
-             "cursor_and_plain_values", "core_save_load"]
+             "cursor_and_plain_values", "core_save_load", "schedule_state", "capture_error",
+             # _fit_scenarios.py: DataLoaders that prefetch, and the hapi callback
+             "loader_prefetch_and_workers", "fit_accumulate_resume", "fit_finished_run_trains_nothing",
+             "fit_epoch_checkpoints_without_cursor"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,270 @@
+"""``BackupAndRestore``: ``model.fit`` that survives being killed and resumes at the next unseen batch.
+
+The contract
+------------
+``model.fit(ckptcore_keras.dataset(cursor, x, y), epochs=E, callbacks=[cb])`` with
+``cb = BackupAndRestore(root, cursor=cursor, save_freq=...)``:
+
+* **Saving.** After every ``save_freq`` trained batches (or at each epoch's end
+  for ``"epoch"``), and once more when ``fit`` returns, the callback captures the
+  whole state in the training thread (model and optimizer variables, schedule,
+  RNGs, the cursor, ``model.metrics_variables``, and its own progress: Keras
+  epoch, batches trained in it, batches trained in all) and saves it through a
+  :class:`ckptcore.CheckpointManager` as step ``<batches trained in all>``.
+* **Advancing.** The callback advances the cursor in ``on_train_batch_end``, by
+  the number of batches the step trained (``steps_per_execution`` included), so
+  the saved position counts batches trained, never batches the input pipeline
+  fetched ahead.  Nothing else may advance the cursor during ``fit``.
+* **Epochs.** When the cursor rolls over, the callback ends the Keras epoch right
+  there (it sets ``model.stop_training`` to a marker and clears it in
+  ``on_epoch_end``), so Keras epochs are cursor epochs, including a shorter
+  first epoch after a resume.  Keras itself cannot do this: a dataset of unknown
+  length that ends early makes Keras 3.15 remember that length, and later epochs
+  would be cut to it.  Hence ``steps_per_epoch`` is rejected with a cursor.
+* **Resuming.** ``on_train_begin`` restores the newest checkpoint that verifies
+  (into the model, the optimizer, which it builds if needed, the RNGs and the
+  cursor) and sets ``model._initial_epoch`` as Keras' own callback does: to the
+  interrupted epoch, or the next one if it had ended.  The first iterator then
+  starts at the cursor's next unseen batch; the interrupted epoch's metrics
+  continue from their saved values, so its logs equal an uninterrupted run's.
+* **What is redone.** Batches trained after the last checkpoint are trained
+  again (the same batches, with the same RNG states).  ``on_epoch_end`` work
+  (validation, other callbacks) of an epoch whose last batch was saved but whose
+  ``on_epoch_end`` did not run is skipped.
+* **Without a cursor** the data cannot be positioned: like Keras' own callback, a
+  mid-epoch checkpoint redoes the interrupted epoch from its first batch (warned).
+* **Threads.** The callback overrides ``on_train_batch_end`` and is not
+  ``async_safe``, so Keras calls batch hooks synchronously in the training
+  thread, where Keras keeps its global seed generator; ``async_save=True`` only
+  moves the writing to a background thread.
+* **Several fits.** Each ``fit`` restores on begin, unless the newest checkpoint
+  is the one this callback wrote last (the model already holds it); after
+  ``fit``, ``model._initial_epoch`` is reset.  The checkpoints are kept (retention
+  ``keep``): running the finished script again restores the final state and
+  trains nothing.  One process writes a root at a time (the manager's lock).
+
+The callback may sit anywhere in the list: a stop another callback requests
+(EarlyStopping...) is never cleared, because the end-of-epoch marker is a
+distinct object.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+import keras
+import numpy as np
+
+from ckptcore.errors import RestoreError
+from ckptcore.manager import CheckpointManager
+
+from ._capture import capture, restore
+from .data import advance
+
+__all__ = ["BackupAndRestore"]
+
+_PROGRESS = "keras_fit"
+# root URL -> the manager a BackupAndRestore of this process opened on it.  fit does not call
+# on_train_end when it raises, so an interrupted fit (Ctrl-C in a notebook) leaves its
+# manager holding the root's writer lock; the next callback on that root closes it.
+_OPEN: dict[str, CheckpointManager] = {}
+
+
+class _EndOfEpoch:
+    """The ``model.stop_training`` value that ends one Keras epoch, not the run."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "<ckptcore_keras: end of epoch>"
+
+
+_END_OF_EPOCH = _EndOfEpoch()
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Back up the whole training state to ``root`` and resume ``fit`` exactly where it stopped.
+
+    Args:
+        root: Any fsspec URL (a local folder, ``s3://bucket/run``...).
+        save_freq: ``"epoch"``, or save every this many trained batches.
+        cursor: The :class:`ckptcore.DataCursor` that ``ckptcore_keras.dataset``
+            reads; the callback advances it and resumes it mid-epoch.
+        keep: Retention, as for :class:`ckptcore.CheckpointManager` (an int keeps the
+            last n; the older one is the fallback if the newest is damaged).
+        async_save: Write checkpoints in a background thread (the state is still
+            captured in the training thread, between steps).
+        storage_options: Passed to fsspec.
+
+    Example:
+        >>> cursor = ckptcore.DataCursor(len(x), 64, seed=0)                  # doctest: +SKIP
+        >>> cb = ckptcore_keras.BackupAndRestore("gs://b/run1", save_freq=500,
+        ...                                      cursor=cursor)                # doctest: +SKIP
+        >>> ds = ckptcore_keras.dataset(cursor, x, y)                          # doctest: +SKIP
+        >>> model.fit(ds, epochs=10, callbacks=[cb])                           # doctest: +SKIP
+    """
+
+    def __init__(self, root: Any, *, save_freq: str | int = "epoch", cursor: Any = None,
+                 keep: Any = 2, async_save: bool = False,
+                 storage_options: Mapping[str, Any] | None = None):
+        super().__init__()
+        if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool)
+                                     or save_freq < 1):
+            raise ValueError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}")
+        self.root, self.save_freq, self.cursor = str(root), save_freq, cursor
+        self.keep, self.async_save = keep, async_save
+        self.storage_options = dict(storage_options or {})
+        self._manager: CheckpointManager | None = None
+        self._batches = 0          # batches trained in the whole run, over all processes
+        self._epoch = 0            # the Keras epoch in progress
+        self._in_epoch = 0         # batches trained in it
+        self._epoch_done = False
+        self._since_save = 0
+        self._last_step: int | None = None  # the checkpoint this callback wrote or restored last
+        self._resume: tuple[int, int, dict] | None = None  # (epoch, batches done, metrics)
+        self._late_metrics: tuple[dict[str, list[np.ndarray]], set[int]] | None = None
+        self._begin = 0
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """The :class:`ckptcore.CheckpointManager` of ``root`` (opened on first use)."""
+        if self._manager is None:
+            mgr = CheckpointManager(self.root, keep=self.keep, async_save=self.async_save,
+                                    storage_options=self.storage_options)
+            stale = _OPEN.pop(mgr.root.url, None)
+            if stale is not None:
+                try:
+                    stale.close()
+                except Exception as e:  # noqa: BLE001 - its run is over; report and move on
+                    warnings.warn(f"{self.root}: the previous fit's last save failed: {e!r}",
+                                  stacklevel=3)
+            self._manager = _OPEN[mgr.root.url] = mgr
+        return self._manager
+
+    # -- resume ---------------------------------------------------------------------------------
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.cursor is not None and self.params.get("steps") is not None:
+            raise ValueError("BackupAndRestore(cursor=...) ends each epoch where the cursor does: "
+                             "train on ckptcore_keras.dataset(cursor, ...) and do not pass "
+                             "steps_per_epoch (a resumed epoch is shorter than the others)")
+        latest = self.manager.latest_step()
+        if latest is None or latest == self._last_step:
+            return  # nothing saved yet, or this callback's own last save: the model is there
+        self._restore(self.manager.restore())
+
+    def _restore(self, state: Any) -> None:
+        progress = (state.extra or {}).get(_PROGRESS)
+        if not isinstance(progress, dict):
+            raise RestoreError(f"{self.root}: the newest checkpoint was not written by "
+                               "ckptcore_keras.BackupAndRestore (it has no fit progress); "
+                               "use another root, or restore it with ckptcore.load_state")
+        restore(state, self.model, cursor=self.cursor)
+        epoch, done = int(progress["epoch"]), bool(progress["epoch_done"])
+        in_epoch = 0 if done else int(progress["batch"])
+        self._batches = self._last_step = int(progress["batches"])
+        self._since_save = 0
+        start = epoch + 1 if done else epoch
+        if in_epoch and self.cursor is None:
+            warnings.warn(f"resuming in the middle of epoch {epoch} without a cursor: the epoch "
+                          "is trained again from its first batch; pass cursor= and train on "
+                          "ckptcore_keras.dataset(cursor, ...) to continue at the next batch",
+                          stacklevel=2)
+            in_epoch = 0
+        self._resume = (start, in_epoch, progress.get("metrics") or {}) if in_epoch else None
+        self.model._initial_epoch = start  # what keras.callbacks.BackupAndRestore sets, too
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch, self._in_epoch, self._epoch_done = epoch, 0, False
+        resume, self._resume = self._resume, None
+        if resume is not None and resume[0] == epoch:
+            self._in_epoch = resume[1]
+            # fit has just reset the metrics; continue the interrupted epoch's instead.
+            existing = {id(v) for v in self.model.metrics_variables}
+            self._late_metrics = (_assign_metrics(self.model, resume[2]), existing)
+
+    # -- progress -------------------------------------------------------------------------------
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self._begin = batch
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        trained = max(1, batch - self._begin + 1)  # steps_per_execution
+        rolled = False
+        if self.cursor is not None:
+            trained, rolled = advance(self.cursor, trained)
+        self._batches += trained
+        self._in_epoch += trained
+        self._since_save += trained
+        if self._late_metrics is not None:
+            _add_metrics(self.model, *self._late_metrics)
+            self._late_metrics = None
+        if rolled:
+            self._epoch_done = True
+            if not self.model.stop_training:
+                self.model.stop_training = _END_OF_EPOCH
+        if self.save_freq != "epoch" and self._since_save >= self.save_freq:
+            self._save()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.model.stop_training is _END_OF_EPOCH:
+            self.model.stop_training = False
+        self._epoch_done = True
+        if self.save_freq == "epoch":
+            self._save()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        try:
+            opt = getattr(self.model, "optimizer", None)
+            # After fit, Keras swaps EMA averages into the weights: not a state to continue from.
+            if self._batches != self._last_step and not getattr(opt, "use_ema", False):
+                self._save()
+            if self._manager is not None:
+                _OPEN.pop(self._manager.root.url, None)
+                self._manager.close()
+        finally:
+            self._manager = None
+            self.model._initial_epoch = None
+
+    def _save(self) -> None:
+        if self._batches == self._last_step:
+            return
+        state = capture(self.model, cursor=self.cursor)
+        state.epoch = self._epoch + int(self._epoch_done)
+        state.extra[_PROGRESS] = {
+            "epoch": self._epoch, "batch": self._in_epoch, "epoch_done": self._epoch_done,
+            "batches": self._batches, "metrics": _metric_values(self.model)}
+        self.manager.save(self._batches, state)
+        self._last_step, self._since_save = self._batches, 0
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+def _metric_values(model: Any) -> dict[str, list[np.ndarray]]:
+    out: dict[str, list[np.ndarray]] = {}
+    for v in model.metrics_variables:
+        out.setdefault(v.path, []).append(np.array(v.numpy()))
+    return out
+
+
+def _assign_metrics(model: Any, saved: Mapping[str, Any]) -> dict[str, list[np.ndarray]]:
+    """Assign saved metric values to the metric variables that exist; return the rest.
+
+    Compile metrics are built when the train function is first traced, after
+    ``on_epoch_begin`` in a fresh process; the rest is added after the first step.
+    """
+    pending = {k: [np.asarray(a) for a in v] for k, v in saved.items()}
+    for v in model.metrics_variables:
+        values = pending.get(v.path)
+        if values and values[0].shape == tuple(v.shape):
+            v.assign(values.pop(0).astype(v.dtype, copy=False))
+    return {k: v for k, v in pending.items() if v}
+
+
+def _add_metrics(model: Any, pending: Mapping[str, list[np.ndarray]], existing: set[int]) -> None:
+    """Add saved values to metrics built during the first step (their state is sums and counts)."""
+    pending = {k: list(v) for k, v in pending.items()}
+    for v in model.metrics_variables:
+        values = pending.get(v.path) if id(v) not in existing else None
+        if values and values[0].shape == tuple(v.shape):
+            v.assign_add(values.pop(0).astype(v.dtype, copy=False))

@@ -1,0 +1,129 @@
+"""``tf.data`` input that follows a :class:`ckptcore.DataCursor`, so a run resumes mid-epoch.
+
+Who advances the cursor
+-----------------------
+The dataset never moves the cursor.  Each time an iterator over it starts
+(Keras' ``fit`` starts one per epoch), it copies the cursor's position and
+yields the rest of that epoch from the copy, then ends.  tf.data fetches ahead
+(prefetching, ``steps_per_execution``, a strategy's device buffers), so the
+position it reads can only be trusted if it counts batches *trained*, not
+fetched.  Therefore the trainer advances the cursor after each step:
+
+* in ``model.fit``, :class:`ckptcore_keras.BackupAndRestore` (given the same
+  cursor) does it in ``on_train_batch_end`` and ends each Keras epoch exactly
+  when the cursor rolls over to the next epoch;
+* in a custom loop, call ``cursor.next_batch()`` once per trained step (its
+  return value is the batch just trained; ignore it).
+
+Without either, every iterator starts at the same place: each epoch repeats the
+first one's order.  A checkpoint taken after a step holds the cursor at the
+next unseen batch, so a resumed run starts its first iterator there: nothing
+is replayed or skipped, in O(1).
+
+The order is :class:`~ckptcore.DataCursor`'s (a seeded permutation per epoch),
+identical in every process, on every machine and in the Paddle adapter.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any, Callable
+
+__all__ = ["dataset"]
+
+# Taken by the snapshot an iterator makes and by BackupAndRestore's advance, so a
+# snapshot never sees the cursor half-way through a rollover.
+_LOCK = threading.Lock()
+
+
+def snapshot(cursor: Any) -> Any:
+    """An independent copy of ``cursor`` (a ``DataCursor`` or a ``CursorShard`` view)."""
+    with _LOCK:
+        return copy.deepcopy(cursor)
+
+
+def advance(cursor: Any, batches: int) -> tuple[int, bool]:
+    """Mark up to ``batches`` batches as trained: ``(batches advanced, rolled over to a new epoch)``.
+
+    Stops at the end of the epoch: one Keras step cannot train batches of the
+    next epoch, because the dataset ends each epoch.
+    """
+    base = getattr(cursor, "cursor", cursor)  # a CursorShard's global cursor
+    with _LOCK:
+        epoch = base.epoch
+        n = max(0, min(batches, cursor.steps_remaining_in_epoch))
+        for _ in range(n):
+            cursor.next_batch()
+        return n, base.epoch != epoch
+
+
+def _check_arrays(cursor: Any, arrays: tuple[Any, ...]) -> Any:
+    import tensorflow as tf
+
+    base = getattr(cursor, "cursor", cursor)
+    for a in tf.nest.flatten(arrays):
+        if not hasattr(a, "shape") or not hasattr(a, "__getitem__"):
+            raise TypeError(f"dataset() takes array-likes with a .shape (numpy arrays), got "
+                            f"{type(a).__name__}; for data not in memory pass map_fn= instead")
+        if not a.shape or a.shape[0] != base.num_samples:
+            raise ValueError(f"an array has {a.shape[0] if a.shape else 'no'} rows but the "
+                             f"cursor walks {base.num_samples} samples; they must match")
+    return arrays[0] if len(arrays) == 1 else arrays
+
+
+def dataset(cursor: Any, *arrays: Any, map_fn: Callable[..., Any] | None = None,
+            prefetch: bool = True) -> Any:
+    """A ``tf.data.Dataset`` of the cursor's batches: the rest of its current epoch per iterator.
+
+    Args:
+        cursor: A :class:`ckptcore.DataCursor` (global batches) or a ``CursorShard``
+            view of one (this worker's part of each global batch).
+        *arrays: In-memory data with one row per sample: numpy arrays or nested
+            tuples/dicts of them (``x, y``, ``x, y, sample_weight``,
+            ``{"a": xa, "b": xb}, y``).  Each batch is ``array[indices]`` for all.
+        map_fn: Applied to each batch with ``Dataset.map`` (in parallel, order
+            kept).  With ``arrays`` it receives the batch's arrays; without, it
+            receives the batch's int64 sample indices and must return the batch,
+            which is how data that is not in memory is read (wrap Python code in
+            ``tf.numpy_function``).
+        prefetch: Prefetch batches in the background (safe: the position is
+            counted by whoever trains, see the module docstring).
+
+    Returns:
+        A finite dataset; its cardinality is unknown, since an iterator started
+        mid-epoch yields fewer batches.
+
+    Example:
+        >>> cursor = ckptcore.DataCursor(len(x), 32, seed=0)                    # doctest: +SKIP
+        >>> cb = ckptcore_keras.BackupAndRestore("s3://b/run", cursor=cursor, save_freq=100)  # doctest: +SKIP
+        >>> model.fit(ckptcore_keras.dataset(cursor, x, y), epochs=5, callbacks=[cb])  # doctest: +SKIP
+        >>> def load(indices):  # data on disk                                  # doctest: +SKIP
+        ...     return tf.numpy_function(read_samples, [indices], (tf.float32, tf.int64))
+        >>> ds = ckptcore_keras.dataset(cursor, map_fn=load)                    # doctest: +SKIP
+    """
+    import tensorflow as tf
+
+    if not hasattr(cursor, "iter_epoch") or not hasattr(cursor, "state_dict"):
+        raise TypeError(f"cursor must be a ckptcore.DataCursor or a CursorShard, got "
+                        f"{type(cursor).__name__}")
+    if arrays:
+        data = _check_arrays(cursor, arrays)
+        signature = tf.nest.map_structure(
+            lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), data)
+
+        def batches():
+            for idx in snapshot(cursor).iter_epoch():
+                yield tf.nest.map_structure(lambda a: a[idx], data)
+    else:
+        signature = tf.TensorSpec((None,), tf.int64)
+
+        def batches():
+            yield from snapshot(cursor).iter_epoch()
+
+    ds = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    if map_fn is not None:
+        ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    if prefetch:
+        ds = ds.prefetch(tf.data.AUTOTUNE)
+    return ds

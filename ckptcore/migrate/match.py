@@ -1,0 +1,183 @@
+"""Which source layer becomes which target layer.
+
+Both adapters describe every parameter with a :class:`~ckptcore.ParamInfo`; parameters sharing an
+``index`` form a layer (a :class:`~.layouts.Unit`).  A Paddle multi-layer or bidirectional RNN is
+one layer there but several in Keras (one per layer and direction), so it is split into one unit
+per ``(layer_index, direction)``.  The two unit lists are aligned in order by kind and size (an
+LCS alignment, so one extra or missing layer is reported as such instead of shifting every later
+pair); ``name_map`` pins pairs first.  Every source parameter that finds no place and every target
+parameter that gets no value is reported with the reason, all at once.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ..state import ParamInfo, TrainingState
+from .layouts import RNN_KINDS, LayoutProblem, Move, Unit, plan_unit
+
+__all__ = ["units_of", "match_units", "plan_moves"]
+
+_DIRECTIONS = {"forward": 0, "backward": 1, "reverse": 1}
+
+
+def units_of(state: TrainingState, side: str) -> tuple[list[Unit], dict[str, str]]:
+    """The state's layers in model order, and the parameters no layer claims (name -> why)."""
+    groups: dict[tuple, dict[str, tuple[str, ParamInfo]]] = {}
+    loose: dict[str, str] = {}
+    for name in state.model:
+        info = state.params.get(name)
+        if info is None:
+            loose[name] = "it has no ParamInfo (captured by an adapter that does not describe parameters)"
+            continue
+        if info.index < 0:
+            if info.role != "seed_state":
+                loose[name] = f"it is a {info.kind!r} variable outside any layer ({info.role})"
+            continue
+        sub: tuple = ()
+        if info.kind in RNN_KINDS:
+            sub = (int(info.attrs.get("layer_index", 0)),
+                   _DIRECTIONS.get(str(info.attrs.get("direction", "forward")), 0))
+        key = (info.index, sub)
+        roles = groups.setdefault(key, {})
+        if info.role in roles:
+            loose[name] = f"layer {info.layer} already has a {info.role!r} ({roles[info.role][0]})"
+            continue
+        roles[info.role] = (name, info)
+    units = []
+    for key in sorted(groups):
+        roles = groups[key]
+        first = next(iter(roles.values()))[1]
+        label = first.layer
+        if key[1] and sum(1 for k in groups if k[0] == key[0]) > 1:   # one of several RNN layers/directions
+            label += f"[layer {key[1][0]}, {'reverse' if key[1][1] else 'forward'}]"
+        units.append(Unit(kind=first.kind, layer=first.layer,
+                          params={r: n for r, (n, _) in roles.items()},
+                          infos={r: i for r, (_, i) in roles.items()},
+                          shapes={r: tuple(state.model[n].shape) for r, (n, _) in roles.items()},
+                          label=f"{side} layer {label} ({first.kind})",
+                          framework=state.framework or ""))
+    return units, loose
+
+
+def _compatible(a: Unit, b: Unit) -> bool:
+    return a.kind == b.kind and a.main_size == b.main_size
+
+
+def _lcs(src: list[Unit], dst: list[Unit]) -> list[tuple[int, int]]:
+    n, m = len(src), len(dst)
+    best = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            best[i][j] = (best[i + 1][j + 1] + 1 if _compatible(src[i], dst[j])
+                          else max(best[i + 1][j], best[i][j + 1]))
+    pairs, i, j = [], 0, 0
+    while i < n and j < m:
+        if _compatible(src[i], dst[j]) and best[i][j] == best[i + 1][j + 1] + 1:
+            pairs.append((i, j))
+            i, j = i + 1, j + 1
+        elif best[i + 1][j] >= best[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return pairs
+
+
+def _unique_leftovers(src: list[Unit], dst: list[Unit], left_s: set[int], left_d: set[int]
+                      ) -> list[tuple[int, int]]:
+    """Pair layers the ordered alignment left over when their (kind, size) occurs once on each side.
+
+    Multi-branch models list their layers in different orders in the two frameworks (Keras by
+    graph depth, Paddle by definition), so an ordered alignment alone leaves whole branches out.
+    """
+    def by_sig(units: list[Unit], idx: set[int]) -> dict[tuple, list[int]]:
+        out: dict[tuple, list[int]] = {}
+        for i in sorted(idx):
+            out.setdefault((units[i].kind, units[i].main_size), []).append(i)
+        return out
+    ss, dd = by_sig(src, left_s), by_sig(dst, left_d)
+    return [(ss[k][0], dd[k][0]) for k in ss if len(ss[k]) == 1 and len(dd.get(k, ())) == 1]
+
+
+def _find(units: list[Unit], key: str) -> int | None:
+    for i, u in enumerate(units):
+        if key in u.params.values() or key == u.layer:
+            return i
+    return None
+
+
+def match_units(src: list[Unit], dst: list[Unit], name_map: Mapping[str, str | None] | None,
+                problems: list[str]) -> list[tuple[Unit, Unit]]:
+    """Pairs of (source unit, target unit); what cannot be paired goes to ``problems``."""
+    pinned: list[tuple[int, int]] = []
+    dropped: set[int] = set()
+    for s_key, d_key in (name_map or {}).items():
+        i = _find(src, s_key)
+        if i is None:
+            problems.append(f"name_map: {s_key!r} is neither a parameter nor a layer of the source")
+            continue
+        if d_key is None:
+            dropped.add(i)
+            continue
+        j = _find(dst, d_key)
+        if j is None:
+            problems.append(f"name_map: {d_key!r} is neither a parameter nor a layer of the target")
+            continue
+        if any(p[0] == i or p[1] == j for p in pinned):
+            if (i, j) not in pinned:
+                problems.append(f"name_map: {s_key!r} -> {d_key!r} conflicts with another entry "
+                                "for the same layer")
+            continue
+        pinned.append((i, j))
+    free_s = [i for i in range(len(src)) if i not in dropped and all(p[0] != i for p in pinned)]
+    free_d = [j for j in range(len(dst)) if all(p[1] != j for p in pinned)]
+    auto = [(free_s[a], free_d[b]) for a, b in _lcs([src[i] for i in free_s], [dst[j] for j in free_d])]
+    auto += _unique_leftovers(src, dst, set(free_s) - {p[0] for p in auto}, set(free_d) - {p[1] for p in auto})
+    pairs = sorted(pinned + auto, key=lambda p: p[1])
+    taken_s = {p[0] for p in pairs} | dropped
+    taken_d = {p[1] for p in pairs}
+    for i, u in enumerate(src):
+        if i not in taken_s:
+            problems.extend(f"source {n} {_shape(u, r)}: its {u.label} has no counterpart in the target"
+                            for r, n in u.params.items())
+    for j, u in enumerate(dst):
+        if j not in taken_d:
+            problems.extend(f"target {n} {_shape(u, r)}: nothing in the source corresponds to its "
+                            f"{u.label}" for r, n in u.params.items())
+    return [(src[i], dst[j]) for i, j in pairs]
+
+
+def _shape(u: Unit, role: str) -> str:
+    return f"{list(u.shapes[role])}"
+
+
+def plan_moves(pairs: list[tuple[Unit, Unit]], problems: list[str]) -> list[Move]:
+    """Every target array's :class:`Move`, checking shapes on zero-filled stand-ins."""
+    import numpy as np
+
+    moves: list[Move] = []
+    for s, d in pairs:
+        try:
+            unit_moves = plan_unit(s, d)
+        except LayoutProblem as e:
+            problems.extend(f"source {n} -> {d.label}: {e}" for n in s.params.values())
+            continue
+        shapes = {n: s.shapes[r] for r, n in s.params.items()}
+        want = {n: d.shapes[r] for r, n in d.params.items()}
+        ok = True
+        for mv in unit_moves:
+            try:
+                got = mv.weight([np.zeros(shapes[x], np.float32) for x in mv.src]).shape
+            except (ValueError, IndexError, LayoutProblem) as e:
+                got, err = None, str(e)
+            else:
+                err = ""
+            if got != want[mv.dst]:
+                ok = False
+                what = f"gives shape {list(got)}" if got is not None else f"fails ({err})"
+                problems.append(f"source {', '.join(mv.src)} {[list(shapes[x]) for x in mv.src]} -> target "
+                                f"{mv.dst}: the layout transform ({mv.note or 'identity'}) {what} but the "
+                                f"target's shape is {list(want[mv.dst])}")
+        if ok:
+            moves.extend(unit_moves)
+    return moves

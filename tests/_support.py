@@ -1,0 +1,106 @@
+"""Helpers shared by the core test suites: exact comparison of states and a sample state."""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import numpy as np
+
+import ckptcore
+from ckptcore import AccumulationState, OptimizerState, ParamInfo, ScheduleState, TrainingState
+
+
+def le_contiguous(a: np.ndarray) -> np.ndarray:
+    """What ckptcore must hand back for ``a``: C-contiguous, little-endian, the same bits.
+
+    Uses ``byteswap`` (which knows complex and string layouts) rather than the ``astype`` the
+    library uses, so the expectation is computed independently.
+    """
+    a = np.array(a, copy=True, order="C")
+    if a.dtype.byteorder == ">":
+        a = a.byteswap().view(a.dtype.newbyteorder("<"))
+    return a
+
+
+def assert_array_same(got: Any, want: np.ndarray, where: str = "") -> None:
+    """Bit-for-bit equality (NaNs, -0.0, padding bytes and all) of ``got`` with ``want``."""
+    assert isinstance(got, np.ndarray), f"{where}: expected ndarray, got {type(got).__name__}"
+    want = le_contiguous(want)
+    assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
+    assert got.dtype.byteorder in "=|<", f"{where}: not little-endian: {got.dtype}"
+    assert got.shape == want.shape, f"{where}: shape {got.shape} != {want.shape}"
+    assert got.tobytes() == want.tobytes(), f"{where}: bytes differ"
+
+
+def assert_tree_same(got: Any, want: Any, where: str = "state") -> None:
+    """Exact structural equality: container types, key order and types, value types and bits."""
+    if isinstance(want, np.ndarray):
+        assert_array_same(got, want, where)
+        return
+    if isinstance(want, np.generic):
+        assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+        assert_array_same(np.asarray(got), np.asarray(want), where)
+        return
+    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, dict):
+        assert [(type(k), k) for k in got] == [(type(k), k) for k in want], \
+            f"{where}: keys {list(got)!r} != {list(want)!r}"
+        for k in want:
+            assert_tree_same(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_tree_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert struct.pack("<d", got) == struct.pack("<d", want) or (
+            math.isnan(got) and math.isnan(want)), f"{where}: {got!r} != {want!r}"
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def assert_state_same(got: TrainingState, want: TrainingState, sections=TrainingState.SECTIONS) -> None:
+    for name in sections:
+        g, w = getattr(got, name), getattr(want, name)
+        if name == "params":
+            assert g == w, "state.params differ"
+        elif isinstance(w, (OptimizerState, ScheduleState, AccumulationState)):
+            assert type(g) is type(w), f"state.{name}: {type(g).__name__} != {type(w).__name__}"
+            assert_tree_same(vars(g), vars(w), f"state.{name}")
+        else:
+            assert_tree_same(g, w, f"state.{name}")
+
+
+def sample_state(seed: int = 0, *, scale: int = 1) -> TrainingState:
+    """A deterministic state using every section; ``scale`` grows the weights (scale 1 ~ 40 KB)."""
+    rng = np.random.default_rng(seed)
+    n = 32 * scale
+    model = {
+        "dense/kernel": rng.standard_normal((n, 64), dtype=np.float32),
+        "dense/bias": rng.standard_normal(64).astype(np.float16),
+        "bn/moving_mean": rng.standard_normal(64),
+        "embed/table": rng.integers(-100, 100, (n, 16), dtype=np.int64),
+        "count": np.array(seed, dtype=np.int32),
+    }
+    slots = {k: {"m": np.zeros_like(v) + 1, "v": np.full_like(v, 2)}
+             for k, v in model.items() if v.dtype.kind == "f"}
+    return TrainingState(
+        model=model,
+        optimizer=OptimizerState("adam", step=seed + 3, hyperparams={"lr": 1e-3, "betas": (0.9, 0.999)},
+                                 slots=slots, extra={"loss_scale": np.float32(128.0)}),
+        schedule=ScheduleState("cosine", config={"warmup": 10, "total": 1000}, step=seed, last_lr=5e-4,
+                               state={"best": np.float32(0.25)}),
+        rng={"python": (3, tuple(range(5)), None), "numpy": {"state": np.arange(4, dtype=np.uint64)}},
+        data={"epoch": 1, "position": seed * 7, "seed": 1234},
+        accumulation=AccumulationState(every=4, count=2, buffers={"dense/kernel": model["dense/kernel"] * 0.5}),
+        step=seed, epoch=seed // 10, framework="numpy",
+        metadata={"note": "sample", "versions": {"numpy": "x"}},
+        extra={"history": [1.0, 0.5, float("nan")], "blob": b"\x00\x01"},
+        params={"dense/kernel": ParamInfo(index=0, layer="dense", kind="dense", role="kernel", layout="io")},
+    )
+
+
+def save_and_reload(url: str, state: TrainingState, **kw: Any) -> TrainingState:
+    ckptcore.save_state(url, state, **kw)
+    return ckptcore.load_state(url, **kw)

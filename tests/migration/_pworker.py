@@ -1,0 +1,208 @@
+"""Paddle half of the migration tests: ``python _pworker.py <dir> [options json]``.
+
+Loads the Keras worker's checkpoints into Paddle objects and continues them, and trains and saves
+the Paddle-side checkpoints the Keras worker's ``target`` phase continues.  Results go to
+``<dir>/paddle.json`` (an ``error`` entry per failed task).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+import _paddle_models as pm  # noqa: I001  (imports Paddle first)
+import paddle
+import ckptcore
+from _common import (E2E_BATCH, E2E_CONTINUE, E2E_SAMPLES, LR_STEPS, OPT_CASES, SCHEDULES, STEPS, batches,
+                     e2e_dataset, max_diff, probe_images, write_json)
+
+
+def _caught(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in caught if issubclass(w.category, ckptcore.MigrationWarning)]
+
+
+def cnn(d: str, opts: dict) -> dict:
+    """Acceptance 1, Keras -> Paddle; and the Paddle CNN the Keras worker loads."""
+    net = pm.cnn(1)
+    _, warns = _caught(lambda: ckptcore.load_state(f"{d}/cnn_k", model=net))
+    out = net(paddle.to_tensor(probe_images(True))).numpy()
+    src = pm.cnn(2)
+    ckptcore.save_state(f"{d}/cnn_p", model=src)
+    np.save(f"{d}/cnn_p_logits.npy", src(paddle.to_tensor(probe_images(True))).numpy())
+    return {"logits_diff": max_diff(out, np.load(f"{d}/cnn_k_logits.npy")), "warnings": warns}
+
+
+def _weights_vs(net, reference_url: str) -> float:
+    ref, _ = _caught(lambda: ckptcore.convert(reference_url, "paddle", pm.cnn(0)))
+    return max(max_diff(t.numpy(), ref.model[k]) for k, t in net.state_dict().items())
+
+
+def opt_k2p(d: str, opts: dict) -> dict:
+    """Acceptance 2, Keras -> Paddle: 5 Keras steps, migrate, 5 more in both."""
+    out = {}
+    for i, (case, spec) in enumerate(OPT_CASES.items()):
+        net = pm.cnn(20 + i)
+        opt = pm.optimizer(*spec["paddle"], net.parameters())
+        _, warns = _caught(lambda: ckptcore.load_state(f"{d}/opt_{case}_k5", model=net, optimizer=opt))
+        for x, y in batches(100 + i, 2 * STEPS, nchw=True)[STEPS:]:
+            pm.train_step(net, opt, x, y)
+        out[case] = {"weight_diff": _weights_vs(net, f"{d}/opt_{case}_k10"), "warnings": warns}
+    return out
+
+
+def opt_source(d: str, opts: dict) -> dict:
+    """Paddle runs for acceptance 2, Paddle -> Keras."""
+    for i, (case, spec) in enumerate(OPT_CASES.items()):
+        net = pm.cnn(40 + i)
+        opt = pm.optimizer(*spec["paddle"], net.parameters())
+        data = batches(200 + i, 2 * STEPS, nchw=True)
+        for x, y in data[:STEPS]:
+            pm.train_step(net, opt, x, y)
+        ckptcore.save_state(f"{d}/opt_{case}_p5", model=net, optimizer=opt)
+        for x, y in data[STEPS:]:
+            pm.train_step(net, opt, x, y)
+        ckptcore.save_state(f"{d}/opt_{case}_p10", model=net, optimizer=opt)
+    return {"ok": True}
+
+
+def sched_k2p(d: str, opts: dict) -> dict:
+    out = {}
+    xs = np.random.RandomState(5).randn(STEPS + LR_STEPS, 3, 4).astype("float32")
+    for name, (_, pspec) in SCHEDULES.items():
+        net, sch = pm.tiny(), pm.scheduler(*pspec)
+        opt = paddle.optimizer.SGD(learning_rate=sch, parameters=net.parameters())
+        _, warns = _caught(lambda: ckptcore.load_state(f"{d}/sched_{name}_k5", model=net, optimizer=opt,
+                                                       scheduler=sch))
+        lrs = []
+        for x in xs[STEPS:]:
+            lrs.append(float(opt.get_lr()))
+            pm.tiny_step(net, opt, sch, x)
+        out[name] = {"lrs": lrs, "warnings": warns}
+    return out
+
+
+def sched_source(d: str, opts: dict) -> dict:
+    out = {}
+    xs = np.random.RandomState(6).randn(STEPS + LR_STEPS, 3, 4).astype("float32")
+    for name, (_, pspec) in SCHEDULES.items():
+        net, sch = pm.tiny(), pm.scheduler(*pspec)
+        opt = paddle.optimizer.SGD(learning_rate=sch, parameters=net.parameters())
+        for x in xs[:STEPS]:
+            pm.tiny_step(net, opt, sch, x)
+        ckptcore.save_state(f"{d}/sched_{name}_p5", model=net, optimizer=opt)
+        lrs = []
+        for x in xs[STEPS:]:
+            lrs.append(float(opt.get_lr()))
+            pm.tiny_step(net, opt, sch, x)
+        out[name] = lrs
+    return out
+
+
+def sched_mismatch(d: str, opts: dict) -> dict:
+    """A pair §4 does not find exact raises MigrationError; approximate=True converts with a warning."""
+    net, sch = pm.tiny(), pm.scheduler("StepDecay", {"learning_rate": 0.1, "step_size": 3, "gamma": 0.5})
+    opt = paddle.optimizer.SGD(learning_rate=sch, parameters=net.parameters())
+    try:
+        ckptcore.load_state(f"{d}/sched_exponential_k5", model=net, optimizer=opt)
+        error = None
+    except ckptcore.MigrationError as e:
+        error = str(e)
+    _, warns = _caught(lambda: ckptcore.load_state(f"{d}/sched_exponential_k5", model=net, optimizer=opt,
+                                                   approximate=True))
+    return {"error": error, "approx_warnings": warns, "last_epoch": sch.last_epoch}
+
+
+def zoo(d: str, opts: dict) -> dict:
+    """Acceptance 3 both ways (this side: Keras -> Paddle, and the Paddle model the Keras worker loads)."""
+    z = pm.zoo(4)
+    _, warns = _caught(lambda: ckptcore.load_state(f"{d}/zoo_k", model=z))
+    ref = np.load(f"{d}/zoo_k_out.npz")
+    diffs = [max_diff(o, ref[f"arr_{i}"]) for i, o in enumerate(pm.zoo_outputs(z))]
+    src = pm.zoo(3)
+    ckptcore.save_state(f"{d}/zoo_p", model=src)
+    np.savez(f"{d}/zoo_p_out.npz", *pm.zoo_outputs(src))
+    return {"diffs": diffs, "warnings": warns}
+
+
+def e2e(d: str, opts: dict) -> dict:
+    """Acceptance 4: continue the Keras run from the bucket, with its data cursor."""
+    from ckptcore import DataCursor
+
+    x, y = e2e_dataset()
+    x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    net = pm.cnn(11)
+    opt = pm.optimizer("KerasAdam", {"learning_rate": 1e-3}, net.parameters())
+    cursor = DataCursor(E2E_SAMPLES, E2E_BATCH, seed=0)
+    _, warns = _caught(lambda: ckptcore.load_state(opts["e2e_url"], model=net, optimizer=opt, cursor=cursor,
+                                                   storage_options=opts["storage_options"]))
+    seen, losses = [], []
+    for _ in range(E2E_CONTINUE):
+        epoch, idx = cursor.epoch, cursor.next_batch()
+        seen.append([epoch, idx.tolist()])
+        losses.append(pm.train_step(net, opt, x[idx], y[idx]))
+    return {"seen": seen, "losses": losses, "warnings": warns}
+
+
+def cli_to_paddle(d: str, opts: dict) -> dict:
+    """Acceptance 5, first leg, plus ``--to pdparams`` loaded by Paddle itself."""
+    from ckptcore import cli
+
+    rc = cli.main(["convert", f"{d}/opt_adam_k5", f"{d}/cli_p", "--to", "paddle",
+                   "--model", "_paddle_models:cli_cnn_adam"])
+    rc2 = cli.main(["convert", f"{d}/opt_adam_k5", f"{d}/cli_pd", "--to", "pdparams",
+                    "--model", "_paddle_models:cli_cnn_adam"])
+    net, opt = pm.cli_cnn_adam()
+    missing, unexpected = net.set_state_dict(paddle.load(f"{d}/cli_pd.pdparams"))
+    opt.set_state_dict(paddle.load(f"{d}/cli_pd.pdopt"))
+    state = ckptcore.load_state(f"{d}/cli_p")
+    wdiff = max(max_diff(t.numpy(), state.model[k]) for k, t in net.state_dict().items())
+    x, y = batches(100, 1, nchw=True)[0]
+    pm.train_step(net, opt, x, y)   # the optimizer accepted the .pdopt: its beta powers moved on
+    pows = [v.numpy().item() for k, per in opt._accumulators.items() if "beta2_pow" in k for v in per.values()]
+    return {"rc": [rc, rc2], "report": [list(missing), list(unexpected)], "weight_diff": wdiff,
+            "step": state.optimizer.step, "beta2_pow": pows[:1]}
+
+
+def rng(d: str, opts: dict) -> dict:
+    """The reseeded Paddle generator is exactly what ``paddle.seed`` gives (and it restores)."""
+    from ckptcore.migrate.rng import convert_rng
+
+    entry = convert_rng({"tensorflow": {"state": [1, 2, 3], "algorithm": 1}}, "paddle", 7)["paddle"][0]
+    paddle.seed(entry["seed"])
+    _, seed, offset, engine = paddle.get_rng_state()[0].__getstate__()
+    first = paddle.rand([4]).numpy().tolist()
+    from ckptcore_paddle._rng import restore_all_rng
+    paddle.seed(0)
+    restore_all_rng({"paddle": [entry]})
+    return {"engine_equal": bytes(engine).decode() == entry["engine"], "seed_equal": seed == entry["seed"],
+            "draws_equal": paddle.rand([4]).numpy().tolist() == first}
+
+
+TASKS = [rng, cnn, opt_k2p, opt_source, sched_k2p, sched_source, sched_mismatch, zoo, e2e, cli_to_paddle]
+
+
+def main(d: str, options: str = "{}") -> None:
+    opts = json.loads(options)
+    results = {}
+    for task in TASKS:
+        if task is e2e and "e2e_url" not in opts:
+            continue
+        t0 = time.perf_counter()
+        try:
+            results[task.__name__] = task(d, opts)
+        except Exception:  # reported to the test, which fails with the traceback
+            results[task.__name__] = {"error": traceback.format_exc()}
+        results[task.__name__ + "_seconds"] = time.perf_counter() - t0
+    write_json(d, "paddle", results)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

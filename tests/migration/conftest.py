@@ -1,0 +1,54 @@
+"""Cross-framework tests: Keras and Paddle each run in their own worker process.
+
+TensorFlow and Paddle never share a process (importing both crashes), and pytest's own process
+imports neither.  The workers run once per session, in a chain (Keras source -> Paddle -> Keras
+target), and leave JSON results that the tests assert on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+HAVE = {m: importlib.util.find_spec(m) is not None for m in ("paddle", "tensorflow", "keras")}
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(HERE), str(REPO), str(REPO / "adapters"), env.get("PYTHONPATH", "")]
+    env.update(PYTHONPATH=os.pathsep.join(p for p in paths if p), GLOG_minloglevel="3",
+               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", FLAGS_call_stack_level="0",
+               TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    return env
+
+
+def run_worker(*args: str, timeout: float = 600) -> None:
+    proc = subprocess.run([sys.executable, *args], env=worker_env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=str(HERE))
+    if proc.returncode != 0:
+        pytest.fail(f"{args} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                    f"--- stderr\n{proc.stderr[-8000:]}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def migration_results(tmp_path_factory, s3_storage_options):
+    """Run the three workers once; ``{"keras_source": ..., "paddle": ..., "keras_target": ...}``."""
+    if not (HAVE["paddle"] and HAVE["tensorflow"] and HAVE["keras"]):
+        pytest.skip("needs both paddlepaddle and tensorflow/keras")
+    d = tmp_path_factory.mktemp("migration")
+    opts = json.dumps({"e2e_url": f"s3://ckptcore-test/migration-{uuid.uuid4().hex}/step-11",
+                       "storage_options": s3_storage_options})
+    run_worker("_kworker.py", "source", str(d), opts)
+    run_worker("_pworker.py", str(d), opts)
+    run_worker("_kworker.py", "target", str(d), opts)
+    return {name: json.loads((d / f"{name}.json").read_text())
+            for name in ("keras_source", "paddle", "keras_target")}

@@ -1,0 +1,195 @@
+"""Golden checkpoints of format v1 (tests/golden/v1, made by tests/golden/make_golden.py).
+
+The expected values are written out here independently of the generator; the ml_dtypes and
+float16 tensors are pinned to their raw IEEE-style bit patterns, so a reader in another
+language, or a future ml_dtypes, has to agree with these bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+
+import crc32c
+import msgpack
+import numpy as np
+import pytest
+
+import ckptcore
+from ckptcore import AccumulationState, OptimizerState, ParamInfo, ScheduleState, TrainingState
+
+from _support import assert_state_same
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "v1"
+NAMES = ["full", "sharded"]
+
+# (name, dtype, shape, raw little-endian bytes) in tensor-table order.
+_F32 = "<f4"
+_KERNEL = np.array([[-0.75, -0.5, -0.25], [0, 0.25, 0.5], [0.75, -0.75, -0.5], [-0.25, 0, 0.25]], _F32)
+TENSORS = [
+    ("model/dense/kernel", "float32", (4, 3), _KERNEL.tobytes()),
+    ("model/dense/bias", "bfloat16", (3,), bytes.fromhex("003f 80bf 0040")),          # 0.5, -1, 2
+    ("model/bn/mean", "float16", (3,), bytes.fromhex("003e 00b4 0042")),              # 1.5, -0.25, 3
+    ("model/embed/table", "int64", (2, 2), (np.array([[0, 2], [4, 6]], "<i8") - 2**62).tobytes()),
+    ("model/count", "int32", (), (7).to_bytes(4, "little")),
+    ("model/empty", "float32", (0, 4), b""),
+    ("model/flags", "bool", (5,), bytes([1, 0, 1, 1, 0])),
+    ("model/fp8", "float8_e4m3fn", (4,), bytes.fromhex("30 c0 7e 00")),               # 0.5, -2, 448, 0
+    ("model/cplx", "complex64", (2,), np.array([1 + 2j, -0.5j], "<c8").tobytes()),
+    ("model/names", "U3", (2,), "ab\0xyz".encode("utf-32-le")),
+    ("model/when", "datetime64[s]", (2,), np.array([0, 86400], "<i8").tobytes()),
+    ("optimizer/slots/dense/kernel/m", "float32", (4, 3), np.full(12, 0.25, _F32).tobytes()),
+    ("optimizer/slots/dense/kernel/v", "float32", (4, 3), np.full(12, 0.0625, _F32).tobytes()),
+    ("optimizer/extra/loss_scale", "float32", (), np.float32(1024).tobytes()),
+    ("rng/numpy/counter", "uint64", (2,), np.array([1, 2], "<u8").tobytes()),
+    ("accumulation/buffers/dense/kernel", "float32", (4, 3), np.full(12, -1.0, _F32).tobytes()),
+    ("extra/arr", "uint16", (3,), np.array([0, 1, 2], "<u2").tobytes()),
+]
+# Tensor index -> shard index, per checkpoint.
+SHARD_OF = {"full": [0] * 17, "sharded": [0] * 4 + [1] * 5 + [2] * 4 + [3] * 4}
+
+
+def expected_state() -> TrainingState:
+    import ml_dtypes
+    t = {name: np.frombuffer(raw, dtype=ckptcore._codec.parse_dtype(dt)).reshape(shape)
+         for name, dt, shape, raw in TENSORS}
+    assert t["model/dense/bias"].astype(np.float32).tolist() == [0.5, -1.0, 2.0]
+    assert t["model/fp8"].astype(np.float32).tolist() == [0.5, -2.0, 448.0, 0.0]
+    assert t["model/fp8"].dtype == ml_dtypes.float8_e4m3fn
+    assert t["model/names"].tolist() == ["ab", "xyz"]
+    return TrainingState(
+        model={k[len("model/"):]: v for k, v in t.items() if k.startswith("model/")},
+        optimizer=OptimizerState(
+            "adam", step=7, hyperparams={"lr": 0.001, "betas": (0.9, 0.999), "amsgrad": False},
+            slots={"dense/kernel": {"m": t["optimizer/slots/dense/kernel/m"],
+                                    "v": t["optimizer/slots/dense/kernel/v"]}},
+            extra={"loss_scale": np.float32(1024.0)}),
+        schedule=ScheduleState("cosine", config={"warmup": 10, "total": 100}, step=7, last_lr=0.0005,
+                               state={"best": 0.5, "bad_epochs": 2}),
+        rng={"python": (3, (1, 2, 3), None), "numpy": {"counter": t["rng/numpy/counter"]}},
+        data={"epoch": 2, "position": 96, "seed": 1234},
+        accumulation=AccumulationState(every=4, count=1,
+                                       buffers={"dense/kernel": t["accumulation/buffers/dense/kernel"]}),
+        step=7, epoch=2, framework="numpy", metadata={"note": "golden v1"},
+        extra={"list": [1, "two", b"three", None, True, -2**63, 2**64 - 1, 1.5],
+               "tuple": (1, (2.5, "x")), 7: "int key", "arr": t["extra/arr"]},
+        params={"dense/kernel": ParamInfo(index=0, layer="dense", kind="dense", role="kernel", layout="io")},
+    )
+
+
+def _manifest(name: str) -> tuple[dict, dict]:
+    outer = msgpack.unpackb((GOLDEN / name / "manifest.msgpack").read_bytes(), raw=False)
+    return outer, msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_loads_byte_for_byte(name):
+    state = ckptcore.load_state(GOLDEN / name)
+    assert_state_same(state, expected_state())
+    got = {"model/" + k: v for k, v in state.model.items()}
+    for tname, dtype, shape, raw in TENSORS:
+        if tname in got:
+            assert got[tname].tobytes() == raw and got[tname].shape == shape, tname
+    assert type(state.optimizer.extra["loss_scale"]) is np.float32
+    assert ckptcore.verify(GOLDEN / name) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_partial_load(name):
+    got = ckptcore.load_state(GOLDEN / name, keys=["model"])
+    assert_state_same(got, expected_state(), sections=("model", "step", "epoch", "metadata"))
+    assert got.optimizer is None and got.extra == {}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_manifest_fields(name):
+    outer, body = _manifest(name)
+    assert list(outer) == ["format", "version", "body", "body_crc32c"]
+    assert outer["format"] == "ckptcore" and outer["version"] == 1
+    assert outer["body_crc32c"] == crc32c.crc32c(outer["body"])
+    assert body["checksum"] == "crc32c" and body["alignment"] == 64
+    assert body["created"] == 1700000000.0 and body["writer"]["id"] == "golden"
+    assert body["framework"] == {"name": "numpy", "versions": {}}
+    tensors = body["tensors"]
+    assert [(t["name"], t["dtype"], tuple(t["shape"])) for t in tensors] == \
+           [(n, d, s) for n, d, s, _ in TENSORS]
+    assert [t["shard"] for t in tensors] == SHARD_OF[name]
+    for t, (_, _, shape, raw) in zip(tensors, TENSORS):
+        assert t["length"] == len(raw) == math.prod(shape) * ckptcore._codec.parse_dtype(t["dtype"]).itemsize
+        assert t["checksum"] == crc32c.crc32c(raw)
+        assert t["offset"] % 64 == 0
+    tree = body["tree"]
+    assert tree["model"]["dense/kernel"] == msgpack.ExtType(1, msgpack.packb(0))
+    assert tree["optimizer"]["extra"]["loss_scale"] == msgpack.ExtType(3, msgpack.packb(13))
+    assert tree["rng"]["python"] == msgpack.ExtType(2, msgpack.packb([3, msgpack.ExtType(2, msgpack.packb([1, 2, 3])), None]))
+    info = ckptcore.inspect(GOLDEN / name)
+    assert (info.format_version, info.step, info.epoch, info.framework) == (1, 7, 2, "numpy")
+    assert info.created == 1700000000.0 and len(info.tensors) == len(TENSORS)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_shard_files_are_the_documented_layout(name):
+    """Each shard is its tensors' raw bytes at their offsets, zero padding between, nothing after."""
+    _, body = _manifest(name)
+    files = sorted(p.name for p in (GOLDEN / name).iterdir())
+    assert files == sorted(["manifest.msgpack"] + [s["path"] for s in body["shards"]])
+    for i, shard in enumerate(body["shards"]):
+        data = (GOLDEN / name / shard["path"]).read_bytes()
+        assert len(data) == shard["size"] and crc32c.crc32c(data) == shard["checksum"]
+        expect = bytearray()
+        for t, (_, _, _, raw) in zip(body["tensors"], TENSORS):
+            if t["shard"] == i:
+                assert t["offset"] >= len(expect)
+                expect += bytes(t["offset"] - len(expect)) + raw
+        assert bytes(expect) == data
+
+
+def test_writer_still_produces_the_golden_bytes(tmp_path):
+    """The current writer, through the committed generator, reproduces the committed files exactly.
+
+    If this fails after a deliberate format change, bump the format version and add golden/v2
+    (keep v1: it is what old checkpoints look like).
+    """
+    spec = importlib.util.spec_from_file_location("make_golden", GOLDEN.parent / "make_golden.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--out", str(tmp_path)]) == 0
+    for name in NAMES:
+        for f in (GOLDEN / name).iterdir():
+            assert (tmp_path / name / f.name).read_bytes() == f.read_bytes(), f"{name}/{f.name} drifted"
+
+
+def _format_md_reader():
+    """The reader printed in docs/FORMAT.md, section 11, executed as written."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "FORMAT.md").read_text()
+    section = text[text.index("## 11."):]
+    code = section[section.index("```python") + len("```python"):]
+    code = code[:code.index("```")]
+    namespace: dict = {}
+    exec(compile(code, "docs/FORMAT.md", "exec"), namespace)
+    return namespace["read_checkpoint"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_format_md_reader_reads_the_golden_checkpoints(name):
+    """The spec is enough to read a checkpoint: its own reader, without ckptcore, gets the state."""
+    tree = _format_md_reader()(str(GOLDEN / name))
+    want = expected_state()
+    assert_state_same(TrainingState(
+        model=tree["model"], optimizer=OptimizerState(**tree["optimizer"]),
+        schedule=ScheduleState(**tree["schedule"]), rng=tree["rng"], data=tree["data"],
+        accumulation=AccumulationState(**tree["accumulation"]), step=tree["step"], epoch=tree["epoch"],
+        framework=tree["framework"], metadata=tree["metadata"], extra=tree["extra"],
+        params={k: ParamInfo(**v) for k, v in tree["params"].items()}), want)
+
+
+def test_format_md_reader_rejects_damage(tmp_path):
+    import shutil
+    shutil.copytree(GOLDEN / "sharded", tmp_path / "c")
+    shard = sorted((tmp_path / "c").glob("shard-*"))[1]
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(AssertionError):
+        _format_md_reader()(str(tmp_path / "c"))

@@ -1,0 +1,766 @@
+"""CheckpointManager: saving, listing, retention, async saves, fallback, the writer lock, gc.
+
+Every test runs against real storage (a tmp_path folder, ``memory://``, or the moto S3 server
+from conftest.py); nothing of ckptcore's storage layer is mocked.  ``_storage._op_hook``, the
+library's own test hook, is used to observe the order of storage operations and to hold a
+background save at a chosen point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+
+import fsspec
+import numpy as np
+import pytest
+
+import ckptcore
+from ckptcore import (CheckpointExistsError, CheckpointFallbackWarning, CheckpointManager,
+                      CheckpointNotFoundError, CorruptCheckpointError, DataCursor,
+                      IncompleteCheckpointError, KeepBest, KeepEvery, KeepEveryDuration, KeepLast,
+                      LockedError, SchemaError, TrainingState, UnsafeCheckpointError, api)
+from ckptcore import _storage
+from ckptcore.policies import RetentionPolicy
+from manager_support import (Gate, assert_state_of, hold_lock, leftovers, make_state, mp,
+                             read_lines, wait_for_line)
+
+
+@pytest.fixture(params=["local", "memory"])
+def fast_backend(request):
+    """Local disk and ``memory://``: for the long parametrized tables (S3 runs a few rows)."""
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+@pytest.fixture
+def hook():
+    """Install an ``_op_hook`` for one test and always remove it."""
+    def install(fn):
+        _storage._op_hook = fn
+        return fn
+    yield install
+    _storage._op_hook = None
+
+
+def _root(backend, name="run"):
+    return backend.url(name), backend.storage_options
+
+
+def _mgr(backend, name="run", **kw) -> CheckpointManager:
+    root, options = _root(backend, name)
+    return CheckpointManager(root, storage_options=options, **kw)
+
+
+# ------------------------------------------------------------------------------------ basics
+def test_save_restore_list_roundtrip(backend):
+    with _mgr(backend) as mgr:
+        assert mgr.steps() == [] and mgr.latest_step() is None
+        handles = [mgr.save(s, make_state(s)) for s in (1, 2, 5)]
+        for h, s in zip(handles, (1, 2, 5)):
+            info = h.result()
+            assert h.done() and h.step == s and info.step == s
+            assert h.url == mgr.step_url(s) == info.url
+        assert mgr.steps() == [1, 2, 5]
+        assert mgr.latest_step() == 5
+        assert_state_of(mgr.restore(), 5)
+        assert_state_of(mgr.restore(step=2), 2)
+        mgr.wait()  # nothing in flight: returns at once
+    # The context manager closed it: no more writes, but a new manager reads what was written.
+    with pytest.raises(ValueError, match="closed"):
+        mgr.save(6, make_state(6))
+    mgr.close()  # closing twice is harmless
+    with _mgr(backend) as again:
+        assert again.steps() == [1, 2, 5]
+        assert_state_of(again.restore(), 5)
+
+
+def test_empty_root_has_nothing_to_restore(backend):
+    mgr = _mgr(backend, lock=False)
+    assert mgr.steps() == [] and mgr.latest_step() is None
+    with pytest.raises(CheckpointNotFoundError):
+        mgr.restore()
+    with pytest.raises(CheckpointNotFoundError):
+        mgr.restore(step=3)
+
+
+def test_step_folder_names_sort_in_step_order(backend):
+    steps = [0, 7, 9, 10, 99, 100, 12345, 10 ** 9, 10 ** 12 + 3]
+    with _mgr(backend) as mgr:
+        for s in reversed(steps):
+            mgr.save(s, make_state(0))
+        folders = [n for n in backend.listdir("run") if n.startswith("step-")]
+        assert sorted(folders) == [f"step-{s:012d}" for s in steps]
+        assert mgr.steps() == steps
+        assert mgr.latest_step() == 10 ** 12 + 3
+        for bad in (-1, True, 1.5, "3"):
+            with pytest.raises(ValueError):
+                mgr.save(bad, make_state(0))
+
+
+def test_saved_step_and_metrics_round_trip(backend):
+    with _mgr(backend) as mgr:
+        state = TrainingState(model={"w": np.arange(4.0)})  # no step of its own
+        mgr.save(40, state, metrics={"loss": np.float32(0.25), "acc": 1})
+        info = ckptcore.inspect(mgr.step_url(40), storage_options=backend.storage_options)
+        assert info.metadata["metrics"] == {"loss": 0.25, "acc": 1.0}
+        restored = mgr.restore()
+        assert restored.step == 40
+        assert restored.metadata["metrics"] == {"loss": 0.25, "acc": 1.0}
+        assert state.metadata == {}  # the caller's state was not modified
+
+
+def test_save_existing_step_raises_and_keeps_the_original(backend):
+    with _mgr(backend) as mgr:
+        mgr.save(3, make_state(3))
+        with pytest.raises(CheckpointExistsError):
+            mgr.save(3, make_state(4))
+        assert_state_of(mgr.restore(step=3), 3)
+        assert leftovers(*_root(backend)) == []
+
+
+def test_data_cursor_travels_in_state_data(backend):
+    cursor = DataCursor(100, 8, seed=3)
+    for _ in range(5):
+        cursor.next_batch()
+    saved = cursor.state_dict()
+    with _mgr(backend) as mgr:
+        mgr.save(5, make_state(5), cursor=cursor)
+        expected = [cursor.next_batch() for _ in range(20)]  # crosses into the next epoch
+        info = ckptcore.inspect(mgr.step_url(5), storage_options=backend.storage_options)
+        assert info.data == saved and (saved["epoch"], saved["position"]) == (0, 40)
+        fresh = DataCursor(100, 8, seed=3)
+        state = mgr.restore(cursor=fresh)
+        assert_state_of(state, 5)
+        assert state.data == saved
+        assert all(np.array_equal(fresh.next_batch(), e) for e in expected)
+        again = DataCursor(100, 8, seed=3)
+        mgr.restore(step=5, cursor=again)
+        assert np.array_equal(again.next_batch(), expected[0])
+
+
+# ------------------------------------------------------------------------------------ retention
+class _FakeClock:
+    """Stands in for the ``time`` module inside ckptcore.api, to date checkpoints."""
+
+    def __init__(self):
+        self.now = 1_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("keep, saves, expected", [
+    (KeepLast(2), range(6), [4, 5]),
+    (3, range(6), [3, 4, 5]),
+    (KeepEvery(3), range(8), [0, 3, 6, 7]),
+    (KeepLast(1) | KeepEvery(2), range(6), [0, 2, 4, 5]),
+    ([KeepLast(1), KeepEvery(4)], range(1, 10), [4, 8, 9]),
+    (None, range(5), [0, 1, 2, 3, 4]),
+    # losses 0.5 .3 .9 .1 .8: the two lowest, and the newest (always kept)
+    (KeepBest("loss", n=2), range(5), [1, 3, 4]),
+    (KeepBest("acc", mode="max") | KeepLast(1), range(5), [2, 4]),
+], ids=["last2", "int3", "every3", "last1|every2", "list", "none", "best-min", "best-max|last1"])
+def test_retention_policies_remove_the_right_steps(fast_backend, keep, saves, expected):
+    _check_retention(fast_backend, keep, saves, expected)
+
+
+def test_retention_policies_on_s3(s3_backend):
+    _check_retention(s3_backend, KeepLast(1) | KeepEvery(2), range(6), [0, 2, 4, 5])
+    _check_retention(s3_backend, KeepBest("loss", n=2), range(5), [1, 3, 4], name="best")
+
+
+def _check_retention(backend, keep, saves, expected, name="run"):
+    losses = [0.5, 0.3, 0.9, 0.1, 0.8]
+    accs = [0.1, 0.4, 0.9, 0.2, 0.3]
+    with _mgr(backend, name, keep=keep) as mgr:
+        for s in saves:
+            mgr.save(s, make_state(s), metrics={"loss": losses[s % 5], "acc": accs[s % 5]})
+            assert mgr.latest_step() == s  # the newest is never removed
+        assert mgr.steps() == expected
+        assert leftovers(*_root(backend, name)) == []
+        for s in expected:
+            assert_state_of(mgr.restore(step=s), s)
+
+
+def test_retention_keep_every_duration(backend, monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(api, "time", clock)
+    with _mgr(backend, keep=KeepEveryDuration(hours=1) | KeepLast(1)) as mgr:
+        for s in range(7):  # one checkpoint every 25 minutes
+            clock.now = 1_000_000.0 + s * 1500.0
+            mgr.save(s, make_state(s))
+        # kept: 0 (first), 3 (75 min after 0), 6 (150 min: 75 min after 3), and the newest (6)
+        assert mgr.steps() == [0, 3, 6]
+    # A restarted manager (no cached entries) dates the checkpoints from their manifests alike.
+    clock.now += 1500.0
+    with _mgr(backend, keep=KeepEveryDuration(seconds=3600)) as mgr:
+        mgr.save(7, make_state(7))
+        assert mgr.steps() == [0, 3, 6, 7]
+
+
+class _KeepNothing(RetentionPolicy):
+    def keep(self, entries):
+        return set()
+
+
+def test_retention_never_removes_the_newest(backend):
+    with _mgr(backend, keep=_KeepNothing()) as mgr:
+        for s in range(4):
+            mgr.save(s, make_state(s))
+            assert mgr.steps() == [s]
+    with _mgr(backend, "best", keep=KeepBest("loss")) as mgr:
+        mgr.save(1, make_state(1), metrics={"loss": 0.1})
+        mgr.save(2, make_state(2), metrics={"loss": 9.0})  # worse, but the newest
+        mgr.save(3, make_state(3))  # no metric at all, and the newest
+        assert mgr.steps() == [1, 3]
+
+
+def test_retention_deletes_manifest_first_and_only_after_the_successor_commits(backend, hook):
+    with _mgr(backend, keep=KeepLast(1)) as mgr:
+        mgr.save(1, make_state(1))
+        ops = hook(Gate(block_op="")).ops
+        mgr.save(2, make_state(2))
+    _storage._op_hook = None
+    names = [(op, path.rstrip("/")) for op, path, _ in ops]
+    step1 = mgr.root.child("step-000000000001").path
+    commit = next(i for i, (op, path) in enumerate(names)
+                  if op in ("rename", "publish") and "step-000000000002" in path)
+    removals = [i for i, (op, path) in enumerate(names) if path.startswith(step1)]
+    assert removals, names
+    assert min(removals) > commit, "a step was removed before its successor was committed"
+    first_op, first_path = names[removals[0]]
+    assert (first_op, first_path) == ("delete", f"{step1}/manifest.msgpack"
+                                      if not mgr.root.local else os.path.join(step1, "manifest.msgpack"))
+    assert names[removals[-1]] == ("delete_tree", step1)
+
+
+def test_retention_never_deletes_a_checkpoint_it_cannot_read(backend):
+    with _mgr(backend) as mgr:
+        for s in range(3):
+            mgr.save(s, make_state(s))
+    backend.write(b"not a manifest", "run", "step-000000000001", "manifest.msgpack")
+    # A restarted manager with keep=None (keep everything) must keep it, and a policy cannot
+    # judge what it cannot read: it is left for the user, like gc() leaves it.
+    with pytest.warns(CheckpointFallbackWarning):
+        with _mgr(backend) as mgr:
+            mgr.save(3, make_state(3))
+            assert mgr.steps() == [0, 1, 2, 3]
+            mgr.delete(3)
+            mgr.delete(2)
+            assert_state_of(mgr.restore(), 0)  # falls back over the unreadable step 1
+    with _mgr(backend, keep=KeepLast(1)) as mgr:
+        mgr.save(4, make_state(4))
+        assert mgr.steps() == [1, 4]
+
+
+# ------------------------------------------------------------------------------------ async
+def test_async_save_returns_before_the_write_and_snapshots_the_state(backend, hook):
+    gate = hook(Gate())
+    with _mgr(backend, async_save=True) as mgr:
+        state = make_state(1)
+        handle = mgr.save(1, state)
+        assert gate.reached.wait(10), "the background save never reached its commit"
+        assert not handle.done()
+        assert mgr.steps() == []  # not committed yet: the caller got control back first
+        # Keep training on the very arrays that were handed to save().
+        state.model["dense/kernel"] += 100.0
+        state.model["dense/bias"][:] = -1
+        state.optimizer.slots["dense/kernel"]["m"] *= 0
+        gate.open()
+        assert handle.result(10).step == 1
+        assert mgr.steps() == [1]
+        assert_state_of(mgr.restore(), 1)  # the values at the time of save()
+        writer_threads = {t for op, _, t in gate.ops if op in ("open_write", "rename", "publish")}
+        assert "MainThread" not in writer_threads
+
+
+def test_async_consecutive_saves_keep_their_own_snapshots(backend):
+    with _mgr(backend, async_save=True) as mgr:
+        state = make_state(1)
+        for step in (1, 2, 3):
+            if step > 1:  # "train": the same arrays, updated in place
+                state.model["dense/kernel"] += 1.0
+                state.model["dense/bias"] += 1
+                state.optimizer.slots["dense/kernel"]["m"] += 0.5
+                state.step = step
+            mgr.save(step, state)
+        mgr.wait()
+        for step in (1, 2, 3):
+            assert_state_of(mgr.restore(step=step), step)
+
+
+def test_async_second_save_waits_for_the_first(backend, hook):
+    gate = hook(Gate())
+    with _mgr(backend, async_save=True) as mgr:
+        first = mgr.save(1, make_state(1))
+        assert gate.reached.wait(10)
+        second: list = []
+        t = threading.Thread(target=lambda: second.append(mgr.save(2, make_state(2))))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not first.done(), "save(2) did not wait for save(1)"
+        gate.open()
+        t.join(10)
+        assert not t.is_alive()
+        assert first.done()  # save(2) returned only after save(1) finished
+        second[0].result(10)
+        mgr.wait()
+        assert mgr.steps() == [1, 2]
+    commits = [p for op, p, _ in gate.ops if op in ("rename", "publish")]
+    assert "step-000000000001" in commits[0] and "step-000000000002" in commits[1]
+
+
+@pytest.mark.parametrize("surface", ["save", "wait", "close"])
+def test_async_background_error_surfaces(backend, surface):
+    mgr = _mgr(backend, async_save=True)
+    mgr.save(1, make_state(1))
+    handle = mgr.save(1, make_state(2))  # waits for the first; fails in the background
+    with pytest.raises(CheckpointExistsError):
+        handle.result(10)
+    with pytest.raises(CheckpointExistsError):  # and on the manager's next call, never silently
+        if surface == "save":
+            mgr.save(3, make_state(3))
+        elif surface == "wait":
+            mgr.wait()
+        else:
+            mgr.close()
+    if surface != "close":
+        mgr.save(3, make_state(3))  # raised once; the manager goes on working
+        mgr.wait()
+        mgr.close()
+    reader = _mgr(backend, lock=False)
+    assert reader.steps() == ([1] if surface == "close" else [1, 3])
+    assert_state_of(reader.restore(step=1), 1)
+    assert leftovers(*_root(backend)) == []
+
+
+def test_async_unstorable_value_is_never_silent(backend):
+    mgr = _mgr(backend, async_save=True)
+    bad = TrainingState(model={"w": np.zeros(3)}, extra={"handle": object()})
+    try:
+        mgr.save(1, bad)  # the snapshot may already find it (it encodes)...
+    except TypeError as e:
+        assert "handle" in str(e)
+    else:
+        with pytest.raises(TypeError, match="handle"):  # ...or the background write does
+            mgr.wait()
+    mgr.save(2, make_state(2))
+    mgr.close()
+    assert _mgr(backend, lock=False).steps() == [2]
+    assert leftovers(*_root(backend)) == []
+
+
+def test_async_save_to_existing_step_surfaces_on_wait(backend):
+    with _mgr(backend, async_save=True) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.save(1, make_state(2))  # waits for the first, then fails in the background
+        with pytest.raises(CheckpointExistsError):
+            mgr.wait()
+        mgr.wait()  # surfaced once
+        assert_state_of(mgr.restore(), 1)
+
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import ckptcore
+    from manager_support import make_state
+    root, bad = sys.argv[1], sys.argv[2] == "bad"
+    mgr = ckptcore.CheckpointManager(root, async_save=True)
+    mgr.save(1, make_state(1)).result()
+    state = make_state(2)
+    # Many tensors: the background thread is still encoding when the script ends.
+    state.extra["many"] = {f"t{i}": np.full(8, i) for i in range(400)}
+    mgr.save(1 if bad else 2, state)  # "bad": step 1 exists, the background save fails
+    print("exiting", flush=True)
+""")
+
+
+def _run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(__file__)] + sys.path))
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_async_save_in_flight_is_committed_at_interpreter_exit(tmp_path):
+    for attempt in range(2):  # the save is caught at a different point each time
+        root = str(tmp_path / f"run{attempt}")
+        proc = _run_script(_EXIT_SCRIPT, root, "good")
+        assert proc.returncode == 0, proc.stderr
+        assert "exiting" in proc.stdout and "failed" not in proc.stderr, proc.stderr
+        mgr = CheckpointManager(root, lock=False)
+        assert mgr.steps() == [1, 2]
+        assert ckptcore.verify(mgr.step_url(2)) == []
+        assert_state_of(mgr.restore(), 2)
+    # A failing background save at exit is reported, not swallowed.
+    root = str(tmp_path / "bad")
+    proc = _run_script(_EXIT_SCRIPT, root, "bad")
+    assert "background save failed at exit" in proc.stderr, proc.stderr
+    assert "CheckpointExistsError" in proc.stderr, proc.stderr
+    assert CheckpointManager(root, lock=False).steps() == [1]
+
+
+# ------------------------------------------------------------------------------------ fallback
+def _shard(backend, step):
+    info = ckptcore.inspect(backend.url("run", f"step-{step:012d}"),
+                            storage_options=backend.storage_options)
+    return info.shards[0]
+
+
+def _flip(backend, step):
+    name = _shard(backend, step)
+    data = bytearray(backend.read("run", f"step-{step:012d}", name))
+    data[5] ^= 0x40  # inside the first tensor (it starts at offset 0)
+    backend.write(bytes(data), "run", f"step-{step:012d}", name)
+
+
+def _truncate(backend, step):
+    name = _shard(backend, step)
+    data = backend.read("run", f"step-{step:012d}", name)
+    backend.write(data[: len(data) // 2], "run", f"step-{step:012d}", name)
+
+
+def _extend(backend, step):
+    name = _shard(backend, step)
+    data = backend.read("run", f"step-{step:012d}", name)
+    backend.write(data + b"\0" * 64, "run", f"step-{step:012d}", name)
+
+
+def _delete_shard(backend, step):
+    backend.delete("run", f"step-{step:012d}", _shard(backend, step))
+
+
+def _garbage_manifest(backend, step):
+    backend.write(os.urandom(300), "run", f"step-{step:012d}", "manifest.msgpack")
+
+
+def _empty_manifest(backend, step):
+    backend.write(b"", "run", f"step-{step:012d}", "manifest.msgpack")
+
+
+def _flip_manifest(backend, step):
+    data = bytearray(backend.read("run", f"step-{step:012d}", "manifest.msgpack"))
+    data[len(data) // 2] ^= 0x01  # inside the checksummed body
+    backend.write(bytes(data), "run", f"step-{step:012d}", "manifest.msgpack")
+
+
+def _unsafe_manifest(backend, step):
+    # A well-formed manifest, body checksum and all, that points a shard outside its folder.
+    import crc32c
+    import msgpack
+    outer = msgpack.unpackb(backend.read("run", f"step-{step:012d}", "manifest.msgpack"))
+    name = _shard(backend, step).encode()
+    body = outer["body"].replace(name, b"../" + name[3:])  # same length: the msgpack stays valid
+    assert body != outer["body"]
+    outer.update(body=body, body_crc32c=crc32c.crc32c(body))
+    backend.write(msgpack.packb(outer), "run", f"step-{step:012d}", "manifest.msgpack")
+
+
+CORRUPTIONS = {
+    "flip-shard-byte": (_flip, CorruptCheckpointError),
+    "truncate-shard": (_truncate, IncompleteCheckpointError),
+    "extend-shard": (_extend, CorruptCheckpointError),
+    "delete-shard": (_delete_shard, IncompleteCheckpointError),
+    "garbage-manifest": (_garbage_manifest, SchemaError),
+    "empty-manifest": (_empty_manifest, SchemaError),
+    "flip-manifest-byte": (_flip_manifest, CorruptCheckpointError),
+    "unsafe-shard-path": (_unsafe_manifest, UnsafeCheckpointError),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_restore_falls_back_over_a_corrupt_newest(fast_backend, kind):
+    _check_fallback(fast_backend, kind)
+
+
+@pytest.mark.parametrize("kind", ["flip-shard-byte", "delete-shard", "garbage-manifest"])
+def test_restore_falls_back_over_a_corrupt_newest_on_s3(s3_backend, kind):
+    _check_fallback(s3_backend, kind)
+
+
+def _check_fallback(backend, kind):
+    damage, error = CORRUPTIONS[kind]
+    with _mgr(backend) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, make_state(s))
+    damage(backend, 3)
+    mgr = _mgr(backend, lock=False)
+    with pytest.warns(CheckpointFallbackWarning) as caught:
+        state = mgr.restore()
+    assert_state_of(state, 2)
+    messages = [str(w.message) for w in caught if w.category is CheckpointFallbackWarning]
+    assert len(messages) == 1 and "step 3" in messages[0], messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit step never falls back, silently or not
+        with pytest.raises(error):
+            mgr.restore(step=3)
+        assert_state_of(mgr.restore(step=2), 2)
+    # Fallback goes on past several bad ones; when none verifies, restore() raises.
+    damage(backend, 2)
+    with pytest.warns(CheckpointFallbackWarning) as caught:
+        assert_state_of(mgr.restore(), 1)
+    assert [("step 3" in str(w.message), "step 2" in str(w.message)) for w in caught] == [
+        (True, False), (False, True)]
+    damage(backend, 1)
+    with pytest.warns(CheckpointFallbackWarning), pytest.raises(CorruptCheckpointError,
+                                                                match="none of the 3"):
+        mgr.restore()
+
+
+# ------------------------------------------------------------------------------------ lock
+def test_second_manager_on_the_same_root_is_locked_out(backend):
+    first = _mgr(backend)
+    first.save(1, make_state(1))
+    second = _mgr(backend)
+    with pytest.raises(LockedError) as err:
+        second.save(2, make_state(2))
+    message = str(err.value)
+    assert f"{socket.gethostname()}:{os.getpid()}:" in message  # names the holder
+    assert isinstance(err.value, BlockingIOError)
+    # Readers need no lock: listing and restoring work while the writer holds it.
+    assert second.steps() == [1]
+    assert_state_of(second.restore(), 1)
+    assert_state_of(second.restore(step=1), 1)
+    # Writes other than save() are the lock holder's too.
+    with pytest.raises(LockedError):
+        second.delete(1)
+    with pytest.raises(LockedError):
+        second.gc(grace=0)
+    assert second.steps() == [1]
+    first.save(2, make_state(2))  # the holder goes on saving
+    first.close()  # releases the lock
+    second.save(3, make_state(3))
+    assert second.steps() == [1, 2, 3]
+    with pytest.raises(LockedError):
+        _mgr(backend).save(4, make_state(4))
+    second.close()
+
+
+def _start_holder(root, options, tmp_path, name="holder"):
+    report = str(tmp_path / f"{name}.log")
+    release = mp().Event()
+    proc = mp().Process(target=hold_lock, args=(root, options, report, release))
+    proc.start()
+    line = wait_for_line(report, "holding", proc=proc)
+    return proc, release, report, int(line.split()[1])
+
+
+@pytest.mark.parametrize("ending", ["close", "sigkill"])
+def test_lock_held_by_another_process_local(tmp_path, ending):
+    root = str(tmp_path / "run")
+    proc, release, report, pid = _start_holder(root, None, tmp_path)
+    try:
+        mgr = CheckpointManager(root)
+        with pytest.raises(LockedError, match=f":{pid}:"):
+            mgr.save(2, make_state(2))
+        assert mgr.steps() == [1] and mgr.latest_step() == 1  # readers need no lock
+        if ending == "close":
+            release.set()
+            proc.join(30)
+            assert proc.exitcode == 0 and "released" in read_lines(report)
+        else:
+            proc.kill()  # SIGKILL: the kernel drops the flock with the process
+            proc.join(30)
+            assert proc.exitcode == -9
+        mgr.save(2, make_state(2))
+        assert mgr.steps() == [1, 2]
+        mgr.close()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def test_lock_on_s3_is_a_lease_object(s3_backend, tmp_path):
+    root, options = s3_backend.url("run"), s3_backend.storage_options
+    proc, release, report, pid = _start_holder(root, options, tmp_path)
+    try:
+        lease = json.loads(s3_backend.read("run", ".ckptcore.lock"))
+        assert f":{pid}:" in lease["holder"] and lease["expires"] > time.time()
+        mgr = CheckpointManager(root, storage_options=options)
+        with pytest.raises(LockedError, match=f":{pid}:"):
+            mgr.save(2, make_state(2))
+        assert mgr.steps() == [1]
+        release.set()
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert ".ckptcore.lock" not in s3_backend.listdir("run")  # close() removed the lease
+        mgr.save(2, make_state(2))
+        mgr.close()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    # A holder killed outright leaves its lease: the next writer is told who holds it...
+    proc, release, report, pid = _start_holder(s3_backend.url("run2"), options, tmp_path, "killed")
+    proc.kill()
+    proc.join(30)
+    mgr = CheckpointManager(s3_backend.url("run2"), storage_options=options)
+    with pytest.raises(LockedError, match=f":{pid}:.*delete that object"):
+        mgr.save(2, make_state(2))
+    # ...and once the lease has expired (its holder stopped refreshing it), it is taken over.
+    lease = json.loads(s3_backend.read("run2", ".ckptcore.lock"))
+    s3_backend.write(json.dumps(dict(lease, expires=time.time() - 1)).encode(),
+                     "run2", ".ckptcore.lock")
+    mgr.save(2, make_state(2))
+    assert f":{os.getpid()}:" in json.loads(s3_backend.read("run2", ".ckptcore.lock"))["holder"]
+    mgr.close()
+
+
+# ------------------------------------------------------------------------------------ gc
+def _age(backend, *parts, seconds=3600.0):
+    """Make a local leftover look old (object stores date objects themselves)."""
+    path = backend.path(*parts)
+    old = time.time() - seconds
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in filenames + dirnames:
+            os.utime(os.path.join(dirpath, n), (old, old))
+    os.utime(path, (old, old))
+
+
+def _put(backend, data: bytes, *parts: str) -> None:
+    backend.fs.makedirs(backend.path(*parts[:-1]), exist_ok=True)
+    backend.write(data, *parts)
+
+
+def _plant_leftovers(backend) -> None:
+    """What interrupted saves leave: a temporary folder (local), a step folder with shards and
+    no manifest, and a losing writer's shard next to a committed manifest."""
+    _put(backend, b"x" * 100, "run", ".step-000000000009.tmp-0123456789abcdef",
+         "shard-00000-0123456789abcdef.bin")
+    _put(backend, b"x" * 100, "run", "step-000000000008", "shard-00000-feedfeedfeedfeed.bin")
+    _put(backend, b"x" * 100, "run", "step-000000000002", "shard-00000-deaddeaddeaddead.bin")
+
+
+def test_gc_removes_leftovers_and_never_committed_checkpoints(backend):
+    with _mgr(backend) as mgr:
+        for s in (1, 2):
+            mgr.save(s, make_state(s))
+        _plant_leftovers(backend)
+        planted = set(leftovers(*_root(backend)))
+        assert len(planted) == 3, planted
+        # Fresh leftovers may belong to a save in progress: the grace period protects them.
+        assert mgr.gc(grace=3600) == []
+        assert set(leftovers(*_root(backend))) == planted
+        removed = mgr.gc(grace=0)
+        assert len(removed) == 3, removed
+        assert leftovers(*_root(backend)) == []
+        assert mgr.steps() == [1, 2]
+        for s in (1, 2):
+            assert ckptcore.verify(mgr.step_url(s), storage_options=backend.storage_options) == []
+        assert mgr.gc(grace=0) == []
+
+
+def test_gc_grace_is_measured_from_the_newest_file(local_backend):
+    backend = local_backend
+    with _mgr(backend) as mgr:
+        mgr.save(1, make_state(1))
+        _plant_leftovers(backend)
+        for name in (".step-000000000009.tmp-0123456789abcdef", "step-000000000008"):
+            _age(backend, "run", name)
+        # A shard still being written to keeps its folder alive, however old the folder is.
+        backend.write(b"fresh", "run", "step-000000000008", "shard-00001-feedfeedfeedfeed.bin")
+        removed = mgr.gc(grace=600)
+        assert [os.path.basename(r) for r in removed] == [".step-000000000009.tmp-0123456789abcdef"]
+        assert "step-000000000008" in backend.listdir("run")
+        assert "shard-00000-deaddeaddeaddead.bin" in backend.listdir("run", "step-000000000002")
+        mgr.gc(grace=0)
+        assert leftovers(*_root(backend)) == []
+        assert mgr.steps() == [1]
+
+
+def test_gc_leaves_a_half_deleted_step_nothing_to_read(local_backend):
+    # Retention interrupted between removing the manifest and the data leaves a manifest-less
+    # folder: not listed, not restorable, and gc() finishes the job.
+    backend = local_backend
+    with _mgr(backend) as mgr:
+        for s in (1, 2):
+            mgr.save(s, make_state(s))
+    backend.delete("run", "step-000000000001", "manifest.msgpack")
+    mgr = _mgr(backend)
+    assert mgr.steps() == [2]
+    with pytest.raises(CheckpointNotFoundError, match="interrupted"):
+        mgr.restore(step=1)
+    assert mgr.gc(grace=0) == [mgr.step_url(1)]
+    assert backend.listdir("run") == [".ckptcore.lock", "step-000000000002"]
+    mgr.close()
+
+
+# ------------------------------------------------------------------------------------ staleness
+def _other_process_options(options: dict) -> dict:
+    """Options for a second s3fs instance: its own caches, as in another process."""
+    return dict(options, skip_instance_cache=True)
+
+
+def test_long_lived_manager_sees_other_processes_commits_on_s3(s3_backend):
+    # A reader's gc() lists step folders; s3fs caches those listings.  A commit by another
+    # process afterwards must still count: steps() must list it, and gc() must not take the
+    # step for a manifest-less leftover (it would delete a committed checkpoint).
+    root, options = s3_backend.url("run"), s3_backend.storage_options
+    other = _other_process_options(options)
+    writer = CheckpointManager(root, storage_options=other, lock=False)
+    writer.save(1, make_state(1))
+    reader = CheckpointManager(root, storage_options=options, lock=False)
+    other_fs = fsspec.filesystem("s3", **other)
+    partial = s3_backend.path("run", "step-000000000002", "shard-00000-aaaaaaaaaaaaaaaa.bin")
+    other_fs.pipe_file(partial, b"partial")
+    assert reader.gc(grace=3600) == []  # sees step 2 in progress, leaves it (grace)
+    other_fs.rm_file(partial)
+    writer.save(2, make_state(2))
+    assert reader.steps() == [1, 2]
+    assert_state_of(reader.restore(), 2)
+    assert reader.gc(grace=0) == []
+    assert writer.steps() == [1, 2]
+    writer.delete(2)  # and deletions by the other process show too
+    assert reader.steps() == [1]
+
+
+def test_store_exists_is_not_answered_from_a_stale_listing(s3_backend):
+    options = s3_backend.storage_options
+    store = _storage.Store(s3_backend.url("ckpt"), options)
+    store.write_bytes("shard-00000-aaaaaaaaaaaaaaaa.bin", b"x")
+    assert [e.name for e in store.listdir()] == ["shard-00000-aaaaaaaaaaaaaaaa.bin"]
+    other = _storage.Store(s3_backend.url("ckpt"), _other_process_options(options))
+    other.write_bytes("manifest.msgpack", b"m", create_only=True)  # another process commits
+    assert store.exists("manifest.msgpack")
+
+
+def test_a_lapsed_lease_taken_over_stops_the_old_writer_on_s3(s3_backend):
+    # A writer that saves less often than the lease lasts can find its lease taken over by a
+    # second writer (who saw it expired).  The first must then stop, not write next to it.
+    root, options = s3_backend.url("run"), s3_backend.storage_options
+    first = CheckpointManager(root, storage_options=options)
+    first.save(1, make_state(1))
+    lease = json.loads(s3_backend.read("run", ".ckptcore.lock"))
+    s3_backend.write(json.dumps(dict(lease, expires=time.time() - 1)).encode(),
+                     "run", ".ckptcore.lock")  # time passes: the lease lapses
+    second = CheckpointManager(root, storage_options=_other_process_options(options))
+    second.save(2, make_state(2))  # takes the expired lease over
+    taken = json.loads(s3_backend.read("run", ".ckptcore.lock"))["holder"]
+    assert taken != lease["holder"]
+    with pytest.raises(LockedError, match="took it over"):
+        first.save(3, make_state(3))
+    assert first.steps() == [1, 2]  # the old writer wrote nothing more
+    first.close()  # and does not remove the new holder's lease
+    assert json.loads(s3_backend.read("run", ".ckptcore.lock"))["holder"] == taken
+    second.save(3, make_state(3))
+    second.close()
+    assert ".ckptcore.lock" not in s3_backend.listdir("run")
+
+
+def test_a_lease_removed_by_hand_is_taken_again_on_s3(s3_backend):
+    root, options = s3_backend.url("run"), s3_backend.storage_options
+    with CheckpointManager(root, storage_options=options) as mgr:
+        mgr.save(1, make_state(1))
+        s3_backend.delete("run", ".ckptcore.lock")
+        mgr.save(2, make_state(2))
+        assert f":{os.getpid()}:" in json.loads(s3_backend.read("run", ".ckptcore.lock"))["holder"]
+    assert ".ckptcore.lock" not in s3_backend.listdir("run")
