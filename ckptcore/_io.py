@@ -181,17 +181,20 @@ def _map_local(store: Store, shard: ShardEntry) -> memoryview:
 def _fetch_remote(store: Store, shard: ShardEntry, entries: list[TensorEntry]) -> dict[str, memoryview]:
     """Read the byte ranges of ``entries`` from one remote shard, merging neighbours."""
     spans: list[list] = []
-    for t in sorted(entries, key=lambda t: t.offset):
+    out: dict[str, memoryview] = {t.name: memoryview(b"") for t in entries if t.length == 0}
+    # Empty tensors need no bytes; a zero-length range is an error (or the whole object) on S3.
+    for t in sorted((t for t in entries if t.length), key=lambda t: t.offset):
         if spans and t.offset - spans[-1][1] <= (1 << 20):
             spans[-1][1] = max(spans[-1][1], t.offset + t.length)
             spans[-1][2].append(t)
         else:
             spans.append([t.offset, t.offset + t.length, [t]])
+    if not spans:
+        return out
     try:
         blobs = store.read_ranges(shard.path, [(s[0], s[1]) for s in spans])
     except FileNotFoundError as e:  # removed after its size was checked
         raise IncompleteCheckpointError(f"{store.join(shard.path)}: shard file is missing") from e
-    out = {}
     for (start, end, ts), blob in zip(spans, blobs):
         if len(blob) != end - start:
             raise IncompleteCheckpointError(f"{store.join(shard.path)}: short read "

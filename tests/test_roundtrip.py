@@ -161,11 +161,6 @@ def test_partial_load_returns_only_that_section(backend, section):
 ], ids=["empty-at-start", "empty-at-end-of-shard"])
 def test_partial_load_of_only_empty_tensors(request, backend, keys, state):
     """An empty tensor needs no bytes; asking a shard for none must not fail."""
-    if backend.name == "s3":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "_io._fetch_remote asks S3 for a zero-length range when a shard's only wanted tensors "
-            "are empty: [0, 0) returns the whole object (a false IncompleteCheckpointError 'short "
-            "read'), [size, size) is HTTP 416 (a bare OSError 'range is not satisfiable')")))
     url = backend.url("e")
     ckptcore.save_state(url, state, storage_options=backend.storage_options)
     got = ckptcore.load_state(url, keys=keys, storage_options=backend.storage_options)
@@ -316,9 +311,7 @@ def test_hypothesis_roundtrip(backend):
 
     @settings(max_examples=EXAMPLES[backend.name], deadline=None,
               suppress_health_check=[HealthCheck.too_slow])
-    # Zero-byte tensors on S3 hit a known bug (test_partial_load_of_only_empty_tensors); they
-    # are exercised on the other backends here and pinned by that strict xfail.
-    @given(state=training_states(empty=backend.name != "s3"), shard_size=st.sampled_from([64, 300, 4096, 1 << 27]),
+    @given(state=training_states(), shard_size=st.sampled_from([64, 300, 4096, 1 << 27]),
            keys=st.none() | st.lists(st.sampled_from(SECTIONS), min_size=1, max_size=3, unique=True))
     def roundtrip(state, shard_size, keys):
         url = backend.url(uuid.uuid4().hex)
