@@ -81,16 +81,80 @@ def train(root: str | None, emit: Callable[[int, np.ndarray], None], *, pause_af
     return state
 
 
+def _framework_setup(framework: str):
+    """A tiny MLP with Dropout and Adam in Keras or Paddle: ``(objects, train_step)``."""
+    x, y = _data()
+    if framework == "keras":
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import keras
+        import tensorflow as tf
+        keras.utils.set_random_seed(SEED)
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dropout(0.2), keras.layers.Dense(CLASSES)])
+        opt = keras.optimizers.Adam(0.01)
+        opt.build(model.trainable_variables)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        def step(idx):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y[idx], model(x[idx], training=True))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+        return {"model": model, "optimizer": opt}, step
+    import paddle
+    paddle.seed(SEED)
+    net = paddle.nn.Sequential(paddle.nn.Linear(FEATURES, 16), paddle.nn.ReLU(),
+                               paddle.nn.Dropout(0.2), paddle.nn.Linear(16, CLASSES))
+    opt = paddle.optimizer.Adam(learning_rate=0.01, parameters=net.parameters())
+
+    def step(idx):
+        loss = paddle.nn.functional.cross_entropy(net(paddle.to_tensor(x[idx])),
+                                                  paddle.to_tensor(y[idx].astype(np.int64)))
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    return {"model": net, "optimizer": opt}, step
+
+
+def train_framework(framework: str, root: str, emit: Callable[[int, np.ndarray], None], *,
+                    pause_after: int = -1, storage_options: dict | None = None) -> None:
+    """The same loop as :func:`train`, with a Keras or Paddle model saved through its adapter."""
+    objects, train_step = _framework_setup(framework)
+    cursor = DataCursor(N, BATCH, seed=SEED)
+    mgr = CheckpointManager(root, keep=3, storage_options=storage_options)
+    step = 0
+    if mgr.latest_step() is not None:
+        step = mgr.restore(cursor=cursor, **objects).step
+    while cursor.epoch < EPOCHS:
+        idx = cursor.next_batch()
+        train_step(idx)
+        step += 1
+        emit(step, idx)
+        if step % SAVE_EVERY == 0:
+            mgr.save(step, cursor=cursor, **objects)
+        if step == pause_after:
+            signal.pause()
+    if step % SAVE_EVERY:
+        mgr.save(step, cursor=cursor, **objects)
+    mgr.close()
+
+
 def _worker(args: argparse.Namespace) -> int:
     def emit(step: int, idx: np.ndarray) -> None:
         print(json.dumps({"step": step, "batch": idx.tolist()}), flush=True)
-    train(args.root, emit, pause_after=args.pause_after, storage_options=json.loads(args.options))
+    options = json.loads(args.options)
+    if args.framework == "numpy":
+        train(args.root, emit, pause_after=args.pause_after, storage_options=options)
+    else:
+        train_framework(args.framework, args.root, emit, pause_after=args.pause_after,
+                        storage_options=options)
     return 0
 
 
-def _run_worker(root: str, options: dict, pause_after: int) -> list[dict[str, Any]]:
+def _run_worker(root: str, options: dict, pause_after: int, framework: str) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "ckptcore.demo", "worker", root, "--options", json.dumps(options),
-           "--pause-after", str(pause_after)]
+           "--pause-after", str(pause_after), "--framework", framework]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     seen = []
     for line in proc.stdout:
@@ -104,31 +168,37 @@ def _run_worker(root: str, options: dict, pause_after: int) -> list[dict[str, An
 
 def run_demo(root: str | None, framework: str = "numpy", storage_options: dict | None = None) -> int:
     from . import api
-    if framework != "numpy":
-        print(f"ckpt demo: --framework {framework} is not available yet (only numpy)", file=sys.stderr)
-        return 2
     if root is not None and root.startswith("memory://"):
         print("ckpt demo: memory:// lives inside one process, and the demo kills a process; "
               "use a folder or a bucket URL", file=sys.stderr)
         return 2
     options = storage_options or {}
-    root = root or tempfile.mkdtemp(prefix="ckpt-demo-")
+    root = (root or tempfile.mkdtemp(prefix="ckpt-demo-")).rstrip("/")
     steps_per_epoch = N // BATCH + (N % BATCH > 0)
     kill_at = steps_per_epoch + steps_per_epoch // 2 - 1  # mid epoch 1, between two checkpoints
-    print(f"ckpt demo: softmax regression in NumPy, {N} samples, batch {BATCH}, {EPOCHS} epochs, "
-          f"SGD momentum, augmentation noise; a checkpoint every {SAVE_EVERY} steps under {root}")
-    reference: list[dict] = []
-    ref_state = train(None, lambda s, i: reference.append({"step": s, "batch": i.tolist()}))
-    print(f"1. uninterrupted reference run: {len(reference)} steps")
-    killed = _run_worker(root, options, kill_at)
-    mgr = CheckpointManager(root, storage_options=options, lock=False)
+    model = {"numpy": "softmax regression in NumPy with SGD momentum and augmentation noise",
+             "keras": "a Keras MLP with Dropout and Adam", "paddle": "a Paddle MLP with Dropout and Adam"}
+    print(f"ckpt demo: {model[framework]}; {N} samples, batch {BATCH}, {EPOCHS} epochs, "
+          f"a checkpoint every {SAVE_EVERY} steps under {root}")
+    reference = _run_worker(root + "/reference", options, -1, framework)
+    print(f"1. uninterrupted reference run (its own process): {len(reference)} steps")
+    killed = _run_worker(root + "/run", options, kill_at, framework)
+    mgr = CheckpointManager(root + "/run", storage_options=options, lock=False)
     resume_from = mgr.latest_step()
     print(f"2. training process SIGKILLed at step {kill_at} (epoch 1, batch "
           f"{kill_at - steps_per_epoch} of {steps_per_epoch}); newest checkpoint: step {resume_from}")
-    resumed = _run_worker(root, options, -1)
+    resumed = _run_worker(root + "/run", options, -1, framework)
     final = api.load_state(mgr.step_url(mgr.latest_step()), storage_options=options)
+    ref_mgr = CheckpointManager(root + "/reference", storage_options=options, lock=False)
+    ref = api.load_state(ref_mgr.step_url(ref_mgr.latest_step()), storage_options=options)
     print(f"3. resumed in a fresh process from step {resume_from}, finished at step {final.step}")
-    return _report(reference, killed, resumed, resume_from, ref_state, final)
+    return _report(reference, killed, resumed, resume_from, ref, final)
+
+
+def _tensors(state: TrainingState) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    slots = state.optimizer.slots if state.optimizer else {}
+    return ([state.model[k] for k in sorted(state.model)],
+            [slots[p][k] for p in sorted(slots) for k in sorted(slots[p])])
 
 
 def _report(reference, killed, resumed, resume_from, ref, final) -> int:
@@ -137,14 +207,15 @@ def _report(reference, killed, resumed, resume_from, ref, final) -> int:
     per_epoch = N // BATCH + (N % BATCH > 0)
     flat = [i for batch in stitched for i in batch]
     perms = all(sorted(flat[e * N:(e + 1) * N]) == list(range(N)) for e in range(EPOCHS))
-    same_w = all(ref.model[k].tobytes() == final.model[k].tobytes() for k in ("w", "b"))
-    same_opt = all(ref.optimizer.slots[k]["momentum"].tobytes() ==
-                   final.optimizer.slots[k]["momentum"].tobytes() for k in ("w", "b"))
+    (rw, ro), (fw, fo) = _tensors(ref), _tensors(final)
+    same_w = len(rw) == len(fw) and all(a.tobytes() == b.tobytes() for a, b in zip(rw, fw))
+    same_opt = len(ro) == len(fo) and all(a.tobytes() == b.tobytes() for a, b in zip(ro, fo))
     print(f"   batches: killed run 1..{resume_from} + resumed run {resume_from + 1}..{final.step} "
           f"== reference 1..{len(reference)} ({per_epoch} per epoch): {same_batches}")
     print(f"   every epoch is a permutation of the {N} samples: {perms}")
-    print(f"   final weights bitwise equal: {same_w}; optimizer momentum bitwise equal: {same_opt}")
-    ok = same_batches and perms and same_w and same_opt
+    print(f"   final weights bitwise equal ({len(fw)} tensors): {same_w}; "
+          f"optimizer slots bitwise equal ({len(fo)} tensors): {same_opt}")
+    ok = same_batches and perms and same_w and same_opt and len(fw) > 0
     print("RESULT: the resumed run equals the uninterrupted run" if ok else "RESULT: MISMATCH")
     return 0 if ok else 1
 
@@ -156,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("root")
     w.add_argument("--options", default="{}")
     w.add_argument("--pause-after", type=int, default=-1)
+    w.add_argument("--framework", default="numpy", choices=["numpy", "keras", "paddle"])
     args = p.parse_args(argv)
     return _worker(args)
 
