@@ -100,7 +100,7 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
         TypeError: the state holds a value that cannot be stored (the message names it).
     """
-    state = _capture(state, objects)
+    state = _capture(state, objects, borrow=True)  # written before we return
     enc = _codec.encode_state(state)
     arrays = [_codec.to_little_endian(a) for a in enc.arrays]
     store = Store(os.fspath(url), dict(storage_options or {}))
@@ -197,12 +197,21 @@ def _replaced(store: Store, manifest: Manifest) -> bool:
         return False
 
 
-def _capture(state: TrainingState | None, objects: dict[str, Any]) -> TrainingState:
-    """The state to save: ``state`` itself (plus a ``cursor``'s position) or an adapter's capture."""
+def _capture(state: TrainingState | None, objects: dict[str, Any], *,
+             borrow: bool = False) -> TrainingState:
+    """The state to save: ``state`` itself (plus a ``cursor``'s position) or an adapter's capture.
+
+    With ``borrow``, an adapter that can (``capture_views = True``) returns views of the live
+    framework buffers instead of copies: right for a save written before the caller resumes
+    training; an async save copies them into its staging buffers first.
+    """
     if state is None:
         if "model" not in objects:
             raise TypeError("save_state needs a TrainingState or framework objects (model=...)")
-        return adapter_for(objects["model"]).capture(**objects)
+        adapter = adapter_for(objects["model"])
+        if borrow and getattr(adapter, "capture_views", False):
+            return adapter.capture(copy=False, **objects)
+        return adapter.capture(**objects)
     cursor = objects.pop("cursor", None)
     if objects:
         raise TypeError(f"got both a state and framework objects {sorted(objects)}; pass one")

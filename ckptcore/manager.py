@@ -35,6 +35,7 @@ from ._manifest import MANIFEST_NAME
 from ._storage import Store
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .policies import CheckpointEntry, as_policy
+from .registry import adapter_for
 from .state import TrainingState
 
 __all__ = ["CheckpointManager", "SaveHandle", "CheckpointFallbackWarning"]
@@ -157,10 +158,11 @@ class CheckpointManager:
             self._lock.acquire()
 
     def _snapshot(self, step, state, metrics, objects) -> TrainingState:
-        user_state = state is not None
-        state = api._capture(state, dict(objects))  # a framework capture is a copy already
-        if user_state and self.async_save:
-            state = self._copy_state(state)  # the caller may keep training on these arrays
+        borrowed = state is not None or getattr(_adapter_of(objects), "capture_views", False)
+        state = api._capture(state, dict(objects), borrow=True)
+        if borrowed and self.async_save:
+            # The caller keeps training on these buffers; other captures are copies already.
+            state = self._copy_state(state)
         metadata = dict(state.metadata)
         if metrics is not None:
             metadata["metrics"] = {k: float(v) for k, v in metrics.items()}
@@ -322,6 +324,10 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root.url!r}, keep={self.policy!r}, async_save={self.async_save})"
+
+
+def _adapter_of(objects: Mapping[str, Any]) -> Any:
+    return adapter_for(objects["model"]) if "model" in objects else None
 
 
 def _older(store: Store, entry, cutoff: float) -> bool:

@@ -85,6 +85,7 @@ class PaddleAdapter:
     """The registry's view of this package: ``name``, ``handles``, ``capture``, ``restore``."""
 
     name = "paddle"
+    capture_views = True  # capture(copy=False) returns views of the live tensors
 
     def handles(self, obj: object) -> bool:
         # Looks only at class and module names, so asking never imports Paddle.
