@@ -139,9 +139,8 @@ def report(res: dict, args) -> list[str]:
         target, met = ("-", "-") if need is None else (f">= {need:g}x", "yes" if ratio >= need else "NO")
         lines.append(f"| {label} | {t[c]['median']:.3f} / {t[c]['best']:.3f} | {t[p]['median']:.3f} / "
                      f"{t[p]['best']:.3f} | {gb / t[c]['median']:.2f} | {ratio:.2f}x | {target} | {met} |")
-    lines += ["", "The keyword path copies every tensor during capture (fresh memory: its page faults cost "
-              "more than the write here), because the manager's asynchronous saves rely on adapter "
-              "captures being copies; a synchronous save needs no copy (the first row)."]
+    lines += ["", "Both save rows borrow the live tensors (a synchronous save needs no copy); the keyword "
+              "path also runs the adapter registry and capture of the scheduler and RNG states."]
     return lines + [""]
 
 
