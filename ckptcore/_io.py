@@ -15,14 +15,14 @@ import functools
 import mmap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import crc32c
 import numpy as np
 
 from . import _codec, _knobs
 from ._manifest import Manifest, ShardEntry, TensorEntry
-from ._storage import Store, fsync_close, iter_chunks, start_writeback
+from ._storage import Store, fsync_close, start_writeback
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 # Callback for progress display (the CLI sets it): called with a number of bytes done.
@@ -70,6 +70,11 @@ _parse_dtype = functools.lru_cache(maxsize=256)(_codec.parse_dtype)
 
 
 # ------------------------------------------------------------------------------------- writing
+def _chunks(buf: memoryview, size: int) -> Iterator[memoryview]:
+    for start in range(0, len(buf), size):
+        yield buf[start:start + size]
+
+
 def _as_bytes(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
@@ -110,7 +115,7 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
                 pos += len(pad)
             buf = _as_bytes(arrays[idx])
             crc = 0
-            for part in iter_chunks(buf, chunk):
+            for part in _chunks(buf, chunk):
                 # Checksum a piece, then write it while it is still in the CPU cache.
                 crc = crc32c.crc32c(part, crc)
                 f.write(part)

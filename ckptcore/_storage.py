@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -181,12 +181,11 @@ class Store:
 
 def fsync_close(f: Any) -> None:
     """Close a file from ``open_write``, first forcing local data to disk."""
-    if hasattr(f, "fileno") and isinstance(f, (os.PathLike, object)):
-        try:
-            f.flush()
-            os.fsync(f.fileno())
-        except (OSError, AttributeError, ValueError):  # remote files have no descriptor
-            pass
+    try:
+        f.flush()
+        os.fsync(f.fileno())
+    except (OSError, AttributeError, ValueError):  # remote files have no descriptor
+        pass
     f.close()
 
 
@@ -237,8 +236,3 @@ def _as_time(value: Any) -> float | None:
     if hasattr(value, "timestamp"):
         return value.timestamp()
     return None
-
-
-def iter_chunks(buf: memoryview, size: int = 1 << 26) -> Iterable[memoryview]:
-    for start in range(0, len(buf), size):
-        yield buf[start:start + size]

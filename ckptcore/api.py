@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from . import __version__, _codec, _io
+from . import __version__, _codec, _io, _knobs
 from ._commit import commit
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from ._storage import Store
@@ -100,7 +100,7 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
         TypeError: the state holds a value that cannot be stored (the message names it).
     """
-    state = _capture(state, objects, borrow=True)  # written before we return
+    state, _ = _capture(state, objects)  # borrowed arrays are fine: written before we return
     enc = _codec.encode_state(state)
     arrays = [_codec.to_little_endian(a) for a in enc.arrays]
     store = Store(os.fspath(url), dict(storage_options or {}))
@@ -115,16 +115,11 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
                      "python": platform.python_version()},
             framework={"name": state.framework,
                        "versions": dict(state.metadata.get("versions") or {})},
-            alignment=_knobs_alignment(), shards=tuple(shards), tensors=tuple(tensors),
+            alignment=int(_knobs.get("alignment")), shards=tuple(shards), tensors=tuple(tensors),
             tree=enc.tree)
 
     manifest = commit(store, write, token=token, overwrite=overwrite)
     return _info(store.url, manifest)
-
-
-def _knobs_alignment() -> int:
-    from . import _knobs
-    return int(_knobs.get("alignment"))
 
 
 def read_manifest(store: Store) -> Manifest:
@@ -197,27 +192,27 @@ def _replaced(store: Store, manifest: Manifest) -> bool:
         return False
 
 
-def _capture(state: TrainingState | None, objects: dict[str, Any], *,
-             borrow: bool = False) -> TrainingState:
-    """The state to save: ``state`` itself (plus a ``cursor``'s position) or an adapter's capture.
+def _capture(state: TrainingState | None, objects: dict[str, Any]) -> tuple[TrainingState, bool]:
+    """The state to save, and whether its arrays are borrowed from the caller.
 
-    With ``borrow``, an adapter that can (``capture_views = True``) returns views of the live
-    framework buffers instead of copies: right for a save written before the caller resumes
-    training; an async save copies them into its staging buffers first.
+    That is ``state`` itself (plus a ``cursor``'s position), or an adapter's capture.  An adapter
+    that can (``capture_views = True``) returns views of the live framework buffers rather than
+    copies: fine for a save written before the caller resumes training; an async save copies
+    borrowed arrays into its staging buffers first.
     """
     if state is None:
         if "model" not in objects:
             raise TypeError("save_state needs a TrainingState or framework objects (model=...)")
         adapter = adapter_for(objects["model"])
-        if borrow and getattr(adapter, "capture_views", False):
-            return adapter.capture(copy=False, **objects)
-        return adapter.capture(**objects)
+        if getattr(adapter, "capture_views", False):
+            return adapter.capture(copy=False, **objects), True
+        return adapter.capture(**objects), False
     cursor = objects.pop("cursor", None)
     if objects:
         raise TypeError(f"got both a state and framework objects {sorted(objects)}; pass one")
     if cursor is not None:
         state = dataclasses.replace(state, data=cursor.state_dict())
-    return state
+    return state, True
 
 
 _MIGRATION_OPTIONS = ("name_map", "approximate")

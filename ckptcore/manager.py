@@ -35,7 +35,6 @@ from ._manifest import MANIFEST_NAME
 from ._storage import Store
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .policies import CheckpointEntry, as_policy
-from .registry import adapter_for
 from .state import TrainingState
 
 __all__ = ["CheckpointManager", "SaveHandle", "CheckpointFallbackWarning"]
@@ -102,7 +101,6 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._entries: dict[int, CheckpointEntry] = {}
         self._staging: dict[str, np.ndarray] = {}
-        self._mutex = threading.Lock()
         self._closed = False
         _live.add(self)
 
@@ -158,8 +156,7 @@ class CheckpointManager:
             self._lock.acquire()
 
     def _snapshot(self, step, state, metrics, objects) -> TrainingState:
-        borrowed = state is not None or getattr(_adapter_of(objects), "capture_views", False)
-        state = api._capture(state, dict(objects), borrow=True)
+        state, borrowed = api._capture(state, dict(objects))
         if borrowed and self.async_save:
             # The caller keeps training on these buffers; other captures are copies already.
             state = self._copy_state(state)
@@ -324,10 +321,6 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root.url!r}, keep={self.policy!r}, async_save={self.async_save})"
-
-
-def _adapter_of(objects: Mapping[str, Any]) -> Any:
-    return adapter_for(objects["model"]) if "model" in objects else None
 
 
 def _older(store: Store, entry, cutoff: float) -> bool:
