@@ -101,6 +101,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._entries: dict[int, CheckpointEntry] = {}
         self._staging: dict[str, np.ndarray] = {}
+        self._skipped: set[int] = set()  # steps restore() fell back over: they do not verify
         self._closed = False
         _live.add(self)
 
@@ -141,6 +142,8 @@ class CheckpointManager:
         name = self._name(step)
         self._wait_inflight()  # at most one save in flight; raises a previous background error
         self._acquire()
+        if step in self._skipped:
+            self._replace_skipped(step)
         snapshot = self._snapshot(step, state, metrics, objects)
         url = self.root.child(name).url
         if not self.async_save:
@@ -154,6 +157,21 @@ class CheckpointManager:
     def _acquire(self) -> None:
         if self._lock is not None:
             self._lock.acquire()
+
+    def _replace_skipped(self, step: int) -> None:
+        """Make room for ``step`` after a resume that fell back over a corrupt checkpoint ``step``.
+
+        A run resumed from an older step reaches the corrupt step's number again; saving there
+        must not fail with :class:`CheckpointExistsError` over a checkpoint that cannot be
+        loaded.  Only a step this manager itself found not to verify is replaced, and we hold
+        the writer lock, so no other writer can have replaced it since.
+        """
+        self._skipped.discard(step)
+        if self.root.child(self._name(step)).exists(MANIFEST_NAME):
+            warnings.warn(f"replacing checkpoint step {step} ({self.step_url(step)}), which does not "
+                          "verify (restore() fell back over it)", CheckpointFallbackWarning,
+                          stacklevel=3)
+            self._delete(step)
 
     def _snapshot(self, step, state, metrics, objects) -> TrainingState:
         state, borrowed = api._capture(state, dict(objects))
@@ -274,7 +292,9 @@ class CheckpointManager:
         """Load a checkpoint (the newest that verifies, by default) and restore ``objects`` from it.
 
         With ``step=None`` a newest checkpoint that is corrupt or incomplete is skipped with a
-        :class:`CheckpointFallbackWarning` naming it; an explicit ``step`` never falls back.
+        :class:`CheckpointFallbackWarning` naming it; an explicit ``step`` never falls back.  A
+        later ``save()`` of a skipped step's number replaces it (with a warning), so the resumed
+        run can save where the corrupt checkpoint was.
         """
         if step is not None:
             return api.load_state(self.step_url(step), storage_options=self._options, **objects)
@@ -289,6 +309,7 @@ class CheckpointManager:
                 warnings.warn(f"checkpoint step {s} ({self.step_url(s)}) does not verify: {e}; "
                               "falling back to an older one", CheckpointFallbackWarning, stacklevel=2)
                 last = e
+                self._skipped.add(s)
                 continue
             api.restore_objects(state, objects)
             return state
