@@ -510,22 +510,22 @@ def _check_fallback(backend, kind):
         mgr.restore()
 
 
-def test_resumed_run_saves_over_the_corrupt_step_it_fell_back_past(fast_backend):
+def test_resumed_run_saves_over_the_corrupt_step_it_fell_back_past(backend):
     # Steps 1-3 saved, step 3 corrupted; the resumed run restores step 2, trains on and saves
     # step 3 again: that replaces the corrupt one instead of raising CheckpointExistsError.
-    with _mgr(fast_backend) as mgr:
+    with _mgr(backend) as mgr:
         for s in (1, 2, 3):
             mgr.save(s, make_state(s))
-    _flip(fast_backend, 3)
-    with _mgr(fast_backend) as mgr:
+    _flip(backend, 3)
+    with _mgr(backend) as mgr:
         with pytest.warns(CheckpointFallbackWarning):
             assert_state_of(mgr.restore(), 2)
         with pytest.warns(CheckpointFallbackWarning, match="replacing checkpoint step 3"):
             mgr.save(3, make_state(30))
         assert mgr.steps() == [1, 2, 3]
         assert_state_of(mgr.restore(), 30)
-        assert api.verify(mgr.step_url(3), storage_options=fast_backend.storage_options) == []
+        assert api.verify(mgr.step_url(3), storage_options=backend.storage_options) == []
         # Only what restore() skipped is replaced: an intact step still refuses a second save.
         with pytest.raises(CheckpointExistsError):
             mgr.save(2, make_state(20))
-    assert_state_of(_mgr(fast_backend, lock=False).restore(step=2), 2)
+    assert_state_of(_mgr(backend, lock=False).restore(step=2), 2)
