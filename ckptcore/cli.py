@@ -162,6 +162,18 @@ def cmd_ls(args: argparse.Namespace, so: dict) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace, so: dict) -> int:
+    from .manager import CheckpointManager
+
+    # Takes the root's writer lock: refused (LockedError, naming the holder) while a run writes.
+    with CheckpointManager(args.root, storage_options=so) as mgr:
+        removed = mgr.gc(grace=args.grace)
+    for url in removed:
+        print(f"removed {url}")
+    print(f"{len(removed)} leftover(s) removed under {args.root}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckpt", description="Inspect, verify and compare ckptcore checkpoints.")
     p.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE",
@@ -181,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ls", help="list the committed checkpoints under a folder")
     s.add_argument("root")
     s.set_defaults(fn=cmd_ls)
+    s = sub.add_parser("gc", help="remove leftovers of interrupted saves under a manager's root")
+    s.add_argument("root")
+    s.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+                   help="only leftovers untouched this long (default: 900, or CKPTCORE_GC_GRACE)")
+    s.set_defaults(fn=cmd_gc)
     s = sub.add_parser("import", help="turn a tf.train.Checkpoint or .pdparams/.pdopt into a ckptcore checkpoint")
     s.add_argument("src", help="a tf.train.Checkpoint prefix or directory, or a .pdparams file")
     s.add_argument("dst", help="where the ckptcore checkpoint goes (any fsspec URL)")
