@@ -17,6 +17,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 
 from ._storage import Store
 from .errors import LockedError
@@ -50,11 +51,17 @@ class WriterLock:
         except BlockingIOError:
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise LockedError(f"{self.store.url}: another writer holds the lock ({holder}); "
+            mine = holder.startswith(f"{socket.gethostname()}:{os.getpid()}:")
+            hint = (" by another CheckpointManager of this process: close() it first (or use "
+                    "`with CheckpointManager(...)`)" if mine else "")
+            raise LockedError(f"{self.store.url}: another writer holds the lock ({holder}){hint}; "
                               "one CheckpointManager may write a root at a time") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, self.holder.encode(), 0)
         self._fd = fd
+        # A manager dropped without close() (a notebook cell run again) must not keep its root
+        # locked until the process ends: closing the descriptor drops the flock.
+        self._closer = weakref.finalize(self, os.close, fd)
 
     def _lease(self) -> bytes:
         return json.dumps({"holder": self.holder, "expires": time.time() + self.lease_seconds}).encode()
@@ -105,7 +112,7 @@ class WriterLock:
             return
         self._held = False
         if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock
+            self._closer()  # closes the descriptor, which drops the flock (once)
             self._fd = None
         elif self._read_lease()[0] == self.holder:  # never remove a lease another writer took
             self.store.delete(LOCK_NAME)

@@ -4,6 +4,7 @@ Split from test_manager.py (same conventions: real storage, no mocks of the stor
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -54,6 +55,20 @@ def test_second_manager_on_the_same_root_is_locked_out(backend):
     with pytest.raises(LockedError):
         _mgr(backend).save(4, make_state(4))
     second.close()
+
+
+def test_a_manager_dropped_without_close_releases_its_local_lock(local_backend):
+    # A notebook cell creating the manager, run twice: the first manager is unreachable but
+    # was never closed.  While it lives, the error says the holder is in this process.
+    first = _mgr(local_backend)
+    first.save(1, make_state(1))
+    with pytest.raises(LockedError, match="another CheckpointManager of this process"):
+        _mgr(local_backend).save(2, make_state(2))
+    del first
+    gc.collect()
+    with _mgr(local_backend) as again:
+        again.save(2, make_state(2))
+        assert again.steps() == [1, 2]
 
 
 def _start_holder(root, options, tmp_path, name="holder"):
