@@ -58,6 +58,18 @@ def mp() -> Any:
     return _ctx
 
 
+# ------------------------------------------------------------------------------------ managers
+def root_of(backend, name: str = "run") -> tuple[str, dict | None]:
+    """``(url, storage_options)`` of the root ``name`` on a conftest backend."""
+    return backend.url(name), backend.storage_options
+
+
+def open_manager(backend, name: str = "run", **kw: Any) -> ckptcore.CheckpointManager:
+    """A manager on the root ``name`` of a conftest backend."""
+    root, options = root_of(backend, name)
+    return ckptcore.CheckpointManager(root, storage_options=options, **kw)
+
+
 # ------------------------------------------------------------------------------------ states
 def make_state(step: int, *, scale: int = 1) -> TrainingState:
     """A deterministic state for ``step``: every array's values depend on the step."""

@@ -25,7 +25,7 @@ from ckptcore import (CheckpointExistsError, CheckpointFallbackWarning, Checkpoi
                       SchemaError, TrainingState, UnsafeCheckpointError, api)
 from ckptcore import _storage
 from ckptcore.policies import RetentionPolicy
-from manager_support import Gate, assert_state_of, leftovers, make_state
+from manager_support import Gate, assert_state_of, leftovers, make_state, open_manager, root_of
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -44,18 +44,9 @@ def hook():
     _storage._op_hook = None
 
 
-def _root(backend, name="run"):
-    return backend.url(name), backend.storage_options
-
-
-def _mgr(backend, name="run", **kw) -> CheckpointManager:
-    root, options = _root(backend, name)
-    return CheckpointManager(root, storage_options=options, **kw)
-
-
 # ------------------------------------------------------------------------------------ basics
 def test_save_restore_list_roundtrip(backend):
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         assert mgr.steps() == [] and mgr.latest_step() is None
         handles = [mgr.save(s, make_state(s)) for s in (1, 2, 5)]
         for h, s in zip(handles, (1, 2, 5)):
@@ -71,13 +62,13 @@ def test_save_restore_list_roundtrip(backend):
     with pytest.raises(ValueError, match="closed"):
         mgr.save(6, make_state(6))
     mgr.close()  # closing twice is harmless
-    with _mgr(backend) as again:
+    with open_manager(backend) as again:
         assert again.steps() == [1, 2, 5]
         assert_state_of(again.restore(), 5)
 
 
 def test_empty_root_has_nothing_to_restore(backend):
-    mgr = _mgr(backend, lock=False)
+    mgr = open_manager(backend, lock=False)
     assert mgr.steps() == [] and mgr.latest_step() is None
     with pytest.raises(CheckpointNotFoundError):
         mgr.restore()
@@ -87,7 +78,7 @@ def test_empty_root_has_nothing_to_restore(backend):
 
 def test_step_folder_names_sort_in_step_order(backend):
     steps = [0, 7, 9, 10, 99, 100, 12345, 10 ** 9, 10 ** 12 + 3]
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         for s in reversed(steps):
             mgr.save(s, make_state(0))
         folders = [n for n in backend.listdir("run") if n.startswith("step-")]
@@ -100,7 +91,7 @@ def test_step_folder_names_sort_in_step_order(backend):
 
 
 def test_saved_step_and_metrics_round_trip(backend):
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         state = TrainingState(model={"w": np.arange(4.0)})  # no step of its own
         mgr.save(40, state, metrics={"loss": np.float32(0.25), "acc": 1})
         info = ckptcore.inspect(mgr.step_url(40), storage_options=backend.storage_options)
@@ -112,12 +103,12 @@ def test_saved_step_and_metrics_round_trip(backend):
 
 
 def test_save_existing_step_raises_and_keeps_the_original(backend):
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         mgr.save(3, make_state(3))
         with pytest.raises(CheckpointExistsError):
             mgr.save(3, make_state(4))
         assert_state_of(mgr.restore(step=3), 3)
-        assert leftovers(*_root(backend)) == []
+        assert leftovers(*root_of(backend)) == []
 
 
 def test_data_cursor_travels_in_state_data(backend):
@@ -125,7 +116,7 @@ def test_data_cursor_travels_in_state_data(backend):
     for _ in range(5):
         cursor.next_batch()
     saved = cursor.state_dict()
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         mgr.save(5, make_state(5), cursor=cursor)
         expected = [cursor.next_batch() for _ in range(20)]  # crosses into the next epoch
         info = ckptcore.inspect(mgr.step_url(5), storage_options=backend.storage_options)
@@ -174,12 +165,12 @@ def test_retention_policies_on_s3(s3_backend):
 def _check_retention(backend, keep, saves, expected, name="run"):
     losses = [0.5, 0.3, 0.9, 0.1, 0.8]
     accs = [0.1, 0.4, 0.9, 0.2, 0.3]
-    with _mgr(backend, name, keep=keep) as mgr:
+    with open_manager(backend, name, keep=keep) as mgr:
         for s in saves:
             mgr.save(s, make_state(s), metrics={"loss": losses[s % 5], "acc": accs[s % 5]})
             assert mgr.latest_step() == s  # the newest is never removed
         assert mgr.steps() == expected
-        assert leftovers(*_root(backend, name)) == []
+        assert leftovers(*root_of(backend, name)) == []
         for s in expected:
             assert_state_of(mgr.restore(step=s), s)
 
@@ -187,7 +178,7 @@ def _check_retention(backend, keep, saves, expected, name="run"):
 def test_retention_keep_every_duration(backend, monkeypatch):
     clock = _FakeClock()
     monkeypatch.setattr(api, "time", clock)
-    with _mgr(backend, keep=KeepEveryDuration(hours=1) | KeepLast(1)) as mgr:
+    with open_manager(backend, keep=KeepEveryDuration(hours=1) | KeepLast(1)) as mgr:
         for s in range(7):  # one checkpoint every 25 minutes
             clock.now = 1_000_000.0 + s * 1500.0
             mgr.save(s, make_state(s))
@@ -195,7 +186,7 @@ def test_retention_keep_every_duration(backend, monkeypatch):
         assert mgr.steps() == [0, 3, 6]
     # A restarted manager (no cached entries) dates the checkpoints from their manifests alike.
     clock.now += 1500.0
-    with _mgr(backend, keep=KeepEveryDuration(seconds=3600)) as mgr:
+    with open_manager(backend, keep=KeepEveryDuration(seconds=3600)) as mgr:
         mgr.save(7, make_state(7))
         assert mgr.steps() == [0, 3, 6, 7]
 
@@ -206,11 +197,11 @@ class _KeepNothing(RetentionPolicy):
 
 
 def test_retention_never_removes_the_newest(backend):
-    with _mgr(backend, keep=_KeepNothing()) as mgr:
+    with open_manager(backend, keep=_KeepNothing()) as mgr:
         for s in range(4):
             mgr.save(s, make_state(s))
             assert mgr.steps() == [s]
-    with _mgr(backend, "best", keep=KeepBest("loss")) as mgr:
+    with open_manager(backend, "best", keep=KeepBest("loss")) as mgr:
         mgr.save(1, make_state(1), metrics={"loss": 0.1})
         mgr.save(2, make_state(2), metrics={"loss": 9.0})  # worse, but the newest
         mgr.save(3, make_state(3))  # no metric at all, and the newest
@@ -218,7 +209,7 @@ def test_retention_never_removes_the_newest(backend):
 
 
 def test_retention_deletes_manifest_first_and_only_after_the_successor_commits(backend, hook):
-    with _mgr(backend, keep=KeepLast(1)) as mgr:
+    with open_manager(backend, keep=KeepLast(1)) as mgr:
         mgr.save(1, make_state(1))
         ops = hook(Gate(block_op="")).ops
         mgr.save(2, make_state(2))
@@ -237,20 +228,20 @@ def test_retention_deletes_manifest_first_and_only_after_the_successor_commits(b
 
 
 def test_retention_never_deletes_a_checkpoint_it_cannot_read(backend):
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         for s in range(3):
             mgr.save(s, make_state(s))
     backend.write(b"not a manifest", "run", "step-000000000001", "manifest.msgpack")
     # A restarted manager with keep=None (keep everything) must keep it, and a policy cannot
     # judge what it cannot read: it is left for the user, like gc() leaves it.
     with pytest.warns(CheckpointFallbackWarning):
-        with _mgr(backend) as mgr:
+        with open_manager(backend) as mgr:
             mgr.save(3, make_state(3))
             assert mgr.steps() == [0, 1, 2, 3]
             mgr.delete(3)
             mgr.delete(2)
             assert_state_of(mgr.restore(), 0)  # falls back over the unreadable step 1
-    with _mgr(backend, keep=KeepLast(1)) as mgr:
+    with open_manager(backend, keep=KeepLast(1)) as mgr:
         mgr.save(4, make_state(4))
         assert mgr.steps() == [1, 4]
 
@@ -258,7 +249,7 @@ def test_retention_never_deletes_a_checkpoint_it_cannot_read(backend):
 # ------------------------------------------------------------------------------------ async
 def test_async_save_returns_before_the_write_and_snapshots_the_state(backend, hook):
     gate = hook(Gate())
-    with _mgr(backend, async_save=True) as mgr:
+    with open_manager(backend, async_save=True) as mgr:
         state = make_state(1)
         handle = mgr.save(1, state)
         assert gate.reached.wait(10), "the background save never reached its commit"
@@ -277,7 +268,7 @@ def test_async_save_returns_before_the_write_and_snapshots_the_state(backend, ho
 
 
 def test_async_consecutive_saves_keep_their_own_snapshots(backend):
-    with _mgr(backend, async_save=True) as mgr:
+    with open_manager(backend, async_save=True) as mgr:
         state = make_state(1)
         for step in (1, 2, 3):
             if step > 1:  # "train": the same arrays, updated in place
@@ -293,7 +284,7 @@ def test_async_consecutive_saves_keep_their_own_snapshots(backend):
 
 def test_async_second_save_waits_for_the_first(backend, hook):
     gate = hook(Gate())
-    with _mgr(backend, async_save=True) as mgr:
+    with open_manager(backend, async_save=True) as mgr:
         first = mgr.save(1, make_state(1))
         assert gate.reached.wait(10)
         second: list = []
@@ -314,7 +305,7 @@ def test_async_second_save_waits_for_the_first(backend, hook):
 
 @pytest.mark.parametrize("surface", ["save", "wait", "close"])
 def test_async_background_error_surfaces(backend, surface):
-    mgr = _mgr(backend, async_save=True)
+    mgr = open_manager(backend, async_save=True)
     mgr.save(1, make_state(1))
     handle = mgr.save(1, make_state(2))  # waits for the first; fails in the background
     with pytest.raises(CheckpointExistsError):
@@ -330,14 +321,14 @@ def test_async_background_error_surfaces(backend, surface):
         mgr.save(3, make_state(3))  # raised once; the manager goes on working
         mgr.wait()
         mgr.close()
-    reader = _mgr(backend, lock=False)
+    reader = open_manager(backend, lock=False)
     assert reader.steps() == ([1] if surface == "close" else [1, 3])
     assert_state_of(reader.restore(step=1), 1)
-    assert leftovers(*_root(backend)) == []
+    assert leftovers(*root_of(backend)) == []
 
 
 def test_async_unstorable_value_is_never_silent(backend):
-    mgr = _mgr(backend, async_save=True)
+    mgr = open_manager(backend, async_save=True)
     bad = TrainingState(model={"w": np.zeros(3)}, extra={"handle": object()})
     try:
         mgr.save(1, bad)  # the snapshot may already find it (it encodes)...
@@ -348,12 +339,12 @@ def test_async_unstorable_value_is_never_silent(backend):
             mgr.wait()
     mgr.save(2, make_state(2))
     mgr.close()
-    assert _mgr(backend, lock=False).steps() == [2]
-    assert leftovers(*_root(backend)) == []
+    assert open_manager(backend, lock=False).steps() == [2]
+    assert leftovers(*root_of(backend)) == []
 
 
 def test_async_save_to_existing_step_surfaces_on_wait(backend):
-    with _mgr(backend, async_save=True) as mgr:
+    with open_manager(backend, async_save=True) as mgr:
         mgr.save(1, make_state(1))
         mgr.save(1, make_state(2))  # waits for the first, then fails in the background
         with pytest.raises(CheckpointExistsError):
@@ -483,11 +474,11 @@ def test_restore_falls_back_over_a_corrupt_newest_on_s3(s3_backend, kind):
 
 def _check_fallback(backend, kind):
     damage, error = CORRUPTIONS[kind]
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         for s in (1, 2, 3):
             mgr.save(s, make_state(s))
     damage(backend, 3)
-    mgr = _mgr(backend, lock=False)
+    mgr = open_manager(backend, lock=False)
     with pytest.warns(CheckpointFallbackWarning) as caught:
         state = mgr.restore()
     assert_state_of(state, 2)
@@ -513,11 +504,11 @@ def _check_fallback(backend, kind):
 def test_resumed_run_saves_over_the_corrupt_step_it_fell_back_past(backend):
     # Steps 1-3 saved, step 3 corrupted; the resumed run restores step 2, trains on and saves
     # step 3 again: that replaces the corrupt one instead of raising CheckpointExistsError.
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         for s in (1, 2, 3):
             mgr.save(s, make_state(s))
     _flip(backend, 3)
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         with pytest.warns(CheckpointFallbackWarning):
             assert_state_of(mgr.restore(), 2)
         with pytest.warns(CheckpointFallbackWarning, match="replacing checkpoint step 3"):
@@ -528,4 +519,4 @@ def test_resumed_run_saves_over_the_corrupt_step_it_fell_back_past(backend):
         # Only what restore() skipped is replaced: an intact step still refuses a second save.
         with pytest.raises(CheckpointExistsError):
             mgr.save(2, make_state(20))
-    assert_state_of(_mgr(backend, lock=False).restore(step=2), 2)
+    assert_state_of(open_manager(backend, lock=False).restore(step=2), 2)

@@ -15,24 +15,15 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager, CheckpointNotFoundError, LockedError, _storage
-from manager_support import (assert_state_of, hold_lock, leftovers, make_state, mp, read_lines,
-                             wait_for_line)
-
-
-def _root(backend, name="run"):
-    return backend.url(name), backend.storage_options
-
-
-def _mgr(backend, name="run", **kw) -> CheckpointManager:
-    root, options = _root(backend, name)
-    return CheckpointManager(root, storage_options=options, **kw)
+from manager_support import (assert_state_of, hold_lock, leftovers, make_state, mp,
+                             open_manager, read_lines, root_of, wait_for_line)
 
 
 # ------------------------------------------------------------------------------------ lock
 def test_second_manager_on_the_same_root_is_locked_out(backend):
-    first = _mgr(backend)
+    first = open_manager(backend)
     first.save(1, make_state(1))
-    second = _mgr(backend)
+    second = open_manager(backend)
     with pytest.raises(LockedError) as err:
         second.save(2, make_state(2))
     message = str(err.value)
@@ -53,20 +44,20 @@ def test_second_manager_on_the_same_root_is_locked_out(backend):
     second.save(3, make_state(3))
     assert second.steps() == [1, 2, 3]
     with pytest.raises(LockedError):
-        _mgr(backend).save(4, make_state(4))
+        open_manager(backend).save(4, make_state(4))
     second.close()
 
 
 def test_a_manager_dropped_without_close_releases_its_local_lock(local_backend):
     # A notebook cell creating the manager, run twice: the first manager is unreachable but
     # was never closed.  While it lives, the error says the holder is in this process.
-    first = _mgr(local_backend)
+    first = open_manager(local_backend)
     first.save(1, make_state(1))
     with pytest.raises(LockedError, match="another CheckpointManager of this process"):
-        _mgr(local_backend).save(2, make_state(2))
+        open_manager(local_backend).save(2, make_state(2))
     del first
     gc.collect()
-    with _mgr(local_backend) as again:
+    with open_manager(local_backend) as again:
         again.save(2, make_state(2))
         assert again.steps() == [1, 2]
 
@@ -168,18 +159,18 @@ def _plant_leftovers(backend) -> None:
 
 
 def test_gc_removes_leftovers_and_never_committed_checkpoints(backend):
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         for s in (1, 2):
             mgr.save(s, make_state(s))
         _plant_leftovers(backend)
-        planted = set(leftovers(*_root(backend)))
+        planted = set(leftovers(*root_of(backend)))
         assert len(planted) == 3, planted
         # Fresh leftovers may belong to a save in progress: the grace period protects them.
         assert mgr.gc(grace=3600) == []
-        assert set(leftovers(*_root(backend))) == planted
+        assert set(leftovers(*root_of(backend))) == planted
         removed = mgr.gc(grace=0)
         assert len(removed) == 3, removed
-        assert leftovers(*_root(backend)) == []
+        assert leftovers(*root_of(backend)) == []
         assert mgr.steps() == [1, 2]
         for s in (1, 2):
             assert ckptcore.verify(mgr.step_url(s), storage_options=backend.storage_options) == []
@@ -188,7 +179,7 @@ def test_gc_removes_leftovers_and_never_committed_checkpoints(backend):
 
 def test_gc_grace_is_measured_from_the_newest_file(local_backend):
     backend = local_backend
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         mgr.save(1, make_state(1))
         _plant_leftovers(backend)
         for name in (".step-000000000009.tmp-0123456789abcdef", "step-000000000008"):
@@ -200,7 +191,7 @@ def test_gc_grace_is_measured_from_the_newest_file(local_backend):
         assert "step-000000000008" in backend.listdir("run")
         assert "shard-00000-deaddeaddeaddead.bin" in backend.listdir("run", "step-000000000002")
         mgr.gc(grace=0)
-        assert leftovers(*_root(backend)) == []
+        assert leftovers(*root_of(backend)) == []
         assert mgr.steps() == [1]
 
 
@@ -208,11 +199,11 @@ def test_gc_leaves_a_half_deleted_step_nothing_to_read(local_backend):
     # Retention interrupted between removing the manifest and the data leaves a manifest-less
     # folder: not listed, not restorable, and gc() finishes the job.
     backend = local_backend
-    with _mgr(backend) as mgr:
+    with open_manager(backend) as mgr:
         for s in (1, 2):
             mgr.save(s, make_state(s))
     backend.delete("run", "step-000000000001", "manifest.msgpack")
-    mgr = _mgr(backend)
+    mgr = open_manager(backend)
     assert mgr.steps() == [2]
     with pytest.raises(CheckpointNotFoundError, match="interrupted"):
         mgr.restore(step=1)
