@@ -33,7 +33,8 @@ from ._commit import TMP_MARK
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
 from ._storage import Store
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                     IncompleteCheckpointError)
 from .policies import CheckpointEntry, as_policy
 from .state import TrainingState
 
@@ -41,6 +42,7 @@ __all__ = ["CheckpointManager", "SaveHandle", "CheckpointFallbackWarning"]
 
 _STEP = re.compile(r"^step-(\d{12,})$")
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+_DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError)  # bytes bad or missing, not unreadable
 
 
 class CheckpointFallbackWarning(UserWarning):
@@ -101,7 +103,9 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._entries: dict[int, CheckpointEntry] = {}
         self._staging: dict[str, np.ndarray] = {}
-        self._skipped: set[int] = set()  # steps restore() fell back over: they do not verify
+        # Steps a successful restore() fell back over because their data failed its checksums or
+        # was missing.  A frozenset, swapped whole: the background save thread reads it.
+        self._skipped: frozenset[int] = frozenset()
         self._closed = False
         _live.add(self)
 
@@ -163,14 +167,23 @@ class CheckpointManager:
 
         A run resumed from an older step reaches the corrupt step's number again; saving there
         must not fail with :class:`CheckpointExistsError` over a checkpoint that cannot be
-        loaded.  Only a step this manager itself found not to verify is replaced, and we hold
-        the writer lock, so no other writer can have replaced it since.
+        loaded.  The step is verified again first (it may have been replaced since restore()
+        looked, which took no lock): it is deleted only if its data still fails a checksum or
+        is missing.  A step that merely cannot be read here (a newer format, a dtype this
+        install lacks) is never replaced; the save then raises ``CheckpointExistsError``.
         """
-        self._skipped.discard(step)
-        if self.root.child(self._name(step)).exists(MANIFEST_NAME):
-            warnings.warn(f"replacing checkpoint step {step} ({self.step_url(step)}), which does not "
-                          "verify (restore() fell back over it)", CheckpointFallbackWarning,
-                          stacklevel=3)
+        self._skipped = self._skipped - {step}
+        url = self.step_url(step)
+        try:
+            problems = api.verify(url, storage_options=self._options)
+        except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+            problems = [e]
+        except CheckpointError:
+            return  # gone, or unreadable here but perhaps intact: leave it to the save to refuse
+        if problems and all(isinstance(p, _DAMAGE) for p in problems):
+            warnings.warn(f"replacing checkpoint step {step} ({url}), which does not verify "
+                          f"({problems[0]}); restore() fell back over it",
+                          CheckpointFallbackWarning, stacklevel=3)
             self._delete(step)
 
     def _snapshot(self, step, state, metrics, objects) -> TrainingState:
@@ -241,11 +254,17 @@ class CheckpointManager:
         steps = self.steps()
         if not steps:
             return
-        read = {s: self._entry(s) for s in steps}
+        # A damaged step restore() fell back over is neither judged nor "the newest": else it
+        # would hold the newest slot, and the resumed run's own saves below it would go.
+        skipped = self._skipped
+        good = [s for s in steps if s not in skipped]
+        if not good:
+            return
+        read = {s: self._entry(s) for s in good}
         keep = set(self.policy.keep([e for e in read.values() if e is not None]))
-        keep.add(steps[-1])  # the newest committed one, always
+        keep.add(good[-1])  # the newest committed good one, always
         keep.update(s for s, e in read.items() if e is None)  # unreadable: a policy cannot judge it
-        for s in steps[:-1]:  # every step below the newest has a committed successor
+        for s in good[:-1]:  # every step below the newest good one has a committed successor
             if s not in keep:
                 self._delete(s)
 
@@ -293,8 +312,9 @@ class CheckpointManager:
 
         With ``step=None`` a newest checkpoint that is corrupt or incomplete is skipped with a
         :class:`CheckpointFallbackWarning` naming it; an explicit ``step`` never falls back.  A
-        later ``save()`` of a skipped step's number replaces it (with a warning), so the resumed
-        run can save where the corrupt checkpoint was.
+        later ``save()`` of a skipped step's number replaces it (with a warning) if its data
+        still fails to verify, so the resumed run can save where the corrupt checkpoint was
+        (docs/RELIABILITY.md, "Restore and fallback").
         """
         if step is not None:
             return api.load_state(self.step_url(step), storage_options=self._options, **objects)
@@ -302,6 +322,7 @@ class CheckpointManager:
         if not steps:
             raise CheckpointNotFoundError(f"{self.root.url}: no committed checkpoints")
         last: Exception | None = None
+        damaged: set[int] = set()
         for s in reversed(steps):
             try:
                 state = api.load_state(self.step_url(s), storage_options=self._options)
@@ -309,9 +330,12 @@ class CheckpointManager:
                 warnings.warn(f"checkpoint step {s} ({self.step_url(s)}) does not verify: {e}; "
                               "falling back to an older one", CheckpointFallbackWarning, stacklevel=2)
                 last = e
-                self._skipped.add(s)
+                if isinstance(e, _DAMAGE):
+                    damaged.add(s)
                 continue
             api.restore_objects(state, objects)
+            # Only a run that did resume from an older step may later save over these.
+            self._skipped = frozenset(damaged)
             return state
         raise CorruptCheckpointError(f"{self.root.url}: none of the {len(steps)} checkpoints "
                                      f"verifies; the last error was: {last}") from last

@@ -520,3 +520,67 @@ def test_resumed_run_saves_over_the_corrupt_step_it_fell_back_past(backend):
         with pytest.raises(CheckpointExistsError):
             mgr.save(2, make_state(20))
     assert_state_of(open_manager(backend, lock=False).restore(step=2), 2)
+
+
+def _newer_format(backend, step):
+    import msgpack
+    outer = msgpack.unpackb(backend.read("run", f"step-{step:012d}", "manifest.msgpack"))
+    outer["version"] += 1  # as written by a future ckptcore: intact, just not readable here
+    backend.write(msgpack.packb(outer), "run", f"step-{step:012d}", "manifest.msgpack")
+
+
+def test_a_skipped_step_is_replaced_only_if_its_data_is_still_damaged(local_backend):
+    backend = local_backend
+    with open_manager(backend) as mgr:
+        for s in (1, 2, 3, 4):
+            mgr.save(s, make_state(s))
+    _newer_format(backend, 4)  # unreadable here, perhaps intact: never replaced
+    shard = _shard(backend, 3)
+    good = backend.read("run", "step-000000000003", shard)
+    _flip(backend, 3)
+    with open_manager(backend) as mgr:
+        with pytest.warns(CheckpointFallbackWarning):
+            assert_state_of(mgr.restore(), 2)
+        with pytest.raises(CheckpointExistsError):
+            mgr.save(4, make_state(40))
+        # Step 3 repaired behind this manager's back (restore() took no lock): kept, not replaced.
+        backend.write(good, "run", "step-000000000003", shard)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(CheckpointExistsError):
+                mgr.save(3, make_state(30))
+        assert mgr.steps() == [1, 2, 3, 4]
+        assert_state_of(mgr.restore(step=3), 3)
+
+
+def test_a_failed_restore_marks_nothing_for_replacement(local_backend):
+    # Nothing verifies, restore() raises, the script starts afresh: its saves at the old step
+    # numbers must not delete the old (damaged, but perhaps salvageable) checkpoints.
+    with open_manager(local_backend) as mgr:
+        mgr.save(1, make_state(1))
+    _flip(local_backend, 1)
+    with open_manager(local_backend) as mgr:
+        with pytest.warns(CheckpointFallbackWarning), pytest.raises(CorruptCheckpointError):
+            mgr.restore()
+        with pytest.raises(CheckpointExistsError):
+            mgr.save(1, make_state(1))
+
+
+def test_retention_after_a_fallback_keeps_the_resumed_runs_saves(fast_backend):
+    # Steps 10, 20, 30 with KeepLast(2); 30 is corrupt and the run resumes from 20.  The corrupt
+    # step must not count as "the newest": the resumed run's saves 21-23 are what is kept.
+    with open_manager(fast_backend, keep=KeepLast(2)) as mgr:
+        for s in (10, 20, 30):
+            mgr.save(s, make_state(s))
+        assert mgr.steps() == [20, 30]
+    _flip(fast_backend, 30)
+    with open_manager(fast_backend, keep=KeepLast(2)) as mgr:
+        with pytest.warns(CheckpointFallbackWarning):
+            assert_state_of(mgr.restore(), 20)
+        for s in (21, 22, 23):
+            mgr.save(s, make_state(s))
+        assert mgr.steps() == [22, 23, 30]  # the corrupt 30 stays, for inspection, until replaced
+        with pytest.warns(CheckpointFallbackWarning, match="replacing checkpoint step 30"):
+            mgr.save(30, make_state(30))
+        assert mgr.steps() == [23, 30]
+        assert_state_of(mgr.restore(), 30)
