@@ -23,6 +23,12 @@ from ._storage import Store
 from .errors import LockedError
 
 LOCK_NAME = ".ckptcore.lock"
+_HELD: set[tuple[int, int]] = set()  # (st_dev, st_ino) of lock files this process's locks hold
+
+
+def _close_held(fd: int, key: tuple[int, int]) -> None:
+    _HELD.discard(key)
+    os.close(fd)
 
 
 class WriterLock:
@@ -47,21 +53,32 @@ class WriterLock:
         self.store.makedirs()
         fd = os.open(self.store.join(LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            mine = holder.startswith(f"{socket.gethostname()}:{os.getpid()}:")
-            hint = (" by another CheckpointManager of this process: close() it first (or use "
-                    "`with CheckpointManager(...)`)" if mine else "")
-            raise LockedError(f"{self.store.url}: another writer holds the lock ({holder}){hint}; "
-                              "one CheckpointManager may write a root at a time") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, self.holder.encode(), 0)
-        self._fd = fd
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown"
+                hint = ""
+                if key in _HELD:
+                    hint = (" by another CheckpointManager of this process: close() it first (or "
+                            "use `with`)")
+                elif holder.startswith(f"{socket.gethostname()}:{os.getpid()}:"):
+                    hint = " (a process forked from this one may still hold it)"
+                raise LockedError(f"{self.store.url}: another writer holds the lock ({holder}){hint}; "
+                                  "one CheckpointManager may write a root at a time") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, self.holder.encode(), 0)
+        except BaseException:
+            os.close(fd)  # closing drops the flock if we got it
+            raise
+        _HELD.add(key)
         # A manager dropped without close() (a notebook cell run again) must not keep its root
-        # locked until the process ends: closing the descriptor drops the flock.
-        self._closer = weakref.finalize(self, os.close, fd)
+        # locked until the process ends: collecting it closes the descriptor, dropping the
+        # flock.  Not at exit: the kernel drops it then anyway, and a save may still be draining.
+        self._closer = weakref.finalize(self, _close_held, fd, key)
+        self._closer.atexit = False
+        self._fd = fd
 
     def _lease(self) -> bytes:
         return json.dumps({"holder": self.holder, "expires": time.time() + self.lease_seconds}).encode()

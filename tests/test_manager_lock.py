@@ -62,6 +62,32 @@ def test_a_manager_dropped_without_close_releases_its_local_lock(local_backend):
         assert again.steps() == [1, 2]
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_keeps_the_lock_and_the_error_says_so(local_backend):
+    # The documented caveat: a child forked while the lock is held shares it.  After the parent
+    # closes its manager the child still holds it; the error must not blame this process.
+    first = open_manager(local_backend)
+    first.save(1, make_state(1))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hold the inherited descriptor until told to go
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        first.close()
+        with pytest.raises(LockedError, match="forked") as err:
+            open_manager(local_backend).save(2, make_state(2))
+        assert "close() it first" not in str(err.value)
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+    with open_manager(local_backend) as mgr:
+        mgr.save(2, make_state(2))
+
+
 def _start_holder(root, options, tmp_path, name="holder"):
     report = str(tmp_path / f"{name}.log")
     release = mp().Event()
@@ -77,8 +103,9 @@ def test_lock_held_by_another_process_local(tmp_path, ending):
     proc, release, report, pid = _start_holder(root, None, tmp_path)
     try:
         mgr = CheckpointManager(root)
-        with pytest.raises(LockedError, match=f":{pid}:"):
+        with pytest.raises(LockedError, match=f":{pid}:") as err:
             mgr.save(2, make_state(2))
+        assert "this process" not in str(err.value) and "forked" not in str(err.value)
         assert mgr.steps() == [1] and mgr.latest_step() == 1  # readers need no lock
         if ending == "close":
             release.set()
