@@ -6,23 +6,26 @@ step, so its ``momentum``/``velocity`` slots exist: about 200 MiB of variables i
 
 * save: ``ckptcore.save_state(dir, model=model, optimizer=opt)`` (capture included) against
   ``tf.train.Checkpoint(model=model, optimizer=opt).write(prefix)``; every file of both is
-  fsynced inside the timing (ckptcore does it itself; for TensorFlow we do);
+  fsynced inside the timing (ckptcore does it itself; for TensorFlow we do).  Saves run twice:
+  on the disk, and on tmpfs (``--tmpfs``, default /dev/shm), where writing costs memory copies
+  only, so the time is the libraries' own work: capture, serialization, checksums, copies;
 * restore into a second model and optimizer that have also stepped:
   ``ckptcore.load_state(dir, model=..., optimizer=...)`` (checksums verified) against
-  ``tf.train.Checkpoint(model=..., optimizer=...).read(prefix).assert_consumed()``, twice:
-  right after the save, with the files in the page cache (a process restarted on the same
-  machine after a crash: the library's own cost, and the target), and cold, with the files
-  evicted from the page cache first (``posix_fadvise(DONTNEED)`` on these files only: a resume
-  on a fresh machine);
-* for scale, the disk itself: the same bytes written to one file and fsynced, and read
-  back cold with ``readinto`` (one thread, no framework, no checksums); no cold restore can
-  beat that read.
+  ``tf.train.Checkpoint(model=..., optimizer=...).read(prefix).assert_consumed()``, twice on
+  the disk: right after the save, with the files in the page cache (a process restarted on the
+  same machine after a crash), and cold, with the files evicted from the page cache first
+  (``posix_fadvise(DONTNEED)`` on these files only: a resume on a fresh machine);
+* for reference, the disk itself: the same bytes written to one file by one thread and fsynced,
+  and read back cold with ``readinto`` (no framework, no checksums).
 
-Why the cold restore is not the target: both libraries read at the disk's speed there (about
-1 GB/s on this machine), and TensorFlow's reader needs only ~1.4-1.5x the raw read's time, so no
-reader could be 1.5x faster than it; the report prints that bound with every run.
+Where the targets are read: save on tmpfs and the warm restore, the rows where the libraries'
+own work sets the time.  On this machine's disk (about 1 GB/s, bursty: it is a shared virtual
+disk) TensorFlow's writer and reader spend most of their time waiting on it, so the disk rows
+mostly measure the disk; they are printed, with the raw figures for reference, not scored.
+(The raw write is not a floor: ckptcore writes with several threads and starts writeback early,
+and has been measured faster than it.)
 
-Prints a table and the targets (save and warm restore >= 1.5x faster), and appends them to
+Prints a table and the targets (tmpfs save and warm restore >= 1.5x faster), and appends them to
 benchmarks/RESULTS.md unless ``--no-record``.
 
     python benchmarks/bench_keras.py                # ~200 MiB of variables, 7 rounds
@@ -36,6 +39,7 @@ import datetime
 import math
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import warnings
@@ -81,6 +85,9 @@ def run(args) -> dict:
     model2, opt2 = build(args.size_mb, 1)
     out = {"bytes": state_bytes(model, opt), "rounds": args.rounds, "warmup": args.warmup,
            "tmpfs_dir": args.tmpfs}
+    if args.tmpfs and shutil.disk_usage(args.tmpfs).free < 4 * out["bytes"]:
+        print(f"skipping the tmpfs pass: {args.tmpfs} has too little room", file=sys.stderr)
+        args.tmpfs = out["tmpfs_dir"] = ""
     for where, base in (("disk", args.dir), ("tmpfs", args.tmpfs)):
         if where == "disk" or base:
             with tempfile.TemporaryDirectory(dir=base) as d:
@@ -133,7 +140,7 @@ def _rounds(args, base: str, disk: bool, model, opt, model2, opt2) -> dict:
             evict([raw], "fadvise")
             got["raw_load"] = timed(raw_load)
         order = [("ck", ck_save, ck_load, ck), ("tf", tf_save, tf_load, tf_dir)]
-        for name, save, load, path in order if r % 2 == 0 else order[::-1]:
+        for name, save, load, path in order if (r - args.warmup) % 2 == 0 else order[::-1]:
             clean(path)
             got[f"{name}_save"] = timed(save)
             sizes[name] = sum(os.path.getsize(f) for f in files_under([path]))
@@ -157,8 +164,8 @@ def report(res: dict) -> list[str]:
     gb = res["bytes"] / 1e9
     rows = [("save to tmpfs (capture + write; the libraries' own cost)", m, "save", 1.5),
             ("restore, page cache warm (read + verify + assign)", d, "warm", 1.5),
-            ("save to disk (capture + write + fsync; informative: bounded by the disk)", d, "save", None),
-            ("restore, cold from disk (informative: bounded by the disk)", d, "load", None)]
+            ("save to disk (capture + write + fsync; informative: mostly the disk)", d, "save", None),
+            ("restore, cold from disk (informative: mostly the disk)", d, "load", None)]
     sizes = res["disk"]["sizes"]
     lines = [f"## Keras adapter: ckptcore vs tf.train.Checkpoint write / read ({datetime.date.today()})",
              "", f"tensorflow {tf.__version__}, keras {keras.__version__}, numpy {np.__version__}, "
@@ -184,13 +191,12 @@ def report(res: dict) -> list[str]:
                      f"| {met} |")
     lines.append("")
     lines.append(
-        f"For scale, the same bytes in one file on the disk, one thread, no checksums: write + fsync "
-        f"{d['raw_save']['median']:.3f} s, cold read {d['raw_load']['median']:.3f} s (medians). "
-        f"Neither library can beat those, so on this disk a save can be at most "
-        f"{d['tf_save']['median'] / d['raw_save']['median']:.2f}x and a cold restore at most "
-        f"{d['tf_load']['median'] / d['raw_load']['median']:.2f}x faster than TensorFlow's; "
-        f"ckptcore took {d['ck_save']['median'] / d['raw_save']['median']:.2f}x the raw write and "
-        f"{d['ck_load']['median'] / d['raw_load']['median']:.2f}x the raw read.")
+        f"For reference, the same bytes in one file on the disk, one thread, no checksums: write + "
+        f"fsync {d['raw_save']['median']:.3f} s, cold read {d['raw_load']['median']:.3f} s (medians). "
+        f"TensorFlow took {d['tf_save']['median'] / d['raw_save']['median']:.2f}x the raw write and "
+        f"{d['tf_load']['median'] / d['raw_load']['median']:.2f}x the raw read, ckptcore "
+        f"{d['ck_save']['median'] / d['raw_save']['median']:.2f}x and "
+        f"{d['ck_load']['median'] / d['raw_load']['median']:.2f}x.")
     return lines + [""]
 
 

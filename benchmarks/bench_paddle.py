@@ -19,7 +19,7 @@ slots exist (about 600 MB of state in all).  In one process, in interleaved roun
 
 The cold restore is reported but not the target: there both libraries wait mostly on the disk
 (about 1 GB/s here, and noisy: the machine is shared), so its ratio measures the disk more than
-either library (see bench_keras.py, which also times the raw read for that bound).
+either library (bench_keras.py also times a raw read of the same bytes, for reference).
 
 Prints a table and the targets (save >= 2x, warm restore >= 1.5x faster), and appends them to
 benchmarks/RESULTS.md unless ``--no-record``.
@@ -82,13 +82,11 @@ def run(args) -> dict:
     pd = os.path.join(args.dir, "paddle")
     pd_files = [pd + ".pdparams", pd + ".pdopt"]
 
-    def ck_save():
+    def ck_save():  # save_state fsyncs every file itself
         ckptcore.save_state(ck, ckptcore_paddle.capture(net, opt, copy=False))
-        fsync_paths([ck])
 
     def kw_save():
         ckptcore.save_state(ck, model=net, optimizer=opt)
-        fsync_paths([ck])
 
     def pd_save():
         paddle.save(net.state_dict(), pd_files[0])
@@ -108,7 +106,7 @@ def run(args) -> dict:
         clean(ck)
         got["kw_save"] = timed(kw_save)
         order = [("ck", ck_save, ck_load, [ck]), ("pd", pd_save, pd_load, pd_files)]
-        for name, save, load, paths in order if r % 2 == 0 else order[::-1]:
+        for name, save, load, paths in order if (r - args.warmup) % 2 == 0 else order[::-1]:
             for p in paths:
                 clean(p)
             got[f"{name}_save"] = timed(save)
@@ -137,7 +135,7 @@ def report(res: dict, args) -> list[str]:
     rows = [("save: capture(copy=False) + save_state", "ck_save", "pd_save", 2.0),
             ("save: save_state(model=, optimizer=)", "kw_save", "pd_save", None),
             ("restore, page cache warm: load_state(model=, optimizer=)", "ck_warm", "pd_warm", 1.5),
-            ("restore, cold from disk (informative: bounded by the disk)", "ck_load", "pd_load", None)]
+            ("restore, cold from disk (informative: mostly the disk)", "ck_load", "pd_load", None)]
     lines = [f"## Paddle adapter: ckptcore vs paddle.save / paddle.load ({datetime.date.today()})", "",
              f"paddle {paddle.__version__}, numpy {np.__version__}, Python {platform.python_version()}, "
              f"{os.cpu_count()} CPUs; state {res['bytes'] / 2**20:.0f} MiB (parameters + Adam slots); "
