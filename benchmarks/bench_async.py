@@ -33,6 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import clean, large_state  # noqa: E402
 from _report import record  # noqa: E402
@@ -45,8 +46,8 @@ def _steady(state, root: str, rounds: int, async_save: bool) -> tuple[list[float
 
     Returns the time each ``save()`` blocked and the time until it was committed, both without
     the first save, and the first save's blocking time.  The first save is set apart for both
-    modes alike: it creates the root and the lock, and an async manager allocates its staging
-    buffers then.  Later saves also carry retention (deleting the previous step): a synchronous
+    modes alike (an async manager allocates its staging buffers then, and this disk's first
+    large write of a process is often slow).  Later saves also carry retention (deleting the previous step): a synchronous
     save does that in the caller's time, an async one in the background.
     """
     blocked, total, first = [], [], 0.0
@@ -76,10 +77,9 @@ def measure(state, base: str, rounds: int) -> dict[str, list[float]]:
     out["async_block"], out["async_total"], first_async = _steady(
         state, os.path.join(base, "async"), rounds, True)
     out["first_sync"], out["first_block"] = [first_sync], [first_async]
-    # For reference: the bare write of the same state (save_state to a new folder, no manager and
-    # so no retention), the cheapest a synchronous save can be.
+    # The floor of an async save's blocking time: the copy alone, into warm buffers.
     out["bare"], out["memcpy"] = [], []
-    arrays = [a for a in _all_arrays(state)]
+    arrays = _all_arrays(state)
     dst = [np.empty_like(a) for a in arrays]
     for _ in range(rounds + 1):
         t0 = time.perf_counter()
@@ -87,6 +87,8 @@ def measure(state, base: str, rounds: int) -> dict[str, list[float]]:
             list(pool.map(lambda i: np.copyto(dst[i], arrays[i]), range(len(arrays))))
         out["memcpy"].append(time.perf_counter() - t0)
     out["memcpy"] = out["memcpy"][1:]  # the first copy faults the buffers in
+    # The bare write of the same state (save_state to a new folder, no manager and so no
+    # retention): the cheapest a synchronous save can be.
     for r in range(rounds):
         url = os.path.join(base, f"bare-{r}")
         t0 = time.perf_counter()

@@ -35,7 +35,7 @@ class WriterLock:
     def __init__(self, store: Store, *, lease_seconds: float = 3600.0):
         self.store, self.lease_seconds = store, lease_seconds
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._fd: int | None = None
+        self._closer: weakref.finalize | None = None  # closes a held flock's descriptor
         self._held = False
 
     def acquire(self) -> None:
@@ -78,7 +78,6 @@ class WriterLock:
         # flock.  Not at exit: the kernel drops it then anyway, and a save may still be draining.
         self._closer = weakref.finalize(self, _close_held, fd, key)
         self._closer.atexit = False
-        self._fd = fd
 
     def _lease(self) -> bytes:
         return json.dumps({"holder": self.holder, "expires": time.time() + self.lease_seconds}).encode()
@@ -128,8 +127,8 @@ class WriterLock:
         if not self._held:
             return
         self._held = False
-        if self._fd is not None:
+        if self._closer is not None:
             self._closer()  # closes the descriptor, which drops the flock (once)
-            self._fd = None
+            self._closer = None
         elif self._read_lease()[0] == self.holder:  # never remove a lease another writer took
             self.store.delete(LOCK_NAME)

@@ -163,13 +163,9 @@ def cmd_ls(args: argparse.Namespace, so: dict) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, so: dict) -> int:
-    from ._commit import TMP_MARK
-    from ._lock import LOCK_NAME
-    from .manager import _STEP, CheckpointManager
+    from .manager import CheckpointManager, _is_root
 
-    root = Store(args.root, so)
-    names = {e.name for e in root.listdir()}
-    if not any(_STEP.match(n) or TMP_MARK in n or n == LOCK_NAME for n in names):
+    if not _is_root(Store(args.root, so)):
         # A typo or a step folder: refuse before the lock file would be created there.
         raise FileNotFoundError(f"{args.root}: no checkpoint root here (no step-* folders or "
                                 "leftovers of saves)")

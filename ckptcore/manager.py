@@ -370,6 +370,12 @@ class CheckpointManager:
         return f"CheckpointManager({self.root.url!r}, keep={self.policy!r}, async_save={self.async_save})"
 
 
+def _is_root(store: Store) -> bool:
+    """Whether ``store`` looks like a manager's root: step folders, save leftovers or its lock."""
+    return any(_STEP.match(e.name) or TMP_MARK in e.name or e.name == LOCK_NAME
+               for e in store.listdir())
+
+
 def _older(store: Store, entry, cutoff: float) -> bool:
     """Whether ``entry`` (a leftover folder or file) was last touched before ``cutoff``."""
     times = [entry.mtime] if entry.mtime is not None else []
