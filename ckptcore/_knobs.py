@@ -23,6 +23,9 @@ _DEFAULTS = {
     # Local writes ask the kernel to start writing back every this many bytes (0: never), so the
     # disk works while we copy instead of all at once in the final fsync.
     "writeback_bytes": 32 * 1024 * 1024,
+    # Manifests larger than this are refused before being read (a hostile or damaged file must not
+    # exhaust memory).  About 100 bytes per tensor, so the default admits ~5 million tensors.
+    "max_manifest_bytes": 512 * 1024 * 1024,
     # How long a manifest-less leftover must sit before gc() may remove it (seconds).
     "gc_grace": 15 * 60.0,
 }

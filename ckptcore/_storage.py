@@ -34,9 +34,28 @@ def _tick(op: str, path: str) -> None:
 
 @dataclass(frozen=True)
 class Entry:
+    """One name in a listing.  ``is_link``: a symbolic link (local disk only); such an entry is
+    never a directory here (``is_dir`` is False), so nothing walks or deletes through it."""
+
     name: str
     is_dir: bool
     mtime: float | None
+    is_link: bool = False
+
+
+def check_url(url: Any, what: str = "url") -> str:
+    """``url`` as a non-empty string, else ``TypeError``/``ValueError`` naming ``what``.
+
+    Why: ``""`` resolves to the working directory on some paths and to ``/`` on others, and
+    ``None`` becomes a folder named "None"; neither is ever what the caller meant.
+    """
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if isinstance(url, bytes) or not isinstance(url, str):
+        raise TypeError(f"{what} must be a str or path-like, got {type(url).__name__}")
+    if not url.strip():
+        raise ValueError(f"{what} must not be empty: give a folder or an fsspec URL")
+    return url
 
 
 class Store:
@@ -116,7 +135,8 @@ class Store:
         if self.local:
             try:
                 with os.scandir(path) as it:
-                    return [Entry(e.name, e.is_dir(), e.stat().st_mtime) for e in it]
+                    return [Entry(e.name, e.is_dir(follow_symlinks=False),
+                                  e.stat(follow_symlinks=False).st_mtime, e.is_symlink()) for e in it]
             except (FileNotFoundError, NotADirectoryError):
                 return []
         try:

@@ -15,7 +15,9 @@ __all__ = [
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
     "SchemaError",
+    "UnsupportedCheckpointError",
     "UnsafeCheckpointError",
+    "StorageError",
     "LockedError",
     "RestoreError",
     "CaptureError",
@@ -58,6 +60,22 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class SchemaError(CheckpointError, ValueError):
     """A manifest or state tree is malformed, unsupported or inconsistent."""
+
+
+class UnsupportedCheckpointError(SchemaError):
+    """A checkpoint this install cannot read but that may well be intact: a newer format version,
+    an unknown checksum algorithm, or a dtype whose package (``ml_dtypes``) lacks it here.
+
+    Unlike other :class:`SchemaError` cases this is not damage: a manager never replaces or
+    deletes such a checkpoint on its own.
+    """
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed (network, permissions, a missing bucket); names the URL.
+
+    The backend's own exception (botocore, aiohttp, ...) is chained as ``__cause__``.
+    """
 
 
 class UnsafeCheckpointError(CheckpointError, ValueError):
