@@ -21,7 +21,7 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
-from .errors import SchemaError
+from .errors import SchemaError, UnsupportedCheckpointError
 from .state import (AccumulationState, OptimizerState, ParamInfo, ScheduleState,
                     TrainingState)
 
@@ -34,8 +34,9 @@ _PLAIN = ("bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float3
 _ML = ("bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz float8_e4m3b11fnuz "
        "float8_e3m4 float8_e4m3 float8_e8m0fnu float6_e2m3fn float6_e3m2fn float4_e2m1fn "
        "int2 int4 uint2 uint4").split()
-_SIZED = re.compile(r"^([USV])(0|[1-9][0-9]{0,8})$")  # 0: numpy allows zero-width V0
-_TIME = re.compile(r"^(datetime64|timedelta64)(\[[0-9]*(?:Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?$")
+# Matched with fullmatch: re.match with "$" would admit a trailing newline.  0: numpy allows V0.
+_SIZED = re.compile(r"([USV])(0|[1-9][0-9]{0,8})")
+_TIME = re.compile(r"(datetime64|timedelta64)(\[[0-9]*(?:Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?")
 
 
 def dtype_name(dtype: np.dtype, *, where: str = "array") -> str:
@@ -61,14 +62,17 @@ def parse_dtype(name: object, *, where: str = "tensor") -> np.dtype:
         if name in _ML:
             import ml_dtypes
             return np.dtype(getattr(ml_dtypes, name))
-        m = _SIZED.match(name)
+        m = _SIZED.fullmatch(name)
         if m:
             return np.dtype(f"<{m.group(1)}{m.group(2)}")
-        if _TIME.match(name):
+        if _TIME.fullmatch(name):
             return np.dtype(name).newbyteorder("<")
-    except (TypeError, AttributeError, ImportError) as e:
-        raise SchemaError(f"{where}: dtype {name!r} is not available here ({e})") from e
-    raise SchemaError(f"{where}: unknown dtype {name!r}")
+    except (AttributeError, ImportError) as e:  # an older ml_dtypes: the file may be fine
+        raise UnsupportedCheckpointError(f"{where}: dtype {name!r} is not available here ({e}); "
+                                         "upgrade ml_dtypes") from e
+    except (TypeError, ValueError, OverflowError) as e:
+        raise SchemaError(f"{where}: dtype {_short(name)} is not valid ({e})") from e
+    raise SchemaError(f"{where}: unknown dtype {_short(name)}")
 
 
 def to_little_endian(arr: np.ndarray) -> np.ndarray:
@@ -118,6 +122,10 @@ class _Encoder:
         return len(self.arrays) - 1
 
     def encode(self, value: Any, path: tuple) -> Any:
+        if len(path) > MAX_DEPTH and isinstance(value, (dict, list, tuple)):
+            # Readers refuse deeper trees (as hostile), so never write one.
+            raise TypeError(f"{_where(path[:3])}...: nested more than {MAX_DEPTH} levels deep; "
+                            "flatten it")
         # numpy scalars first: np.float64, np.str_ and np.bytes_ subclass float, str and bytes,
         # and would otherwise come back as plain Python values.
         if isinstance(value, np.generic):
@@ -161,33 +169,93 @@ def _where(path: tuple) -> str:
     return "state." + "".join(f"[{p!r}]" if i else str(p) for i, p in enumerate(path))
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    if code in (EXT_TENSOR, EXT_SCALAR):
-        idx = msgpack.unpackb(data)
-        if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
-            raise SchemaError(f"bad tensor reference {idx!r}")
-        return TensorRef(idx, scalar=code == EXT_SCALAR)
-    if code == EXT_TUPLE:
-        items = unpack(data)
-        if not isinstance(items, list):
-            raise SchemaError("bad tuple payload")
-        return tuple(items)
-    raise SchemaError(f"unknown msgpack extension type {code}")
-
-
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+# A state tree may nest containers (maps, arrays, tuples) this deep, counted from the tree's root
+# (the section maps are level 1).  Real states nest < 10 (optimizer -> slots -> param -> slot).
+# The bound makes every walk over a decoded tree safe from stack exhaustion; writers refuse deeper
+# trees, so anything deeper is hostile or damaged (docs/FORMAT.md, section 6).
+MAX_DEPTH = 64
+
+
+def _unpack_raw(data: bytes) -> Any:
+    # No ext_hook: a hook that re-entered msgpack for every nested TUPLE let ~200 nested
+    # extensions exhaust the C stack (SIGSEGV) before any Python depth check ran.  Extensions
+    # come back as msgpack.ExtType and are resolved by the bounded walk below, one level at a time.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+
+
 def unpack(data: bytes) -> Any:
-    """msgpack -> Python with the tree's extensions; every decoding failure becomes ``SchemaError``."""
+    """msgpack -> Python with the tree's extensions; every decoding failure becomes ``SchemaError``.
+
+    Containers may nest at most :data:`MAX_DEPTH` levels (extension payloads included).
+    """
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook,
-                               use_list=True)
+        return _resolve(_unpack_raw(data), 0)
     except SchemaError:
         raise
+    except RecursionError as e:
+        raise SchemaError("the state tree is nested too deeply") from e
     except Exception as e:  # msgpack raises ValueError, ExtraData, FormatError, StackError, ...
         raise SchemaError(f"not valid msgpack: {type(e).__name__}: {e}") from e
+
+
+def _resolve(value: Any, depth: int) -> Any:
+    """Replace ExtType by TensorRef/tuple, checking keys and depth; lists are rebuilt in place."""
+    if isinstance(value, (str, int, float, bytes)) or value is None:
+        return value
+    if depth >= MAX_DEPTH:
+        raise SchemaError(f"the state tree nests containers more than {MAX_DEPTH} levels deep")
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if not isinstance(v, (str, int, float, bytes)) and v is not None:
+                value[i] = _resolve(v, depth + 1)
+        return value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise SchemaError(f"a map key is a {type(k).__name__}; keys are str or int")
+            if not isinstance(v, (str, int, float, bytes)) and v is not None:
+                value[k] = _resolve(v, depth + 1)
+        return value
+    if isinstance(value, msgpack.ExtType):
+        return _resolve_ext(value.code, value.data, depth)
+    raise SchemaError(f"unexpected msgpack value {type(value).__name__}")  # pragma: no cover
+
+
+def _resolve_ext(code: int, data: bytes, depth: int) -> Any:
+    if code in (EXT_TENSOR, EXT_SCALAR):
+        try:
+            idx = msgpack.unpackb(data)
+        except Exception as e:
+            raise SchemaError(f"bad tensor reference payload ({type(e).__name__})") from e
+        if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
+            raise SchemaError(f"bad tensor reference {_short(idx)}")
+        return TensorRef(idx, scalar=code == EXT_SCALAR)
+    if code == EXT_TUPLE:
+        items = _unpack_raw(data)
+        if not isinstance(items, list):
+            raise SchemaError("bad tuple payload")
+        return tuple(_resolve(items, depth))
+    raise SchemaError(f"unknown msgpack extension type {code}")
+
+
+def _repr_limited() -> Any:
+    import reprlib
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = 60
+    return r
+
+
+_REPR = _repr_limited()
+
+
+def _short(value: Any) -> str:
+    """A repr cut to about 80 characters without building a huge one first (a hostile manifest
+    may hold a 100 MB string where a name belongs)."""
+    return _REPR.repr(value)[:80]
 
 
 def substitute(tree: Any, fetch: Callable[[TensorRef], Any]) -> Any:
@@ -249,40 +317,124 @@ def _section(tree: dict, key: str, kind: type, default: Any) -> Any:
     return value
 
 
+def _map(d: dict, key: str, where: str) -> dict:
+    """An optional map field: missing or nil is ``{}``."""
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SchemaError(f"{where}.{key}: expected a map, got {type(value).__name__}")
+    return value
+
+
+def _count_field(d: dict, key: str, where: str, *, default: int | None = None) -> int:
+    """An integer field, in the range msgpack can hold (what any writer could have stored).
+    Writers store ints; a finite integral float is accepted (older writers stored whatever the
+    user set); bools, inf, NaN and fractions are not."""
+    if key not in d:
+        if default is None:
+            raise SchemaError(f"{where}: missing field {key!r}")
+        return default
+    value = d[key]
+    if isinstance(value, np.integer):
+        value = int(value)
+    elif isinstance(value, (float, np.floating)) and math.isfinite(value) and float(value).is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SchemaError(f"{where}.{key}: expected an integer, got {_short(value)}")
+    if not _INT_MIN <= value <= _UINT_MAX:
+        raise SchemaError(f"{where}.{key}: {value} is out of range")
+    return value
+
+
+def _text(d: dict, key: str, where: str, *, optional: bool = False) -> str | None:
+    value = d.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise SchemaError(f"{where}.{key}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _tensors(d: dict, where: str) -> dict[str, np.ndarray]:
+    for k, v in d.items():
+        if not isinstance(v, np.ndarray):
+            raise SchemaError(f"{where}[{_short(k)}] is a {type(v).__name__}, not a tensor")
+    return d
+
+
+def _optimizer(o: dict) -> OptimizerState:
+    slots = _map(o, "slots", "optimizer")
+    for param, per in slots.items():
+        if not isinstance(per, dict):
+            raise SchemaError(f"optimizer.slots[{_short(param)}]: expected a map of slot tensors")
+        _tensors(per, f"optimizer.slots[{_short(param)}]")
+    return OptimizerState(kind=_text(o, "kind", "optimizer"),
+                          step=_count_field(o, "step", "optimizer"),
+                          hyperparams=_map(o, "hyperparams", "optimizer"), slots=slots,
+                          extra=_map(o, "extra", "optimizer"))
+
+
+def _schedule(s: dict) -> ScheduleState:
+    last_lr = s.get("last_lr")
+    if last_lr is not None and (isinstance(last_lr, bool)
+                                or not isinstance(last_lr, (int, float, np.number))):
+        raise SchemaError(f"schedule.last_lr: expected a number, got {type(last_lr).__name__}")
+    return ScheduleState(kind=_text(s, "kind", "schedule"), config=_map(s, "config", "schedule"),
+                         step=_count_field(s, "step", "schedule"), last_lr=last_lr,
+                         state=_map(s, "state", "schedule"))
+
+
+def _param_info(name: Any, d: Any) -> ParamInfo:
+    where = f"params[{_short(name)}]"
+    if not isinstance(d, dict):
+        raise SchemaError(f"{where}: expected a map")
+    return ParamInfo(index=_count_field(d, "index", where), layer=_text(d, "layer", where),
+                     kind=_text(d, "kind", where), role=_text(d, "role", where),
+                     layout=_text(d, "layout", where, optional=True), attrs=_map(d, "attrs", where))
+
+
 def decode_state(tree: Any) -> TrainingState:
-    """Build a TrainingState from a tree whose references are already substituted."""
+    """Build a TrainingState from a tree whose references are already substituted.
+
+    Every field is type- and range-checked: a malformed tree is a ``SchemaError`` naming the field.
+    """
     if not isinstance(tree, dict):
         raise SchemaError("state tree must be a map")
     try:
-        model = _section(tree, "model", dict, {})
-        for k, v in model.items():
-            if not isinstance(v, np.ndarray):
-                raise SchemaError(f"model[{k!r}] is not a tensor")
         o = _section(tree, "optimizer", dict, None)
         s = _section(tree, "schedule", dict, None)
         a = _section(tree, "accumulation", dict, None)
         return TrainingState(
-            model=model,
-            optimizer=None if o is None else OptimizerState(
-                kind=o["kind"], step=int(o["step"]), hyperparams=o.get("hyperparams") or {},
-                slots=o.get("slots") or {}, extra=o.get("extra") or {}),
-            schedule=None if s is None else ScheduleState(
-                kind=s["kind"], config=s.get("config") or {}, step=int(s["step"]),
-                last_lr=s.get("last_lr"), state=s.get("state") or {}),
+            model=_tensors(_section(tree, "model", dict, {}) or {}, "model"),
+            optimizer=None if o is None else _optimizer(o),
+            schedule=None if s is None else _schedule(s),
             rng=_section(tree, "rng", dict, {}) or {},
             data=_section(tree, "data", dict, {}) or {},
             accumulation=None if a is None else AccumulationState(
-                every=int(a["every"]), count=int(a["count"]), buffers=a.get("buffers") or {}),
-            step=int(tree.get("step", 0)), epoch=int(tree.get("epoch", 0)),
+                every=_count_field(a, "every", "accumulation"),
+                count=_count_field(a, "count", "accumulation"),
+                buffers=_tensors(_map(a, "buffers", "accumulation"), "accumulation.buffers")),
+            step=_count_field(tree, "step", "state", default=0),
+            epoch=_count_field(tree, "epoch", "state", default=0),
             framework=_section(tree, "framework", str, None),
             metadata=_section(tree, "metadata", dict, {}) or {},
             extra=_section(tree, "extra", dict, {}) or {},
-            params={k: ParamInfo.from_dict(v) for k, v in (_section(tree, "params", dict, {}) or {}).items()},
+            params={k: _param_info(k, v) for k, v in (_section(tree, "params", dict, {}) or {}).items()},
         )
     except SchemaError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:  # backstop
         raise SchemaError(f"malformed state tree: {type(e).__name__}: {e}") from e
+
+
+def count_field(tree: Any, key: str) -> int:
+    """``step``/``epoch`` of an undecoded tree, checked like :func:`decode_state` does."""
+    if not isinstance(tree, dict):
+        raise SchemaError("state tree must be a map")
+    if tree.get(key) is None:
+        return 0
+    return _count_field(tree, key, "state", default=0)
 
 
 def nbytes_of(dtype: np.dtype, shape: tuple[int, ...]) -> int:

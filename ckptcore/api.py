@@ -62,7 +62,7 @@ def _info(url: str, m: Manifest) -> CheckpointInfo:
                      if tree.get(k) not in (None, {}, [], "") and k not in ("step", "epoch"))
     return CheckpointInfo(
         url=url, format_version=m.version, created=m.created,
-        step=_count(tree, "step"), epoch=_count(tree, "epoch"),
+        step=_codec.count_field(tree, "step"), epoch=_codec.count_field(tree, "epoch"),
         framework=m.framework.get("name"), framework_versions=m.framework.get("versions") or {},
         sections=sections,
         tensors=tuple(TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.length,
@@ -71,13 +71,6 @@ def _info(url: str, m: Manifest) -> CheckpointInfo:
         writer=m.writer, library=m.library,
         data=tree.get("data") if isinstance(tree.get("data"), dict) else {},
         metadata=tree.get("metadata") if isinstance(tree.get("metadata"), dict) else {})
-
-
-def _count(tree: dict, key: str) -> int:
-    value = tree.get(key) or 0
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise SchemaError(f"state tree: {key!r} must be an integer, got {type(value).__name__}")
-    return value
 
 
 def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
@@ -125,8 +118,10 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
 def read_manifest(store: Store) -> Manifest:
     """The validated manifest at ``store``; ``CheckpointNotFoundError`` if there is none."""
     try:
-        data = store.read(MANIFEST_NAME)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+        data = store.read(MANIFEST_NAME, max_bytes=int(_knobs.get("max_manifest_bytes")))
+    except CheckpointError:
+        raise
+    except (FileNotFoundError, NotADirectoryError) as e:
         what = ("has no manifest: it is not a committed checkpoint (perhaps the leftovers of an "
                 "interrupted save)") if store.exists() else "does not exist"
         raise CheckpointNotFoundError(f"{store.url}: {what}") from e

@@ -18,6 +18,10 @@ from __future__ import annotations
 import atexit
 import copy
 import dataclasses
+import logging
+import math
+import numbers
+import os
 import re
 import threading
 import time
@@ -32,17 +36,61 @@ from . import _codec, _knobs, api
 from ._commit import TMP_MARK
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
-from ._storage import Store
+from ._storage import Store, check_url
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                     IncompleteCheckpointError)
+                     LockedError, StorageError, UnsafeCheckpointError, UnsupportedCheckpointError)
 from .policies import CheckpointEntry, as_policy
 from .state import TrainingState
 
 __all__ = ["CheckpointManager", "SaveHandle", "CheckpointFallbackWarning"]
 
-_STEP = re.compile(r"^step-(\d{12,})$")
+_STEP = re.compile(r"step-(\d{12,})")  # fullmatch only: "$" would admit a trailing newline
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-_DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError)  # bytes bad or missing, not unreadable
+log = logging.getLogger("ckptcore")
+
+
+def _is_damage(e: BaseException) -> bool:
+    """Whether a step that failed to load is damaged (bad, missing or malformed bytes), as opposed
+    to intact but unreadable here (a newer format), gone, or out of reach (network, lock)."""
+    return isinstance(e, CheckpointError) and not isinstance(
+        e, (UnsupportedCheckpointError, CheckpointNotFoundError, StorageError, LockedError))
+
+
+def check_metrics(metrics: Any) -> dict[str, float] | None:
+    """``metrics`` as ``{name: float}``; ``TypeError``/``ValueError`` for anything else (None passes)."""
+    if metrics is None:
+        return None
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise TypeError(f"metrics: names must be str, got {type(k).__name__} {k!r:.40}")
+        if isinstance(v, bool) or not isinstance(v, (numbers.Real, np.ndarray)) or np.ndim(v) != 0:
+            raise TypeError(f"metrics[{k!r}] must be a number, got {type(v).__name__}")
+        f = float(v)
+        if not math.isfinite(f):
+            raise ValueError(f"metrics[{k!r}] is {f}; metrics must be finite (a NaN loss usually "
+                             "means the run diverged; leave it out of metrics= to save anyway)")
+        out[k] = f
+    return out
+
+
+def _saved_metrics(step: int, metadata: Any) -> dict[str, float] | None:
+    """The metrics a checkpoint carries, for retention; None (logged) when they are unusable.
+
+    A user may have put anything under ``state.metadata["metrics"]``: a policy must not fail on
+    it after the step is committed, it just cannot rank that step.
+    """
+    value = metadata.get("metrics") if isinstance(metadata, Mapping) else None
+    if value is None:
+        return None
+    try:
+        return check_metrics(value)
+    except (TypeError, ValueError) as e:
+        log.warning("checkpoint step %d: metadata['metrics'] is not usable for retention (%s); "
+                    "metric-based policies ignore this step", step, e)
+        return None
 
 
 class CheckpointFallbackWarning(UserWarning):
@@ -93,7 +141,7 @@ class CheckpointManager:
 
     def __init__(self, root: str, *, keep: Any = None, async_save: bool = False,
                  storage_options: Mapping[str, Any] | None = None, lock: bool = True):
-        self.root = Store(str(root), dict(storage_options or {}))
+        self.root = Store(check_url(root, "root"), dict(storage_options or {}))
         self.policy = as_policy(keep)
         self.async_save = async_save
         self._options = dict(storage_options or {})
@@ -124,8 +172,12 @@ class CheckpointManager:
         self._forget_listings()
         found = []
         for e in self.root.listdir():
-            m = _STEP.match(e.name)
-            if m and self.root.child(e.name).exists(MANIFEST_NAME):
+            m = _STEP.fullmatch(e.name)
+            if m and e.is_link:
+                # A link could lead out of the root; retention would then delete through it.
+                log.warning("%s: skipping %s, a symbolic link, not a checkpoint folder",
+                            self.root.url, e.name)
+            elif m and self.root.child(e.name).exists(MANIFEST_NAME):
                 found.append(int(m.group(1)))
         return sorted(found)
 
@@ -144,6 +196,7 @@ class CheckpointManager:
         """Save ``state`` (or framework objects, captured now) as checkpoint ``step``."""
         self._check_open()
         name = self._name(step)
+        metrics = check_metrics(metrics)  # before anything is written or committed
         self._wait_inflight()  # at most one save in flight; raises a previous background error
         self._acquire()
         if step in self._skipped:
@@ -176,14 +229,15 @@ class CheckpointManager:
         url = self.step_url(step)
         try:
             problems = api.verify(url, storage_options=self._options)
-        except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+        except Exception as e:  # noqa: BLE001 - classified just below
+            if not _is_damage(e):
+                return  # gone, or unreadable here but perhaps intact: leave it to the save to refuse
             problems = [e]
-        except CheckpointError:
-            return  # gone, or unreadable here but perhaps intact: leave it to the save to refuse
-        if problems and all(isinstance(p, _DAMAGE) for p in problems):
+        if problems and all(_is_damage(p) for p in problems):
             warnings.warn(f"replacing checkpoint step {step} ({url}), which does not verify "
                           f"({problems[0]}); restore() fell back over it",
                           CheckpointFallbackWarning, stacklevel=3)
+            log.warning("replacing damaged checkpoint step %d (%s): %s", step, url, problems[0])
             self._delete(step)
 
     def _snapshot(self, step, state, metrics, objects) -> TrainingState:
@@ -193,7 +247,7 @@ class CheckpointManager:
             state = self._copy_state(state)
         metadata = dict(state.metadata)
         if metrics is not None:
-            metadata["metrics"] = {k: float(v) for k, v in metrics.items()}
+            metadata["metrics"] = metrics
         return dataclasses.replace(state, metadata=metadata, step=state.step or step)
 
     def _copy_state(self, state: TrainingState) -> TrainingState:
@@ -219,7 +273,8 @@ class CheckpointManager:
 
     def _write(self, step: int, url: str, state: TrainingState) -> api.CheckpointInfo:
         info = api.save_state(url, state, storage_options=self._options)
-        self._entries[step] = CheckpointEntry(step, info.created, state.metadata.get("metrics"))
+        self._entries[step] = CheckpointEntry(step, info.created,
+                                              _saved_metrics(step, state.metadata))
         if self._lock is not None:
             self._lock.refresh()
         self._apply_retention()
@@ -247,7 +302,8 @@ class CheckpointManager:
                 info = api.inspect(self.step_url(step), storage_options=self._options)
             except CheckpointError:
                 return None
-            self._entries[step] = CheckpointEntry(step, info.created, info.metadata.get("metrics"))
+            self._entries[step] = CheckpointEntry(step, info.created,
+                                                  _saved_metrics(step, info.metadata))
         return self._entries[step]
 
     def _apply_retention(self) -> None:
@@ -266,10 +322,16 @@ class CheckpointManager:
         keep.update(s for s, e in read.items() if e is None)  # unreadable: a policy cannot judge it
         for s in good[:-1]:  # every step below the newest good one has a committed successor
             if s not in keep:
+                log.info("retention: deleting checkpoint step %d under %s", s, self.root.url)
                 self._delete(s)
 
     def _delete(self, step: int) -> None:
-        ckpt = self.root.child(self._name(step))
+        name = self._name(step)
+        if self.root.local and os.path.islink(self.root.join(name)):
+            # Deleting "its manifest" would delete a file wherever the link points.
+            raise UnsafeCheckpointError(f"{self.root.join(name)} is a symbolic link, not a checkpoint "
+                                        "folder of this root; refusing to delete through it")
+        ckpt = self.root.child(name)
         ckpt.delete(MANIFEST_NAME)  # uncommit first: a half-deleted step is never "committed"
         ckpt.delete_tree()
         self._entries.pop(step, None)
@@ -299,12 +361,16 @@ class CheckpointManager:
         for e in self.root.listdir():
             if e.name == LOCK_NAME:
                 continue
+            if e.is_link:  # never delete through a link, nor the link (it is not ours)
+                log.warning("gc: skipping %s under %s, a symbolic link", e.name, self.root.url)
+                continue
             child = self.root.child(e.name)
-            if TMP_MARK in e.name or (_STEP.match(e.name) and not child.exists(MANIFEST_NAME)):
+            if TMP_MARK in e.name or (_STEP.fullmatch(e.name) and not child.exists(MANIFEST_NAME)):
                 if _older(child, e, cutoff):
+                    log.info("gc: removing leftover %s", child.url)
                     child.delete_tree()
                     removed.append(child.url)
-            elif _STEP.match(e.name):
+            elif _STEP.fullmatch(e.name):
                 removed += _gc_shards(child, cutoff)
         return removed
 
@@ -328,11 +394,15 @@ class CheckpointManager:
         for s in reversed(steps):
             try:
                 state = api.load_state(self.step_url(s), storage_options=self._options)
-            except CheckpointError as e:  # corrupt, incomplete, malformed, unsafe, or gone meanwhile
+            except StorageError:
+                raise  # the store is out of reach: an older step would be no better, nor a fallback
+            except Exception as e:  # noqa: BLE001 - any step that fails to decode or verify
                 warnings.warn(f"checkpoint step {s} ({self.step_url(s)}) does not verify: {e}; "
                               "falling back to an older one", CheckpointFallbackWarning, stacklevel=2)
+                log.warning("restore: checkpoint step %d (%s) does not load (%s: %s); falling back",
+                            s, self.step_url(s), type(e).__name__, e)
                 last = e
-                if isinstance(e, _DAMAGE):
+                if _is_damage(e):
                     damaged.add(s)
                 continue
             api.restore_objects(state, objects)
@@ -372,7 +442,7 @@ class CheckpointManager:
 
 def _is_root(store: Store) -> bool:
     """Whether ``store`` looks like a manager's root: step folders, save leftovers or its lock."""
-    return any(_STEP.match(e.name) or TMP_MARK in e.name or e.name == LOCK_NAME
+    return any(_STEP.fullmatch(e.name) or TMP_MARK in e.name or e.name == LOCK_NAME
                for e in store.listdir())
 
 
@@ -392,7 +462,9 @@ def _gc_shards(ckpt: Store, cutoff: float) -> list[str]:
         return []
     removed = []
     for e in ckpt.listdir():
-        if e.name.startswith("shard-") and e.name not in named and (e.mtime or 0.0) <= cutoff:
+        if e.name.startswith("shard-") and e.name not in named and (e.mtime or 0.0) <= cutoff \
+                and not e.is_link:
+            log.info("gc: removing unreferenced shard %s", ckpt.join(e.name))
             ckpt.delete(e.name)
             removed.append(ckpt.join(e.name))
     return removed

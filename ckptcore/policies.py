@@ -133,7 +133,8 @@ class KeepBest(RetentionPolicy):
     def keep(self, entries: Sequence[CheckpointEntry]) -> set[int]:
         scored = []
         for e in entries:
-            value = (e.metrics or {}).get(self.metric)
+            # Entries built by hand may carry anything: only a mapping's real number ranks a step.
+            value = e.metrics.get(self.metric) if isinstance(e.metrics, Mapping) else None
             if isinstance(value, numbers.Real) and not isinstance(value, bool) \
                     and not math.isnan(value):
                 scored.append((value if self.mode == "max" else -value, e.step))

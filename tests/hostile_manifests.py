@@ -1,0 +1,396 @@
+"""A corpus of crafted checkpoints whose manifests are checksum-valid but hostile or damaged.
+
+Each case starts from a real checkpoint written by ``ckptcore.save_state`` (two shards, every
+section of the state filled, a tuple in the RNG state, a numpy scalar), decodes its manifest body
+*without* trusting it (extensions stay raw ``msgpack.ExtType``), changes one thing, and writes the
+body back with a fresh CRC-32C: the envelope check passes, so only validation stands between the
+crafted value and the reader.  A few cases change the files instead (links, FIFOs, devices,
+directories, a sparse 3 GiB manifest).
+
+``build(name, case_dir, outside_dir)`` writes case ``name`` as ``case_dir/ckpt``; link targets go
+to ``outside_dir``, which a reader must never open.  ``CASES`` lists every name.  Used by
+tests/test_hostile_manifests.py, in the test process and in a child process that measures memory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import crc32c
+import msgpack
+import numpy as np
+
+import ckptcore
+from ckptcore import _knobs
+from ckptcore._manifest import MANIFEST_NAME
+
+Ext = msgpack.ExtType
+TUPLE, TENSOR, SCALAR = 2, 1, 3
+
+
+def good_state(step: int = 7) -> ckptcore.TrainingState:
+    rng = np.random.default_rng(step)
+    return ckptcore.TrainingState(
+        model={"dense/kernel": rng.standard_normal((4, 3)).astype(np.float32),
+               "dense/bias": np.arange(3, dtype=np.float32),
+               "emb": rng.integers(0, 9, (40, 8)).astype(np.int16)},
+        optimizer=ckptcore.OptimizerState("adam", step=step, hyperparams={"lr": 0.01},
+                                          slots={"dense/bias": {"m": np.ones(3, np.float32)}}),
+        schedule=ckptcore.ScheduleState("cosine", config={"t": 10}, step=step, last_lr=0.5),
+        rng={"python": (3, tuple(range(5)), None), "numpy": np.uint32(9)},
+        data={"epoch": 1, "position": 5, "seed": 3},
+        accumulation=ckptcore.AccumulationState(every=4, count=1,
+                                                buffers={"dense/bias": np.zeros(3, np.float32)}),
+        step=step, epoch=1, framework=None, metadata={"note": "x"},
+        extra={"hist": [1, 2, 3]},
+        params={"dense/bias": ckptcore.ParamInfo(index=0, layer="dense", kind="dense", role="bias")},
+    )
+
+
+def write_good(path: Path, step: int = 7) -> None:
+    with _knobs.override(shard_size=256):  # several shards
+        ckptcore.save_state(str(path), good_state(step))
+
+
+# ------------------------------------------------------------------------------ manifest editing
+def read_body(ckpt: Path) -> dict:
+    outer = msgpack.unpackb((ckpt / MANIFEST_NAME).read_bytes(), raw=False)
+    return msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
+
+
+def write_manifest(ckpt: Path, body: Any, *, version: Any = 1, fmt: Any = "ckptcore",
+                   raw_body: bytes | None = None, outer: Any = None) -> None:
+    data = raw_body if raw_body is not None else msgpack.packb(body, use_bin_type=True)
+    env = outer if outer is not None else {"format": fmt, "version": version, "body": data,
+                                           "body_crc32c": crc32c.crc32c(data)}
+    (ckpt / MANIFEST_NAME).write_bytes(env if isinstance(env, bytes) else msgpack.packb(env, use_bin_type=True))
+
+
+def nested_tuples(depth: int, leaf: Any = 1) -> Any:
+    v = leaf
+    for _ in range(depth):
+        v = Ext(TUPLE, msgpack.packb([v], use_bin_type=True))
+    return v
+
+
+def nested_lists(depth: int) -> Any:
+    v: Any = 1
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+def nested_maps(depth: int) -> Any:
+    v: Any = 1
+    for _ in range(depth):
+        v = {"k": v}
+    return v
+
+
+def ref(i: Any, code: int = TENSOR) -> Ext:
+    return Ext(code, msgpack.packb(i))
+
+
+# Cases that edit the body: name -> function(body) (mutates in place, or returns a replacement).
+def _t(i: int, **fields: Any) -> Callable[[dict], None]:
+    def edit(b: dict) -> None:
+        b["tensors"][i].update(fields)
+    return edit
+
+
+def _s(i: int, **fields: Any) -> Callable[[dict], None]:
+    def edit(b: dict) -> None:
+        b["shards"][i].update(fields)
+    return edit
+
+
+def _tree(path: tuple, value: Any) -> Callable[[dict], None]:
+    def edit(b: dict) -> None:
+        node = b["tree"]
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] = value
+    return edit
+
+
+def _set(key: str, value: Any) -> Callable[[dict], None]:
+    def edit(b: dict) -> None:
+        b[key] = value
+    return edit
+
+
+def _drop(key: str) -> Callable[[dict], None]:
+    def edit(b: dict) -> None:
+        b.pop(key, None)
+    return edit
+
+
+def _overlap(b: dict) -> None:  # tensor 1 starts inside tensor 0 (same shard)
+    t0, t1 = b["tensors"][0], b["tensors"][1]
+    t1.update(shard=t0["shard"], offset=t0["offset"] + 4, dtype=t0["dtype"], shape=[1],
+              length=np.dtype(t0["dtype"]).itemsize)
+
+
+def _dup_tensor_name(b: dict) -> None:
+    b["tensors"][1]["name"] = b["tensors"][0]["name"]
+
+
+def _dup_shard(b: dict) -> None:
+    b["shards"].append(dict(b["shards"][0]))
+
+
+def _dup_ref(b: dict) -> None:
+    b["tree"]["model"]["dense/bias"] = b["tree"]["model"]["dense/kernel"]
+
+
+def _many_tensors(b: dict) -> None:  # a large table whose entries all point past the shard
+    t = dict(b["tensors"][0])
+    b["tensors"] = [dict(t, name=f"t{i}", offset=10 ** 9 + i * 64) for i in range(100_000)]
+
+
+def _huge_map_tree(b: dict) -> None:
+    b["tree"]["model"] = {f"p{i}": ref(10 ** 6 + i) for i in range(100_000)}
+
+
+def _huge_string(key: str) -> Callable[[dict], None]:
+    return _t(0, **{key: "x" * (48 << 20)})
+
+
+def _huge_key_map(b: dict) -> None:  # 64 MiB of map keys where a list belongs
+    b["shards"] = {f"{i:08d}": i for i in range(1_000_000)}
+
+
+BODY_CASES: dict[str, Callable[[dict], Any]] = {
+    # shape bombs
+    "shape-dim-2^64-1-empty": _t(0, shape=[0, 2 ** 64 - 1], length=0),
+    "shape-65-dims": _t(0, shape=[1] * 65, length=4),
+    "shape-v0-2^40x2^40": _t(0, dtype="V0", shape=[2 ** 40, 2 ** 40], length=0),
+    "shape-u0-2^62x4": _t(0, dtype="U0", shape=[2 ** 62, 4, 3], length=0),
+    "shape-negative-dim": _t(0, shape=[-4, -3], length=48),
+    "shape-bool-dims": _t(0, shape=[True, 3], length=12),
+    "shape-float-dims": _t(0, shape=[4.0, 3.0], length=48),
+    "shape-not-list": _t(0, shape="4x3"),
+    "shape-map": _t(0, shape={"a": 1}),
+    "shape-length-mismatch": _t(0, shape=[4, 4]),
+    "shape-nested-list": _t(0, shape=[[4], [3]]),
+    "shape-product-overflow-f4": _t(0, shape=[0, 2 ** 62, 4], length=0),
+    # byte ranges
+    "range-past-shard-end": _t(0, offset=10 ** 6),
+    "range-offset-2^64": _t(0, offset=2 ** 64 - 1),
+    "range-length-huge": _t(0, length=2 ** 63),
+    "range-negative-offset": _t(0, offset=-8),
+    "range-float-offset": _t(0, offset=0.0),
+    "range-bool-offset": _t(0, offset=False),
+    "range-overlap": _overlap,
+    "range-shard-index-out": _t(0, shard=99),
+    "range-shard-index-negative": _t(0, shard=-1),
+    "range-shard-index-inf": _t(0, shard=float("inf")),
+    "shard-size-2^64": _s(0, size=2 ** 64 - 1),
+    "shard-size-negative": _s(0, size=-1),
+    "shard-size-nan": _s(0, size=float("nan")),
+    "shard-size-smaller": _s(0, size=1),
+    "shard-checksum-2^40": _s(0, checksum=2 ** 40),
+    "shard-checksum-negative": _s(0, checksum=-5),
+    "tensor-checksum-float": _t(0, checksum=1.5),
+    "tensor-checksum-2^33": _t(0, checksum=2 ** 33),
+    # names
+    "shard-path-dotdot": _s(0, path="../outside.bin"),
+    "shard-path-absolute": _s(0, path="/etc/passwd"),
+    "shard-path-slash": _s(0, path="a/b.bin"),
+    "shard-path-empty": _s(0, path=""),
+    "shard-path-newline": _s(0, path="shard.bin\n"),
+    "shard-path-dot": _s(0, path="."),
+    "shard-path-hidden": _s(0, path=".shard.bin"),
+    "shard-path-manifest": _s(0, path=MANIFEST_NAME),
+    "shard-path-too-long": _s(0, path="a" * 5000),
+    "shard-path-nul": _s(0, path="shard\x00.bin"),
+    "shard-path-unicode-sep": _s(0, path="shard\u2215x.bin"),
+    "shard-path-int": _s(0, path=7),
+    "shard-path-dup": _dup_shard,
+    "tensor-name-dup": _dup_tensor_name,
+    "tensor-name-int": _t(0, name=5),
+    "tensor-name-missing": lambda b: b["tensors"][0].pop("name"),
+    # dtypes
+    "dtype-object": _t(0, dtype="O"),
+    "dtype-object-word": _t(0, dtype="object"),
+    "dtype-byteorder": _t(0, dtype="<f4"),
+    "dtype-trailing-newline": _t(0, dtype="float32\n"),
+    "dtype-sized-newline": _t(0, dtype="V4\n"),
+    "dtype-structured": _t(0, dtype="[('a','<f4')]"),
+    "dtype-int": _t(0, dtype=4),
+    "dtype-unknown": _t(0, dtype="float7"),
+    "dtype-huge-unicode": _t(0, dtype="U999999999", shape=[1], length=4 * 999999999),
+    "dtype-time-huge-multiplier": _t(0, dtype="datetime64[99999999999999999999999ns]",
+                                     shape=[4, 3], length=96),
+    "dtype-S-negative": _t(0, dtype="S-1"),
+    "dtype-none": _t(0, dtype=None),
+    # versions and envelope fields
+    "body-not-map": lambda b: [1, 2, 3],
+    "body-checksum-sha256": _set("checksum", "sha256"),
+    "body-checksum-missing": _drop("checksum"),
+    "body-created-inf": _set("created", float("inf")),
+    "body-created-nan": _set("created", float("nan")),
+    "body-created-str": _set("created", "yesterday"),
+    "body-alignment-negative": _set("alignment", -64),
+    "body-writer-list": _set("writer", [1]),
+    "body-shards-missing": _drop("shards"),
+    "body-tensors-map": _set("tensors", {"a": 1}),
+    "body-tree-missing": _drop("tree"),
+    "body-tree-list": _set("tree", [1, 2]),
+    # numbers in the state tree
+    "tree-step-inf": _tree(("step",), float("inf")),
+    "tree-step-neg-inf": _tree(("step",), float("-inf")),
+    "tree-step-nan": _tree(("step",), float("nan")),
+    "tree-step-2^70-float": _tree(("step",), 2.0 ** 70),
+    "tree-step-str": _tree(("step",), "7"),
+    "tree-step-fraction": _tree(("step",), 7.5),
+    "tree-epoch-1e300": _tree(("epoch",), 1e300),
+    "tree-opt-step-inf": _tree(("optimizer", "step"), float("inf")),
+    "tree-opt-step-2^65": _tree(("optimizer", "step"), float(2 ** 65)),
+    "tree-opt-kind-int": _tree(("optimizer", "kind"), 3),
+    "tree-opt-slots-list": _tree(("optimizer", "slots"), [1, 2]),
+    "tree-opt-slot-not-tensor": _tree(("optimizer", "slots", "dense/bias"), {"m": 3}),
+    "tree-sched-step-nan": _tree(("schedule", "step"), float("nan")),
+    "tree-sched-last-lr-str": _tree(("schedule", "last_lr"), "fast"),
+    "tree-accum-every-inf": _tree(("accumulation", "every"), float("-inf")),
+    "tree-accum-buffers-str": _tree(("accumulation", "buffers"), "x"),
+    "tree-params-index-inf": _tree(("params", "dense/bias", "index"), float("inf")),
+    "tree-params-index-neg-inf": _tree(("params", "dense/bias", "index"), float("-inf")),
+    "tree-params-layer-missing": lambda b: b["tree"]["params"]["dense/bias"].pop("layer"),
+    "tree-params-entry-list": _tree(("params", "dense/bias"), [1]),
+    "tree-framework-int": _tree(("framework",), 5),
+    "tree-metadata-list": _tree(("metadata",), ["a"]),
+    "tree-data-str": _tree(("data",), "cursor"),
+    "tree-rng-int": _tree(("rng",), 4),
+    "tree-model-not-tensor": _tree(("model", "dense/bias"), [1.0, 2.0]),
+    "tree-model-list": _tree(("model",), [1]),
+    "tree-optimizer-list": _tree(("optimizer",), [1]),
+    # references
+    "ref-out-of-range": _tree(("model", "dense/bias"), ref(10 ** 6)),
+    "ref-negative": _tree(("model", "dense/bias"), ref(-1)),
+    "ref-payload-str": _tree(("model", "dense/bias"), ref("0")),
+    "ref-payload-junk": _tree(("model", "dense/bias"), Ext(TENSOR, b"\xc1\xc1")),
+    "ref-payload-bool": _tree(("model", "dense/bias"), ref(True)),
+    "ref-twice": _dup_ref,
+    "ref-scalar-to-matrix": _tree(("rng", "numpy"), ref(0, SCALAR)),
+    "ext-unknown-code": _tree(("extra", "x"), Ext(7, b"\x01")),
+    "ext-tuple-not-array": _tree(("extra", "x"), Ext(TUPLE, msgpack.packb({"a": 1}))),
+    "ext-tuple-junk": _tree(("extra", "x"), Ext(TUPLE, b"\xc1")),
+    # nesting
+    "nest-tuples-200": _tree(("extra", "x"), nested_tuples(200)),
+    "nest-tuples-5000": _tree(("extra", "x"), nested_tuples(5000)),
+    "nest-tuples-65": _tree(("extra", "x"), nested_tuples(65)),
+    "nest-lists-70": _tree(("extra", "x"), nested_lists(70)),
+    "nest-lists-500": _tree(("extra", "x"), nested_lists(500)),  # msgpack packs <= 511
+    "nest-maps-100": _tree(("metadata", "x"), nested_maps(100)),
+    "nest-mixed-tuple-in-list": _tree(("rng", "x"), [nested_tuples(40, nested_lists(40))]),
+    "nest-in-tensor-table": _t(0, shape=nested_lists(500)),
+    # map keys
+    "key-bin": _tree(("metadata",), {b"k": 1}),
+    "key-float": _tree(("metadata",), {1.5: 1}),
+    "key-nil": _tree(("metadata",), {None: 1}),
+    "key-ext": _tree(("metadata",), {ref(0): 1}),
+    # huge strings and maps (each also wrong somewhere)
+    "huge-tensor-name-48MiB": lambda b: (b["tensors"][0].update(name="x" * (48 << 20)),
+                                         b["tensors"][1].update(name="x" * (48 << 20))),
+    "huge-dtype-48MiB": _huge_string("dtype"),
+    "huge-tensor-table-100k": _many_tensors,
+    "huge-model-map-100k": _huge_map_tree,
+    "huge-shard-map-1M": _huge_key_map,
+}
+
+# Cases that write the manifest's envelope (or bytes) themselves: name -> function(ckpt dir, body).
+ENVELOPE_CASES: dict[str, Callable[[Path, dict], None]] = {
+    "version-2": lambda d, b: write_manifest(d, b, version=2),
+    "version-str": lambda d, b: write_manifest(d, b, version="1"),
+    "version-missing": lambda d, b: write_manifest(d, b, version=None),
+    "version-huge": lambda d, b: write_manifest(d, b, version=2 ** 64 - 1),
+    "format-other": lambda d, b: write_manifest(d, b, fmt="safetensors"),
+    "envelope-list": lambda d, b: write_manifest(d, b, outer=[1, 2]),
+    "envelope-body-str": lambda d, b: write_manifest(d, b, outer={
+        "format": "ckptcore", "version": 1, "body": "text", "body_crc32c": 0}),
+    "envelope-crc-missing": lambda d, b: write_manifest(d, b, outer={
+        "format": "ckptcore", "version": 1, "body": msgpack.packb(b, use_bin_type=True)}),
+    "envelope-trailing-bytes": lambda d, b: (write_manifest(d, b), _append(d / MANIFEST_NAME, b"\x00")),
+    "envelope-empty-file": lambda d, b: (d / MANIFEST_NAME).write_bytes(b""),
+    "envelope-junk": lambda d, b: (d / MANIFEST_NAME).write_bytes(os.urandom(4096)),
+    "envelope-nul-bytes": lambda d, b: (d / MANIFEST_NAME).write_bytes(bytes(1000)),
+    "envelope-nested-arrays": lambda d, b: (d / MANIFEST_NAME).write_bytes(b"\x91" * 100_000 + b"\xc0"),
+    "body-junk-msgpack": lambda d, b: write_manifest(d, b, raw_body=b"\xc1" * 64),
+    "body-truncated": lambda d, b: write_manifest(d, b, raw_body=msgpack.packb(b, use_bin_type=True)[:-9]),
+    "body-trailing-data": lambda d, b: write_manifest(d, b, raw_body=msgpack.packb(b, use_bin_type=True) + b"\x01"),
+    "body-1400B-200-nested-tuples": lambda d, b: write_manifest(d, None, raw_body=msgpack.packb(
+        {"checksum": "crc32c", "shards": [], "tensors": [], "tree": {"x": nested_tuples(200)}},
+        use_bin_type=True)),
+    "body-nested-lists-100k": lambda d, b: write_manifest(d, None, raw_body=b"\x81\xa4tree" + b"\x91" * 100_000 + b"\xc0"),
+}
+
+
+def _append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+def _first_shard(d: Path) -> Path:
+    return d / read_body(d)["shards"][0]["path"]
+
+
+def _link_shard_to_copy(d: Path, outside: Path) -> None:
+    shard = _first_shard(d)
+    target = outside / "copy.bin"
+    shutil.copyfile(shard, target)  # same bytes: it would verify if followed
+    shard.unlink()
+    shard.symlink_to(target)
+
+
+def _link_manifest_to_copy(d: Path, outside: Path) -> None:
+    target = outside / "manifest-copy.msgpack"
+    shutil.copyfile(d / MANIFEST_NAME, target)
+    (d / MANIFEST_NAME).unlink()
+    (d / MANIFEST_NAME).symlink_to(target)
+
+
+def _replace_shard(d: Path, make: Callable[[Path], None]) -> None:
+    shard = _first_shard(d)
+    shard.unlink()
+    make(shard)
+
+
+def _sparse_manifest(d: Path, outside: Path) -> None:
+    with open(d / MANIFEST_NAME, "r+b") as f:
+        f.truncate(3 << 30)  # 3 GiB, sparse: nothing is allocated on disk
+
+
+# Cases that change files: name -> function(ckpt dir, outside dir).
+FILE_CASES: dict[str, Callable[[Path, Path], None]] = {
+    "link-shard-to-outside-copy": _link_shard_to_copy,
+    "link-manifest-to-outside-copy": _link_manifest_to_copy,
+    "link-shard-to-passwd": lambda d, o: _replace_shard(d, lambda p: p.symlink_to("/etc/passwd")),
+    "link-shard-dangling": lambda d, o: _replace_shard(d, lambda p: p.symlink_to(o / "nothing")),
+    "link-shard-to-dev-zero": lambda d, o: _replace_shard(d, lambda p: p.symlink_to("/dev/zero")),
+    "shard-is-fifo": lambda d, o: _replace_shard(d, lambda p: os.mkfifo(p)),
+    "shard-is-directory": lambda d, o: _replace_shard(d, lambda p: p.mkdir()),
+    "manifest-is-fifo": lambda d, o: ((d / MANIFEST_NAME).unlink(), os.mkfifo(d / MANIFEST_NAME)),
+    "manifest-is-directory": lambda d, o: ((d / MANIFEST_NAME).unlink(), (d / MANIFEST_NAME).mkdir()),
+    "manifest-sparse-3GiB": _sparse_manifest,
+}
+
+CASES = sorted([*BODY_CASES, *ENVELOPE_CASES, *FILE_CASES])
+
+
+def build(name: str, case_dir: Path, outside: Path) -> Path:
+    """Write case ``name`` under ``case_dir`` and return the checkpoint folder."""
+    ckpt = case_dir / "ckpt"
+    write_good(ckpt)
+    body = read_body(ckpt)
+    if name in BODY_CASES:
+        new = BODY_CASES[name](body)
+        write_manifest(ckpt, body if new is None or isinstance(new, tuple) else new)
+    elif name in ENVELOPE_CASES:
+        ENVELOPE_CASES[name](ckpt, body)
+    else:
+        FILE_CASES[name](ckpt, outside)
+    return ckpt
