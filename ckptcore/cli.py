@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -187,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("url")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
-    s = sub.add_parser("verify", help="check every checksum; non-zero exit names each bad tensor")
+    s = sub.add_parser("verify", help="check every checksum; exit 1 names each bad tensor, "
+                                      "exit 2 when the checkpoint cannot be read at all")
     s.add_argument("url")
     s.set_defaults(fn=cmd_verify)
     s = sub.add_parser("diff", help="which tensors differ between two checkpoints, and by how much")
@@ -240,7 +242,6 @@ def load_factory(spec: str | None) -> tuple[Any, ...]:
     if not spec or ":" not in spec:
         raise SystemExit("ckpt: --model expects MODULE:FACTORY, e.g. mymodels:build")
     import importlib
-    import os
     sys.path.insert(0, os.getcwd())
     module, _, attr = spec.partition(":")
     built = getattr(importlib.import_module(module), attr)()
@@ -251,7 +252,6 @@ def cmd_import(args: argparse.Namespace, so: dict) -> int:
     if args.src.endswith(".pdparams"):
         from ckptcore_paddle import import_paddle_files
         pdopt = args.pdopt or args.src[: -len(".pdparams")] + ".pdopt"
-        import os
         state = import_paddle_files(args.src, pdopt if os.path.exists(pdopt) else None)
     else:
         from ckptcore_keras import import_tf_checkpoint
@@ -307,13 +307,24 @@ def cmd_demo(args: argparse.Namespace, so: dict) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one verb.  Exit codes: 0 done (``verify``: intact), 1 differences or problems found
+    (``verify``, ``diff``), 2 the input cannot be read or the arguments are wrong, 3 an internal
+    error (a bug: reported in one line, with the traceback only when ``CKPT_TRACEBACK=1``)."""
     args = build_parser().parse_args(argv)
     # --storage-option may also follow the verb
     try:
         return int(args.fn(args, _options(args.storage_option)) or 0)
-    except (CheckpointError, FileNotFoundError, ValueError, TypeError) as e:
+    except (CheckpointError, OSError, ValueError, TypeError, LookupError) as e:
         print(f"ckpt {args.verb}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a one-line report instead of a traceback
+        if os.environ.get("CKPT_TRACEBACK") == "1":
+            raise
+        print(f"ckpt {args.verb}: internal error: {type(e).__name__}: {e} (please report it; "
+              "CKPT_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -1,0 +1,141 @@
+"""Property-based fuzzing of the manifest and state-tree decoders.
+
+Inputs are a real manifest body with bytes flipped, inserted or cut, or with any field replaced by
+an arbitrary msgpack value (extensions of every code with arbitrary payloads, deep nesting,
+non-finite and huge numbers), re-wrapped with a valid CRC-32C so the envelope check passes.  The
+property: decoding either succeeds, and then loading the checkpoint succeeds or fails typed, or it
+raises a ``CheckpointError``; never anything else, never a crash.
+
+CI runs a bounded number of examples; ``CKPTCORE_FUZZ_EXAMPLES=100000 pytest
+tests/test_fuzz_decoders.py`` runs longer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import crc32c
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptcore
+from ckptcore import _codec
+from ckptcore._manifest import MANIFEST_NAME, Manifest
+from ckptcore.errors import CheckpointError
+
+import hostile_manifests as corpus
+
+EXAMPLES = int(os.environ.get("CKPTCORE_FUZZ_EXAMPLES", "300"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 300,
+                suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A real checkpoint in memory:// (files and manifest body) to mutate."""
+    path = tmp_path_factory.mktemp("fuzz") / "ckpt"
+    corpus.write_good(path)
+    files = {p.name: p.read_bytes() for p in path.iterdir()}
+    outer = msgpack.unpackb(files[MANIFEST_NAME], raw=False)
+    return files, outer["body"]
+
+
+def _envelope(body: bytes) -> bytes:
+    return msgpack.packb({"format": "ckptcore", "version": 1, "body": body,
+                          "body_crc32c": crc32c.crc32c(body)}, use_bin_type=True)
+
+
+def _check(files: dict, manifest_bytes: bytes) -> None:
+    try:
+        Manifest.from_bytes(manifest_bytes)
+    except CheckpointError:
+        return
+    # It decoded: the whole checkpoint must then load, or fail typed.
+    url = f"memory://fuzz-{os.getpid()}/ckpt"
+    fs = ckptcore._storage.Store(url).fs
+    for name, data in files.items():
+        fs.pipe_file(f"/fuzz-{os.getpid()}/ckpt/{name}", data)
+    fs.pipe_file(f"/fuzz-{os.getpid()}/ckpt/{MANIFEST_NAME}", manifest_bytes)
+    try:
+        ckptcore.load_state(url)
+    except CheckpointError:
+        pass
+
+
+# Arbitrary msgpack values, extensions included (any code, any payload, nested payloads).
+_atoms = (st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1)
+          | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20)
+          | st.binary(max_size=20))
+
+
+def _ext(children):
+    return st.builds(lambda code, v: msgpack.ExtType(code, msgpack.packb(v, use_bin_type=True)),
+                     st.integers(0, 5), children)
+
+
+values = st.recursive(
+    _atoms | st.builds(lambda c, d: msgpack.ExtType(c, d), st.integers(0, 127), st.binary(max_size=12)),
+    lambda children: (st.lists(children, max_size=4)
+                      | st.dictionaries(st.text(max_size=8) | st.integers(-(2 ** 63), 2 ** 64 - 1), children,
+                                        max_size=4)
+                      | _ext(children)),
+    max_leaves=30)
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+@FUZZ
+@given(data=st.data())
+def test_bytes_mutated_body(good, data):
+    files, body = good
+    b = bytearray(body)
+    for _ in range(data.draw(st.integers(1, 8))):
+        op = data.draw(st.sampled_from(["flip", "insert", "delete"]))
+        pos = data.draw(st.integers(0, len(b) - 1))
+        if op == "flip":
+            b[pos] = data.draw(st.integers(0, 255))
+        elif op == "insert":
+            b[pos:pos] = data.draw(st.binary(min_size=1, max_size=8))
+        else:
+            del b[pos:pos + data.draw(st.integers(1, 8))]
+    _check(files, _envelope(bytes(b)))
+
+
+@FUZZ
+@given(data=st.data())
+def test_field_replaced_by_any_value(good, data):
+    files, body = good
+    tree = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    paths = [p for p in _paths(tree) if p]
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(paths))
+        node = tree
+        try:
+            for p in path[:-1]:
+                node = node[p]
+            node[path[-1]] = data.draw(values)
+        except (KeyError, IndexError, TypeError):
+            pass  # an earlier replacement removed this path
+    _check(files, _envelope(msgpack.packb(tree, use_bin_type=True)))
+
+
+@FUZZ
+@given(value=values)
+def test_tree_decoder_is_total(value):
+    """``unpack`` + ``decode_state`` on any msgpack value: a state or a ``CheckpointError``."""
+    try:
+        tree = _codec.unpack(msgpack.packb({"model": {}, "extra": value}, use_bin_type=True))
+        _codec.decode_state(_codec.substitute(tree, lambda r: np.zeros(1)))
+    except CheckpointError:
+        pass
