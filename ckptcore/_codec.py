@@ -13,6 +13,7 @@ dict can never be mistaken for a reference:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -50,6 +51,15 @@ def dtype_name(dtype: np.dtype, *, where: str = "array") -> str:
     if dtype.kind in "mM" or dtype.name in _PLAIN or dtype.name in _ML:
         return dtype.name
     raise TypeError(f"{where}: dtype {dtype} is not supported")
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_known(name: str) -> np.dtype | None:
+    """The dtype of a valid name, cached (a manifest repeats a few names thousands of times)."""
+    try:
+        return parse_dtype(name)
+    except SchemaError:
+        return None
 
 
 def parse_dtype(name: object, *, where: str = "tensor") -> np.dtype:
@@ -192,13 +202,27 @@ def unpack(data: bytes) -> Any:
 
     Containers may nest at most :data:`MAX_DEPTH` levels (extension payloads included).
     """
+    return resolve(unpack_raw(data))
+
+
+def unpack_raw(data: bytes) -> Any:
+    """msgpack -> Python, extensions left as ``msgpack.ExtType`` (see :func:`resolve`)."""
     try:
-        return _resolve(_unpack_raw(data), 0)
+        return _unpack_raw(data)
+    except Exception as e:  # msgpack raises ValueError, ExtraData, FormatError, StackError, ...
+        raise SchemaError(f"not valid msgpack: {type(e).__name__}: {e}") from e
+
+
+def resolve(value: Any) -> Any:
+    """Turn the extensions of a raw-unpacked tree into TensorRef and tuples, checking map keys
+    and the nesting depth; ``SchemaError`` for anything malformed."""
+    try:
+        return _resolve(value, 0)
     except SchemaError:
         raise
     except RecursionError as e:
         raise SchemaError("the state tree is nested too deeply") from e
-    except Exception as e:  # msgpack raises ValueError, ExtraData, FormatError, StackError, ...
+    except Exception as e:  # an extension payload that is not msgpack
         raise SchemaError(f"not valid msgpack: {type(e).__name__}: {e}") from e
 
 

@@ -96,7 +96,10 @@ class Manifest:
                 f"{source}: manifest checksum mismatch (expected {crc:#010x}, got {actual:#010x})",
                 file=source, expected=crc, actual=actual)
         try:
-            b = _codec.unpack(body)
+            # The tables are checked field by field below; only the tree has extensions.
+            b = _codec.unpack_raw(body)
+            if isinstance(b, dict) and "tree" in b:
+                b["tree"] = _codec.resolve(b["tree"])
         except SchemaError as e:
             raise SchemaError(f"{source}: {e}") from e
         try:
@@ -214,6 +217,27 @@ def _check_tree(tree: dict, tensors: list[TensorEntry], source: str) -> None:
 
 
 def _tensor(t: Any, i: int, shards: list[ShardEntry], source: str) -> TensorEntry:
+    """One tensor-table entry.  The common, valid case is checked inline (a manifest may list
+    100,000 tensors); anything unusual goes through :func:`_tensor_checked` for the message."""
+    if type(t) is dict:
+        name, dt, shape = t.get("name"), t.get("dtype"), t.get("shape")
+        shard, offset, length, crc = t.get("shard"), t.get("offset"), t.get("length"), t.get("checksum")
+        # type(x) is int excludes bool
+        if (type(name) is str and type(dt) is str and type(shape) is list and type(shard) is int
+                and type(offset) is int and type(length) is int and type(crc) is int
+                and 0 <= shard < len(shards) and offset >= 0 and 0 <= crc <= 0xFFFFFFFF
+                and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
+            dtype = _codec._parse_known(dt)
+            if dtype is not None and offset + length <= shards[shard].size:
+                count = math.prod(shape)
+                nonzero = count if count else math.prod(d for d in shape if d)
+                if length == count * dtype.itemsize and nonzero * max(dtype.itemsize, 1) <= _SIZE_MAX:
+                    return TensorEntry(name=name, dtype=dt, shape=tuple(shape), shard=shard,
+                                       offset=offset, length=length, checksum=crc)
+    return _tensor_checked(t, i, shards, source)
+
+
+def _tensor_checked(t: Any, i: int, shards: list[ShardEntry], source: str) -> TensorEntry:
     where = f"{source}: tensor {i}"
     name = _req(t, "name", str, where)
     where = f"{source}: tensor {_codec._short(name)}"
