@@ -1,21 +1,15 @@
 """``.pdparams`` / ``.pdopt`` interop without Paddle and without running code.
 
-``paddle.save`` of a state dict pickles a plain ``dict`` of numpy arrays (FRAMEWORKS.md §9).  We
-read it with the pure-Python unpickler restricted to what such files contain:
+``paddle.save`` of a state dict pickles a plain ``dict`` of numpy arrays.  We
+read it with a pure-Python unpickler restricted to what such files contain (numpy arrays, dtypes
+and scalars, plain containers and values) and bounded in the memory a file may make it spend;
+``_safe_pickle.py`` lists what it accepts and why.  Anything else raises
+:class:`~ckptcore.errors.UnsafeCheckpointError` naming the file, before it can run.
 
-* ``numpy._core.multiarray._reconstruct`` (``numpy.core`` for numpy 1 writers), ``numpy.ndarray``
-  and ``numpy.dtype``, each replaced by a stand-in that builds only plain numeric arrays: the
-  ``BUILD`` step that fills an array or a dtype is checked field by field before numpy sees it, a
-  dtype may change nothing but its byte order, and object arrays are refused;
-* ``numpy._core.multiarray.scalar`` (0-d values), ``builtins.tuple`` and ``collections.OrderedDict``
-  (non-state-dict saves), ``_codecs.encode`` with latin-1 only and ``builtins.bytes`` with no
-  argument (how protocols below 3 store bytes);
-* ``builtins.eval``, which static-mode saves use as ``eval("data", {"data": array})``: the stand-in
-  never evaluates; it accepts only an identifier and returns that entry of the dict.
-
-Every other global, persistent id or ``BUILD`` target raises
-:class:`~ckptcore.errors.UnsafeCheckpointError` naming the file and what was asked for, before it
-can run.
+The unpickled value is then checked as a state dict: every problem with its structure (a name
+table that is not a dict of names, big-array slices that do not add up, a scheduler state without a
+whole-number ``last_epoch``, ...) raises :class:`~ckptcore.errors.SchemaError` naming the file and
+the key.
 
 Names: ``.pdparams`` keys are structured names and become ``state.model`` keys; the
 ``StructuredToParameterName@@`` table gives each one's runtime name (``linear_0.w_0``), kept in
@@ -32,201 +26,114 @@ the same runtime names, since Paddle's name counters start from zero.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
-from collections import OrderedDict
-from typing import Any, BinaryIO
+from typing import Any, Iterator
 
 import numpy as np
 
-from ckptcore.errors import CorruptCheckpointError, SchemaError, UnsafeCheckpointError
+from ckptcore.errors import CheckpointError, SchemaError
 from ckptcore.state import OptimizerState, ScheduleState, TrainingState
 
 from ._common import (BIG_PARAM_INFO, MASTER_SLOT, NAME_TABLE, SCHEDULER_EXTRA_ATTRS, adam_step,
                       infer_optimizer_kind, plain, split_accumulator_key)
+from ._safe_pickle import brief, brief_error, load_paddle_pickle
 
 __all__ = ["import_paddle_files", "export_paddle_files", "load_paddle_pickle"]
 
 _NUMERIC_KINDS = "biufc"
-_SCALARS = (str, bytes, int, float, bool, type(None), np.generic)
-
-
-class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us check BUILD
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def __init__(self, file: BinaryIO, source: str):
-        super().__init__(file, encoding="latin1")
-        self.source = source
-        self.globals = {
-            ("numpy._core.multiarray", "_reconstruct"): self._reconstruct,
-            ("numpy.core.multiarray", "_reconstruct"): self._reconstruct,
-            ("numpy._core.multiarray", "scalar"): self._scalar,
-            ("numpy.core.multiarray", "scalar"): self._scalar,
-            ("numpy", "ndarray"): self._ndarray_class(),
-            ("numpy", "dtype"): self._dtype,
-            ("builtins", "tuple"): tuple,
-            ("collections", "OrderedDict"): OrderedDict,
-            ("_codecs", "encode"): self._encode,
-            ("builtins", "bytes"): self._empty_bytes,
-            ("builtins", "eval"): self._eval,
-        }
-
-    def _ndarray_class(self) -> type:
-        """Stands in for ``numpy.ndarray``: only ``_reconstruct`` may use it; calling it is refused."""
-        refuse = self.refuse
-
-        class ndarray:  # noqa: N801 - named like what it replaces, for error messages
-            def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-                raise refuse("calling numpy.ndarray directly")
-
-        return ndarray
-
-    def refuse(self, what: str) -> UnsafeCheckpointError:
-        return UnsafeCheckpointError(
-            f"{self.source}: refused {what}; a paddle.save state dict holds only numpy arrays and plain "
-            "values, so this file may try to run code. Load it with paddle.load only if you trust its origin")
-
-    def find_class(self, module: str, name: str) -> Any:
-        module = "builtins" if module == "__builtin__" else module
-        if (module, name) not in self.globals:
-            raise self.refuse(f"global {module}.{name}")
-        return self.globals[(module, name)]
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise self.refuse(f"persistent id {pid!r}")
-
-    # ---- stand-ins
-
-    def _dtype(self, obj: Any, align: Any = False, copy: Any = True) -> np.dtype:
-        if not isinstance(obj, str):
-            raise self.refuse(f"numpy.dtype({obj!r})")
-        try:
-            d = np.dtype(obj)
-        except TypeError as e:
-            raise self.refuse(f"numpy.dtype({obj!r})") from e
-        if d.kind not in _NUMERIC_KINDS or d.fields is not None or d.subdtype is not None:
-            raise self.refuse(f"numpy.dtype({obj!r}) (only plain numeric dtypes are read)")
-        return np.dtype(obj, copy=True)  # a fresh instance: BUILD must never touch numpy's singletons
-
-    def _reconstruct(self, subtype: Any, shape: Any, typecode: Any) -> np.ndarray:
-        if subtype is not self.globals[("numpy", "ndarray")]:
-            raise self.refuse(f"numpy _reconstruct of {subtype!r}")
-        return np.empty((0,), dtype=np.uint8)  # BUILD gives it its real shape, dtype and data
-
-    def _scalar(self, dtype: Any, data: Any = b"") -> np.generic:
-        if not isinstance(dtype, np.dtype) or dtype.kind not in _NUMERIC_KINDS or \
-                not isinstance(data, bytes) or len(data) != dtype.itemsize:
-            raise self.refuse("a numpy scalar that is not a plain number")
-        return np.frombuffer(data, dtype=dtype)[0]
-
-    def _encode(self, obj: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
-        if not isinstance(obj, str) or encoding.replace("-", "").lower() != "latin1":
-            raise self.refuse(f"_codecs.encode with {encoding!r}")
-        return obj.encode("latin1")
-
-    def _empty_bytes(self, *args: Any) -> bytes:
-        if args:  # protocols < 3 write b"" as bytes(); anything else is not ours
-            raise self.refuse(f"builtins.bytes{args!r:.80}")
-        return b""
-
-    def _eval(self, expr: Any, namespace: Any = None, *_: Any) -> Any:
-        # paddle.save's static-mode pattern is eval("data", {"data": array}): look the name up.
-        if isinstance(expr, str) and expr.isidentifier() and isinstance(namespace, dict) \
-                and isinstance(namespace.get(expr), np.ndarray):
-            return namespace[expr]
-        raise self.refuse(f"builtins.eval({str(expr)[:80]!r})")
-
-    # ---- BUILD
-
-    def load_build(self) -> None:
-        state = self.stack.pop()
-        inst = self.stack[-1]
-        if isinstance(inst, np.dtype):
-            self._build_dtype(inst, state)
-        elif type(inst) is np.ndarray:
-            self._build_array(inst, state)
-        else:
-            raise self.refuse(f"setting the state of a {type(inst).__name__}")
-
-    dispatch[pickle.BUILD[0]] = load_build
-
-    def _build_dtype(self, d: np.dtype, state: Any) -> None:
-        ok = (isinstance(state, tuple) and len(state) in (8, 9) and state[0] == 3
-              and state[1] in ("<", ">", "|", "=") and state[2:5] == (None, None, None)
-              and state[5] in (-1, d.itemsize) and state[6] in (-1, d.alignment) and state[7] == d.flags
-              and (len(state) == 8 or state[8] is None))
-        if not ok:
-            raise self.refuse(f"dtype state {state!r:.120}")
-        d.__setstate__(state)
-
-    def _build_array(self, arr: np.ndarray, state: Any) -> None:
-        if not isinstance(state, tuple) or len(state) not in (4, 5):
-            raise self.refuse("an array state of unknown form")
-        version, (shape, dtype, fortran, raw) = (state[0], state[1:]) if len(state) == 5 else (None, state)
-        if isinstance(raw, str):
-            raw = raw.encode("latin1")
-        if not (isinstance(shape, tuple) and all(isinstance(n, int) and n >= 0 for n in shape)
-                and isinstance(dtype, np.dtype) and dtype.kind in _NUMERIC_KINDS and not dtype.hasobject
-                and isinstance(fortran, (bool, int)) and isinstance(raw, (bytes, bytearray))):
-            raise self.refuse(f"an array state with {type(raw).__name__} data (object arrays are refused)")
-        if len(raw) != math.prod(shape) * dtype.itemsize:
-            raise CorruptCheckpointError(f"{self.source}: an array of shape {shape} and dtype {dtype} "
-                                         f"holds {len(raw)} bytes")
-        arr.__setstate__((1 if version is None else version, shape, dtype, bool(fortran), raw))
-
-
-def load_paddle_pickle(path: str | os.PathLike) -> Any:
-    """Unpickle a ``paddle.save`` file safely (see the module docstring); arrays come back as numpy."""
-    source = os.fspath(path)
-    try:
-        with open(source, "rb") as f:
-            obj = _SafeUnpickler(f, source).load()
-    except UnsafeCheckpointError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
-            RecursionError, MemoryError) as e:
-        raise CorruptCheckpointError(f"{source}: not a readable paddle.save file ({type(e).__name__}: {e})") from e
-    _check_plain(obj, source, 0)
-    return obj
-
-
-def _check_plain(obj: Any, source: str, depth: int) -> None:
-    if depth > 64:
-        raise CorruptCheckpointError(f"{source}: nested more than 64 levels deep")
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.hasobject:
-            raise UnsafeCheckpointError(f"{source}: refused an object array")
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _check_plain(k, source, depth + 1)
-            _check_plain(v, source, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _check_plain(v, source, depth + 1)
-    elif not isinstance(obj, _SCALARS) or (isinstance(obj, np.generic) and obj.dtype.hasobject):
-        raise UnsafeCheckpointError(f"{source}: refused a {type(obj).__name__} value")
+# Runtime names longer than this are not matched against .pdopt keys: Paddle's are short
+# ("linear_0.w_0"), and the bound keeps matching linear in the file size (see _param_prefix).
+_MAX_RUNTIME_NAME = 1024
 
 
 # ----------------------------------------------------------------------------- import
 
 
+@contextlib.contextmanager
+def _structure_errors(source: str) -> Iterator[None]:
+    """Backstop for the structure checks: a builtin error that slipped past them is a SchemaError too."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as e:
+        raise SchemaError(f"{source}: not a paddle.save state dict ({type(e).__name__}: {brief_error(e)})") from e
+
+
 def _state_dict_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
     """A file's arrays by key (big-array slices joined, ``(name, array)`` tuples unwrapped) and its name table."""
-    obj = load_paddle_pickle(path)
+    source = os.fspath(path)
+    obj = load_paddle_pickle(source)
+    with _structure_errors(source):
+        return _split_state_dict(obj, source)
+
+
+def _split_state_dict(obj: Any, source: str) -> tuple[dict[str, Any], dict[str, str]]:
     if not isinstance(obj, dict):
-        raise SchemaError(f"{os.fspath(path)}: holds a {type(obj).__name__}, not a paddle.save state dict")
+        raise SchemaError(f"{source}: holds a {type(obj).__name__}, not a paddle.save state dict")
+    for key in obj:
+        if type(key) is not str:
+            raise SchemaError(f"{source}: key {brief(key)} is a {type(key).__name__}, not a name")
     obj = dict(obj)
-    names = dict(obj.pop(NAME_TABLE, None) or {})
-    for key, info in (obj.pop(BIG_PARAM_INFO, None) or {}).items():
-        obj[key] = np.concatenate([obj.pop(part).reshape(-1) for part in info["slices"]]).reshape(info["OriginShape"])
+    names = obj.pop(NAME_TABLE, None)
+    names = {} if names is None else names
+    if not isinstance(names, dict):
+        raise SchemaError(f"{source}: {NAME_TABLE!r} is a {type(names).__name__}, not a dict of names")
+    for key, name in names.items():
+        if type(key) is not str or type(name) is not str:
+            raise SchemaError(f"{source}: {NAME_TABLE!r} maps {brief(key)} to {brief(name)}; both must be names")
+    names = dict(names)
+    _join_big_arrays(obj, obj.pop(BIG_PARAM_INFO, None), source)
     out: dict[str, Any] = {}
     for key, value in obj.items():
-        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], np.ndarray):
-            names.setdefault(key, str(value[0]))
+        if type(value) is tuple and len(value) == 2 and isinstance(value[1], np.ndarray):
+            if type(value[0]) is not str:
+                raise SchemaError(f"{source}: entry {brief(key)} pairs its array with a "
+                                  f"{type(value[0]).__name__}, not a runtime name")
+            names.setdefault(key, value[0])
             value = value[1]
-        out[str(key)] = value
-    return out, {str(k): str(v) for k, v in names.items()}
+        out[key] = value
+    return out, names
+
+
+def _join_big_arrays(obj: dict[str, Any], info: Any, source: str) -> None:
+    """Replace the slices that protocol-2 saves split big arrays into by the arrays (in ``obj``)."""
+    if info is None:
+        return
+    if not isinstance(info, dict):
+        raise SchemaError(f"{source}: {BIG_PARAM_INFO!r} is a {type(info).__name__}, not a dict")
+    for key, entry in info.items():
+        where = f"{source}: {BIG_PARAM_INFO!r} entry {brief(key)}"
+        if type(key) is not str:
+            raise SchemaError(f"{where} is not keyed by a name")
+        if not isinstance(entry, dict) or "slices" not in entry or "OriginShape" not in entry:
+            raise SchemaError(f"{where} is not a dict with 'slices' and 'OriginShape'")
+        slices, shape = entry["slices"], entry["OriginShape"]
+        if type(slices) not in (list, tuple) or not slices or any(type(s) is not str for s in slices):
+            raise SchemaError(f"{where}: 'slices' is {brief(slices)}, not a list of keys")
+        if type(shape) not in (list, tuple) or len(shape) > 64 or \
+                any(type(n) is not int or not 0 <= n < 1 << 62 for n in shape):
+            raise SchemaError(f"{where}: 'OriginShape' is {brief(shape)}, not a shape")
+        if key in obj:
+            raise SchemaError(f"{where}: the file holds {brief(key)} whole as well as in slices")
+        if len(set(slices)) != len(slices):
+            raise SchemaError(f"{where}: 'slices' lists a key twice")
+        missing = [s for s in slices if s not in obj]
+        if missing:
+            raise SchemaError(f"{where}: slices {brief(missing)} are not in the file (or belong to "
+                              "another entry)")
+        parts = [obj[s] for s in slices]
+        if not all(isinstance(p, np.ndarray) for p in parts) or len({p.dtype for p in parts}) != 1:
+            raise SchemaError(f"{where}: the slices are not arrays of one dtype")
+        if sum(p.size for p in parts) != math.prod(shape):
+            raise SchemaError(f"{where}: the slices hold {sum(p.size for p in parts)} values but "
+                              f"'OriginShape' {tuple(shape)} needs {math.prod(shape)}")
+        for s in slices:
+            del obj[s]
+        obj[key] = np.concatenate([p.reshape(-1) for p in parts]).reshape(tuple(shape))
 
 
 def import_paddle_files(pdparams: str | os.PathLike, pdopt: str | os.PathLike | None = None) -> TrainingState:
@@ -240,16 +147,38 @@ def import_paddle_files(pdparams: str | os.PathLike, pdopt: str | os.PathLike | 
         (980, 10)
 
     Raises:
-        UnsafeCheckpointError: a file asks for anything but numpy arrays and plain values.
-        SchemaError: a file is not a state dict.
+        UnsafeCheckpointError: a file asks for anything but numpy arrays and plain values, or for
+            far more memory than its size justifies.
+        CorruptCheckpointError: a file is not a readable pickle (truncated, malformed).
+        SchemaError: a file is not a state dict, or the two files do not belong together.
     """
-    arrays, names = _state_dict_file(pdparams)
+    source = os.fspath(pdparams)
+    arrays, names = _state_dict_file(source)
+    with _structure_errors(source):
+        model, aliases = _model_arrays(arrays, names, source)
+    extra: dict[str, Any] = {"param_names": {k: names[k] for k in model if k in names}}
+    if aliases:
+        extra["aliases"] = aliases
+    state = TrainingState(framework="paddle", model=model,
+                          metadata={"source": "paddle.save", "files": [source]})
+    if pdopt is not None:
+        opt_source = os.fspath(pdopt)
+        raw, _ = _state_dict_file(opt_source)
+        with _structure_errors(opt_source):
+            _import_optimizer(state, raw, opt_source, {n: k for k, n in extra["param_names"].items()})
+        state.metadata["files"].append(opt_source)
+    state.extra = {"paddle": extra}
+    return state
+
+
+def _model_arrays(arrays: dict[str, Any], names: dict[str, str],
+                  source: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     model: dict[str, np.ndarray] = {}
     aliases: dict[str, str] = {}
     canonical_of: dict[str, str] = {}  # runtime name -> first structured name
     for key, value in arrays.items():
         if not isinstance(value, np.ndarray):
-            raise SchemaError(f"{os.fspath(pdparams)}: entry {key!r} is a {type(value).__name__}, not an array")
+            raise SchemaError(f"{source}: entry {brief(key)} is a {type(value).__name__}, not an array")
         first = canonical_of.get(names.get(key, ""))
         if first is not None and model[first].shape == value.shape and model[first].dtype == value.dtype:
             aliases[key] = first
@@ -257,30 +186,26 @@ def import_paddle_files(pdparams: str | os.PathLike, pdopt: str | os.PathLike | 
         if key in names:
             canonical_of.setdefault(names[key], key)
         model[key] = value
-    extra: dict[str, Any] = {"param_names": {k: names[k] for k in model if k in names}}
-    if aliases:
-        extra["aliases"] = aliases
-    state = TrainingState(framework="paddle", model=model,
-                          metadata={"source": "paddle.save", "files": [os.fspath(pdparams)]})
-    if pdopt is not None:
-        _import_optimizer(state, pdopt, {n: k for k, n in extra["param_names"].items()}, extra)
-        state.metadata["files"].append(os.fspath(pdopt))
-    state.extra = {"paddle": extra}
-    return state
+    return model, aliases
 
 
-def _import_optimizer(state: TrainingState, path: str | os.PathLike, runtime_to_struct: dict[str, str],
-                      extra: dict[str, Any]) -> None:
-    raw, _ = _state_dict_file(path)
+def _import_optimizer(state: TrainingState, raw: dict[str, Any], source: str,
+                      runtime_to_struct: dict[str, str]) -> None:
     schedule = raw.pop("LR_Scheduler", None)
-    masters = raw.pop("master_weights", None) or {}
+    if schedule is not None and not isinstance(schedule, dict):
+        raise SchemaError(f"{source}: 'LR_Scheduler' is a {type(schedule).__name__}, not a dict")
+    masters = raw.pop("master_weights", None)
+    masters = {} if masters is None else masters
+    if not isinstance(masters, dict):
+        raise SchemaError(f"{source}: 'master_weights' is a {type(masters).__name__}, not a dict")
+    lengths = sorted({len(n) for n in runtime_to_struct if 0 < len(n) <= _MAX_RUNTIME_NAME}, reverse=True)
     slots: dict[str, dict[str, np.ndarray]] = {}
     unmapped: list[str] = []
     opt_names: set[str] = set()
     for key, value in raw.items():
         if not isinstance(value, np.ndarray):
-            raise SchemaError(f"{os.fspath(path)}: entry {key!r} is a {type(value).__name__}, not an array")
-        pname = _param_prefix(key, runtime_to_struct)
+            raise SchemaError(f"{source}: entry {brief(key)} is a {type(value).__name__}, not an array")
+        pname = _param_prefix(key, runtime_to_struct, lengths)
         if pname is None:
             unmapped.append(key)
             continue
@@ -288,33 +213,55 @@ def _import_optimizer(state: TrainingState, path: str | os.PathLike, runtime_to_
         if opt_name:
             opt_names.add(opt_name)
         slots.setdefault(runtime_to_struct[pname], {})[slot] = value
-    for pname, value in masters.items():
-        if pname in runtime_to_struct:
-            value = value[1] if isinstance(value, tuple) else value  # (name, array) in non-state-dict saves
-            slots.setdefault(runtime_to_struct[pname], {})[MASTER_SLOT] = np.asarray(value)
     if unmapped:
-        raise SchemaError(f"{os.fspath(path)}: optimizer entries {unmapped[:5]} name no parameter of the "
+        raise SchemaError(f"{source}: optimizer entries {brief(unmapped)} name no parameter of the "
                           ".pdparams file; pass the .pdparams written together with this .pdopt")
+    for pname, value in masters.items():
+        if type(value) is tuple and len(value) == 2 and type(value[0]) is str:
+            value = value[1]  # (name, array) in non-state-dict saves
+        if type(pname) is not str or not isinstance(value, np.ndarray):
+            raise SchemaError(f"{source}: 'master_weights' maps {brief(pname)} to a "
+                              f"{type(value).__name__}, not a name to an array")
+        if pname in runtime_to_struct:
+            slots.setdefault(runtime_to_struct[pname], {})[MASTER_SLOT] = value
     kind = infer_optimizer_kind({s for per in slots.values() for s in per})
     step = adam_step(slots, 0.9, 0.999) if kind == "adam" else None
     opt_extra: dict[str, Any] = {"step_source": "beta_pow_acc (default betas)" if step is not None else "none"}
     if len(opt_names) == 1:
         opt_extra["name"] = opt_names.pop()
     if schedule is not None:
-        schedule = plain(schedule)
-        state.schedule = ScheduleState(kind="LRScheduler", step=int(schedule.get("last_epoch", 0)),
-                                       last_lr=schedule.get("last_lr"), state=schedule)
+        state.schedule = _schedule(schedule, source)
         if step is None:
             step, opt_extra["step_source"] = max(state.schedule.step, 0), "scheduler"
     state.optimizer = OptimizerState(kind=kind, step=int(step or 0), slots=slots, extra=opt_extra)
     state.step = state.optimizer.step
 
 
-def _param_prefix(key: str, runtime_to_struct: dict[str, str]) -> str | None:
-    i = len(key)
-    while (i := key.rfind("_", 0, i)) > 0:
-        if key[:i] in runtime_to_struct:
-            return key[:i]
+def _schedule(saved: dict[Any, Any], source: str) -> ScheduleState:
+    try:
+        saved = plain(saved)
+    except (TypeError, ValueError) as e:  # a complex number; an int key too long to be written as a str
+        raise SchemaError(f"{source}: 'LR_Scheduler' holds a value that is not plain ({brief_error(e)})") from e
+    epoch, last_lr = saved.get("last_epoch", 0), saved.get("last_lr")
+    if type(epoch) is float and epoch.is_integer():  # (inf and nan are not)
+        epoch = int(epoch)
+    if type(epoch) is not int or not -(1 << 63) <= epoch < 1 << 63:
+        raise SchemaError(f"{source}: 'LR_Scheduler' has last_epoch {brief(epoch)}, not a whole number")
+    if last_lr is not None and type(last_lr) not in (int, float):
+        raise SchemaError(f"{source}: 'LR_Scheduler' has last_lr {brief(last_lr)}, not a number")
+    return ScheduleState(kind="LRScheduler", step=epoch, last_lr=last_lr, state=saved)
+
+
+def _param_prefix(key: str, runtime_to_struct: dict[str, str], lengths: list[int]) -> str | None:
+    """The longest runtime name that ``key`` starts with, followed by ``_``.
+
+    Only the lengths of known names are tried (longest first, each at most _MAX_RUNTIME_NAME): a
+    key of many underscores then costs one slice per name length, not one per underscore, which
+    would be quadratic in the key's length.
+    """
+    for n in lengths:
+        if n < len(key) and key[n] == "_" and key[:n] in runtime_to_struct:
+            return key[:n]
     return None
 
 
