@@ -17,7 +17,7 @@ import crc32c
 import numpy as np
 
 from . import _codec
-from .errors import (CorruptCheckpointError, SchemaError, UnsafeCheckpointError,
+from .errors import (CheckpointError, CorruptCheckpointError, SchemaError, UnsafeCheckpointError,
                      UnsupportedCheckpointError)
 
 FORMAT_NAME = "ckptcore"
@@ -104,7 +104,7 @@ class Manifest:
             raise SchemaError(f"{source}: {e}") from e
         try:
             return _validate(b, source)
-        except SchemaError:
+        except CheckpointError:
             raise
         except (RecursionError, TypeError, ValueError, OverflowError) as e:  # backstop
             raise SchemaError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from e
