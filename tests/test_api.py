@@ -456,8 +456,9 @@ def test_declared_sizes_beyond_the_file_are_rejected_before_allocation(backend):
     """A consistent manifest claiming an exabyte tensor: IncompleteCheckpointError, no allocation."""
     body, _ = _good(backend)
     t = body["tensors"][0]
-    t.update(dtype="float64", shape=[2**57], length=2**60, offset=0)
-    body["shards"][t["shard"]]["size"] = 2**60
+    end = body["shards"][t["shard"]]["size"]  # after every other tensor: no overlap
+    t.update(dtype="float64", shape=[2**57], length=2**60, offset=end)
+    body["shards"][t["shard"]]["size"] = end + 2**60
     _write_manifest(backend, "c", body=body)
     with pytest.raises(IncompleteCheckpointError, match="truncated"):
         ckptcore.load_state(backend.url("c"), storage_options=backend.storage_options)
