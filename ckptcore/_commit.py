@@ -31,19 +31,30 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 from typing import Callable
 
 from ._manifest import MANIFEST_NAME, Manifest
 from ._storage import Store, _tick, fsync_dir
-from .errors import CheckpointExistsError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 
 TMP_MARK = ".tmp-"
+log = logging.getLogger("ckptcore")
 
 
 def commit(store: Store, write: Callable[[Store], Manifest], *, token: str, overwrite: bool) -> Manifest:
-    """Write a checkpoint at ``store`` with ``write(target) -> Manifest`` (which writes the shards)."""
-    if store.exists(MANIFEST_NAME) and not overwrite:
+    """Write a checkpoint at ``store`` with ``write(target) -> Manifest`` (which writes the shards).
+
+    Any failure to write, flush, fsync or close a file, or to fsync a folder, is raised and
+    nothing is committed (except a failed fsync of the parent folder after the rename, which the
+    error describes).
+    """
+    try:
+        present = store.exists(MANIFEST_NAME)
+    except CheckpointNotFoundError as e:  # a missing bucket: for a save, a storage failure
+        raise StorageError(str(e)) from e
+    if present and not overwrite:
         raise CheckpointExistsError(f"{store.url}: a checkpoint already exists there; "
                                     "pass overwrite=True to replace it")
     if store.atomic_rename:
@@ -56,17 +67,15 @@ def _commit_rename(store: Store, write, *, token: str, overwrite: bool) -> Manif
     os.makedirs(parent, exist_ok=True)
     tmp = store.sibling(f".{store.name}{TMP_MARK}{token}")
     os.makedirs(tmp.path)
+    swapped = False
     try:
-        manifest = write(tmp)
-        tmp.write_bytes(MANIFEST_NAME, manifest.to_bytes())
+        manifest = write(tmp)  # raises any failed write/fsync/close of a shard
+        tmp.write_bytes(MANIFEST_NAME, manifest.to_bytes())  # likewise for the manifest
         fsync_dir(tmp.path)
         _tick("rename", store.path)
         if overwrite and os.path.lexists(store.path):
             _swap_into_place(tmp.path, store.path)
-            # tmp now holds the old checkpoint: uncommit it (manifest first) before removing its
-            # shards, so a crash mid-removal never leaves a manifest naming missing shards.
-            tmp.delete(MANIFEST_NAME)
-            tmp.delete_tree()
+            swapped = True
         else:
             try:
                 os.rename(tmp.path, store.path)
@@ -76,17 +85,60 @@ def _commit_rename(store: Store, write, *, token: str, overwrite: bool) -> Manif
                         f"{store.url}: already exists (another writer committed first, or the path "
                         "holds other files); pass overwrite=True to replace it") from e
                 raise
-        fsync_dir(parent)
-        return manifest
-    except BaseException:
-        tmp.delete_tree()
+    except BaseException as e:
+        # Nothing was committed: the previous checkpoint (if any) is untouched at the path.
+        log.info("%s: save failed (%s: %s); removing its temporary folder %s", store.url,
+                 type(e).__name__, e, tmp.path)
+        _discard(tmp)
         raise
+    if swapped:
+        # tmp now holds the old checkpoint: uncommit it (manifest first) before removing its
+        # shards, so a crash mid-removal never leaves a manifest naming missing shards.
+        _remove_old_copy(tmp)
+    try:
+        fsync_dir(parent)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror}: fsync of {parent} failed after the checkpoint was "
+                      f"renamed into place at {store.path}; readers may see it but it may not "
+                      "survive a power loss: save it again", parent) from e
+    return manifest
+
+
+def _discard(tmp: Store) -> None:
+    """Remove a failed save's temporary folder; never masks the error being raised."""
+    try:
+        tmp.delete_tree()
+    except Exception as e:
+        log.warning("%s: could not remove the temporary folder (%s); gc() will", tmp.path, e)
+
+
+def _remove_old_copy(tmp: Store) -> None:
+    """After an overwrite's swap: remove the previous checkpoint, now at ``tmp``.
+
+    The new checkpoint is committed, so a failure here is logged (``gc()`` removes the leftover),
+    not raised.  If the path was a symbolic link, ``tmp`` is now that link: it is removed itself
+    and nothing is deleted through it.
+    """
+    try:
+        if os.path.islink(tmp.path):
+            log.warning("%s: the overwritten path was a symbolic link; removing the link only "
+                        "(its target is untouched)", tmp.path)
+            tmp.delete_tree()
+            return
+        log.debug("%s: removing the overwritten checkpoint", tmp.path)
+        tmp.delete(MANIFEST_NAME)
+        tmp.delete_tree()
+    except Exception as e:
+        log.warning("%s: could not remove the overwritten checkpoint (%s: %s); gc() will",
+                    tmp.path, type(e).__name__, e)
 
 
 def _swap_into_place(new: str, old: str) -> None:
     if _rename_exchange(new, old):
         return
     aside = old + TMP_MARK + "old"
+    log.info("%s: renameat2(RENAME_EXCHANGE) is unavailable here; falling back to three renames "
+             "(no checkpoint at the path between the first two)", old)
     os.rename(old, aside)
     os.rename(new, old)
     os.rename(aside, new)
@@ -116,13 +168,17 @@ def _commit_publish(store: Store, write, *, token: str, overwrite: bool) -> Mani
         _tick("publish", store.join(MANIFEST_NAME))
         store.write_bytes(MANIFEST_NAME, manifest.to_bytes(), create_only=not overwrite)
     except FileExistsError as e:
+        log.info("%s: another writer committed first; removing this attempt's shards", store.url)
         _remove_shards(store, manifest)
         raise CheckpointExistsError(f"{store.url}: another writer committed a checkpoint there "
                                     "first") from e
-    except BaseException:
+    except BaseException as e:
+        log.info("%s: save failed before its manifest was published (%s: %s); removing this "
+                 "attempt's shards", store.url, type(e).__name__, e)
         _remove_shards(store, manifest, token=token)
         raise
     for name in sorted(old_shards - {s.path for s in manifest.shards}):
+        log.debug("%s: removing %s of the overwritten checkpoint", store.url, name)
         store.delete(name)
     return manifest
 
@@ -136,5 +192,6 @@ def _remove_shards(store: Store, manifest: Manifest | None, token: str | None = 
             names = [e.name for e in store.listdir() if token and token in e.name]
         for name in names:
             store.delete(name)
-    except Exception:  # cleanup must never mask the original error
-        pass
+    except Exception as e:  # cleanup must never mask the original error
+        log.warning("%s: could not remove this attempt's shards (%s: %s); gc() will", store.url,
+                    type(e).__name__, e)

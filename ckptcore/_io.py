@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import mmap
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -22,7 +23,7 @@ import numpy as np
 
 from . import _codec, _knobs
 from ._manifest import Manifest, ShardEntry, TensorEntry
-from ._storage import Store, fsync_close, start_writeback
+from ._storage import Store, _close_quietly, _named, fsync_close, open_regular, start_writeback
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 # Callback for progress display (the CLI sets it): called with a number of bytes done.
@@ -129,10 +130,13 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
             shard_crc = (crc32c_combine(shard_crc, crc, n) if n >= _COMBINE_MIN
                          else crc32c.crc32c(buf, shard_crc))
             out.append((idx, offset, crc))
-        fsync_close(f)
+    except OSError as e:  # a failed write (ENOSPC, EIO): the save fails, naming the shard
+        _close_quietly(f, store.join(path))
+        raise _named(e, "write", store.join(path)) from e
     except BaseException:
-        f.close()
+        _close_quietly(f, store.join(path))
         raise
+    fsync_close(f)  # raises a failed flush, fsync or close; the file is closed either way
     return _Written(ShardEntry(path=path, size=pos, checksum=shard_crc), out)
 
 
@@ -158,11 +162,16 @@ def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[st
 
 # ------------------------------------------------------------------------------------- reading
 def _check_size(store: Store, shard: ShardEntry) -> None:
-    """Compare a shard's real size with the manifest before allocating anything for it."""
+    """Compare a remote shard's real size with the manifest before allocating anything for it
+    (local shards: ``_map_local`` checks the descriptor it maps)."""
     try:
         real = store.size(shard.path)
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"{store.join(shard.path)}: shard file is missing") from e
+    _compare_size(store, shard, real)
+
+
+def _compare_size(store: Store, shard: ShardEntry, real: int) -> None:
     if real < shard.size:
         raise IncompleteCheckpointError(
             f"{store.join(shard.path)}: shard is truncated ({real} of {shard.size} bytes)")
@@ -173,11 +182,21 @@ def _check_size(store: Store, shard: ShardEntry) -> None:
 
 
 def _map_local(store: Store, shard: ShardEntry) -> memoryview:
-    if shard.size == 0:
-        return memoryview(b"")
-    with open(store.join(shard.path), "rb") as f:
+    """Map a local shard: one open (never through a link: ``UnsafeCheckpointError`` for a link,
+    FIFO, directory, ...), its size checked on that descriptor, then mapped from it."""
+    path = store.join(shard.path)
+    try:
+        fd, st = open_regular(path)
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(f"{path}: shard file is missing") from e
+    try:
+        _compare_size(store, shard, st.st_size)
+        if shard.size == 0:
+            return memoryview(b"")
         # ACCESS_COPY: private pages, so arrays are writable and writes never reach the file.
-        mm = mmap.mmap(f.fileno(), shard.size, access=mmap.ACCESS_COPY)
+        mm = mmap.mmap(fd, shard.size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
     if hasattr(mm, "madvise"):
         mm.madvise(mmap.MADV_WILLNEED)
     return memoryview(mm)
@@ -234,12 +253,12 @@ def read_tensors(store: Store, manifest: Manifest, indices: Sequence[int], *,
     for s, idxs in by_shard.items():
         shard = manifest.shards[s]
         try:
-            _check_size(store, shard)
             entries = [manifest.tensors[i] for i in idxs]
             if store.local:
                 whole = _map_local(store, shard)
                 views = {t.name: whole[t.offset:t.offset + t.length] for t in entries}
             else:
+                _check_size(store, shard)
                 views = _fetch_remote(store, shard, entries)
         except (IncompleteCheckpointError, CorruptCheckpointError) as e:
             if errors is None:
@@ -296,8 +315,11 @@ def verify_shards(store: Store, manifest: Manifest, errors: list) -> None:
     """Check each shard's whole-file checksum (covers padding too); append damage to ``errors``."""
     for shard in manifest.shards:
         try:
-            _check_size(store, shard)
-            data = _map_local(store, shard) if store.local else memoryview(store.read(shard.path))
+            if store.local:
+                data = _map_local(store, shard)
+            else:
+                _check_size(store, shard)
+                data = memoryview(store.read(shard.path))
         except (IncompleteCheckpointError, CorruptCheckpointError) as e:
             errors.append(e)
             continue

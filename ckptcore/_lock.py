@@ -12,15 +12,17 @@ writing beside the new holder; it never deletes a lease that is not its own.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import stat
 import time
 import uuid
 import weakref
 
-from ._storage import Store
-from .errors import LockedError
+from ._storage import Store, _kind
+from .errors import LockedError, UnsafeCheckpointError
 
 LOCK_NAME = ".ckptcore.lock"
 _HELD: set[tuple[int, int]] = set()  # (st_dev, st_ino) of lock files this process's locks hold
@@ -51,9 +53,12 @@ class WriterLock:
     def _acquire_flock(self) -> None:
         import fcntl
         self.store.makedirs()
-        fd = os.open(self.store.join(LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        path = self.store.join(LOCK_NAME)
+        fd = self._open_lock_file(path)
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO or device opens; it is no lock file either
+                raise self._not_a_file(path, _kind(st.st_mode))
             key = (st.st_dev, st.st_ino)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -78,6 +83,25 @@ class WriterLock:
         # flock.  Not at exit: the kernel drops it then anyway, and a save may still be draining.
         self._closer = weakref.finalize(self, _close_held, fd, key)
         self._closer.atexit = False
+
+    def _open_lock_file(self, path: str) -> int:
+        """Open (creating) the lock file, never through a link and never blocking on a FIFO."""
+        flags = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                 | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
+        try:
+            return os.open(path, flags, 0o644)
+        except OSError as e:
+            if os.path.islink(path):
+                raise self._not_a_file(path, "a symbolic link") from e
+            if e.errno == errno.EISDIR or os.path.isdir(path):
+                raise self._not_a_file(path, "a directory") from e
+            raise
+
+    @staticmethod
+    def _not_a_file(path: str, kind: str) -> UnsafeCheckpointError:
+        return UnsafeCheckpointError(
+            f"{path}: the writer lock file is {kind}, not a regular file, so the lock cannot be "
+            f"taken; remove it (ckptcore creates the file itself) or pass lock=False")
 
     def _lease(self) -> bytes:
         return json.dumps({"holder": self.holder, "expires": time.time() + self.lease_seconds}).encode()

@@ -10,26 +10,121 @@ instead of discovering it through exceptions:
   (S3's ``If-None-Match: *`` through s3fs ``pipe(mode="create")``, the in-memory
   filesystem).  Elsewhere "create only" is a check followed by a write, which is
   racy between writers; docs/RELIABILITY.md says so.
+
+Containment (local disk): every file read from a checkpoint is opened with ``O_NOFOLLOW`` and
+checked with ``fstat`` on that same descriptor to be a regular file, so a symbolic link, FIFO,
+device, socket or directory where a file belongs raises :class:`UnsafeCheckpointError` instead of
+reading something outside the checkpoint (or blocking on a pipe).  Deleting never follows links.
+
+Errors (object stores): whatever the backend raises that is neither an ``OSError`` nor a
+``CheckpointError`` (botocore, aiohttp, ...) becomes :class:`StorageError` naming the URL, with the
+original chained; a missing bucket becomes :class:`CheckpointNotFoundError` (reads) or
+``StorageError`` (writes) saying so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
+import logging
 import os
 import shutil
+import stat
+import sys
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from .errors import (CheckpointError, CheckpointNotFoundError, SchemaError, StorageError,
+                     UnsafeCheckpointError)
+
+log = logging.getLogger("ckptcore")
 
 _ATOMIC_CREATE = {"s3", "s3a", "memory"}
 # Hook for fault-injection tests: called with an operation name before every mutating operation.
 _op_hook: Any = None
 
 
+# Reading a checkpoint's file: never through a link; a FIFO must not block the open; no
+# controlling terminal from a tty; not inherited by children.
+_READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
+_DIR_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+              | getattr(os, "O_CLOEXEC", 0))
+
+
 def _tick(op: str, path: str) -> None:
     if _op_hook is not None:
         _op_hook(op, path)
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for messages."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return f"a special file (mode {mode:#o})"
+
+
+def _link_error(path: str) -> UnsafeCheckpointError:
+    try:
+        target = f" to {os.readlink(path)!r}"
+    except OSError:
+        target = ""
+    return UnsafeCheckpointError(
+        f"{path}: is a symbolic link{target}, not a regular file; ckptcore never follows links "
+        "inside a checkpoint (one could lead outside it). Replace the link with the file itself")
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """Open a local file for reading without following a link: ``(fd, fstat of fd)``.
+
+    Raises ``FileNotFoundError`` when absent and :class:`UnsafeCheckpointError` (naming the path
+    and what is there) for anything but a regular file.  The caller closes ``fd``; sizes must come
+    from the returned stat, and data from this descriptor, so nothing can be swapped in between.
+    """
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as e:
+        # O_NOFOLLOW on a link gives ELOOP (EMLINK on FreeBSD, EFTYPE on NetBSD).
+        if e.errno in (errno.ELOOP, errno.EMLINK, getattr(errno, "EFTYPE", -1)) \
+                and os.path.islink(path):
+            raise _link_error(path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeCheckpointError(
+                f"{path}: is {_kind(st.st_mode)}, not a regular file; a checkpoint holds only "
+                "regular files (remove it, or restore the file from a good copy)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+# Buckets each object-store filesystem has been seen to hold (so ``exists`` asks why only once).
+_KNOWN_BUCKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _bucket_missing(e: BaseException) -> bool:
+    """Whether ``e`` (or what it chains) is an object store's "no such bucket" answer."""
+    seen = 0
+    while e is not None and seen < 8:
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and (response.get("Error") or {}).get("Code") == "NoSuchBucket":
+            return True
+        if "bucket does not exist" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False
 
 
 @dataclass(frozen=True)
@@ -73,6 +168,43 @@ class Store:
         self.atomic_rename = self.local
         self.atomic_create = self.local or bool(_ATOMIC_CREATE & set(protocols))
 
+    def _url(self, rel: str = "") -> str:
+        return self.url.rstrip("/") + "/" + rel if rel else self.url
+
+    def _bucket(self) -> str:
+        split = getattr(self.fs, "split_path", None)
+        if split is not None:
+            with contextlib.suppress(Exception):
+                return split(self.path)[0]
+        return self.path.lstrip("/").split("/", 1)[0]
+
+    @contextlib.contextmanager
+    def _remote(self, op: str, rel: str = "", *, write: bool = False) -> Iterator[None]:
+        """Translate a remote backend's exceptions for ``op`` on ``rel`` into ckptcore's.
+
+        A missing bucket: :class:`CheckpointNotFoundError` (a ``FileNotFoundError``) for reads,
+        :class:`StorageError` for writes, saying which bucket.  Anything that is neither an
+        ``OSError`` nor a ``CheckpointError`` (botocore's ``EndpointConnectionError``, aiohttp's
+        errors, ...): :class:`StorageError` naming the URL, the original chained.  Other
+        ``OSError`` (a missing object's ``FileNotFoundError``, ``FileExistsError`` of a
+        create-only PUT, ``PermissionError``) pass unchanged: callers depend on them; so do
+        ``TypeError``, ``AttributeError`` and ``NotImplementedError`` (bugs, not outages).
+        """
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except FileNotFoundError as e:
+            if not _bucket_missing(e):
+                raise
+            msg = (f"{self._url(rel)}: the bucket {self._bucket()!r} does not exist "
+                   f"({op} failed); create it first, or check the URL")
+            raise (StorageError if write else CheckpointNotFoundError)(msg) from e
+        except (OSError, TypeError, AttributeError, NotImplementedError):
+            raise  # programming errors are not the store failing: left as they are
+        except Exception as e:
+            raise StorageError(f"{self._url(rel)}: {op} failed: {type(e).__name__}: {e}") from e
+
     # -- navigation ---------------------------------------------------------------------------
     def child(self, name: str) -> Store:
         sep = os.sep if self.local else "/"
@@ -95,38 +227,101 @@ class Store:
 
     # -- reads ----------------------------------------------------------------------------------
     def exists(self, rel: str = "") -> bool:
+        """Whether ``rel`` exists.  Object stores: :class:`CheckpointNotFoundError` when the
+        bucket itself does not exist (s3fs answers ``False`` there, which would hide a typo)."""
         if self.local:
             return os.path.exists(self.join(rel))
         # Object-store filesystems answer exists() from cached listings, which miss other
         # processes' commits and deletions: the commit protocol needs the store's answer now.
-        self.fs.invalidate_cache(self.join(rel))
-        return self.fs.exists(self.join(rel))
+        path = self.join(rel)
+        self.fs.invalidate_cache(path)
+        with self._remote("exists", rel):
+            bucket = self._bucket() if hasattr(self.fs, "split_path") else None
+            if self.fs.exists(path):
+                self._saw_bucket(bucket)
+                return True
+            if bucket is None or "/" not in path.strip("/") or self._saw_bucket(bucket, query=True):
+                return False  # a bucket-less store, the bucket itself, or one known to exist
+            # Absent: a missing object, or a missing bucket (s3fs answers False to both)?
+            # info() tells, through the service's NoSuchBucket; asked once per bucket.
+            try:
+                self.fs.info(path)
+            except FileNotFoundError as e:
+                if _bucket_missing(e):
+                    raise
+                self._saw_bucket(bucket)
+                return False
+            self._saw_bucket(bucket)
+            return True  # it appeared meanwhile
+
+    def _saw_bucket(self, bucket: str | None, *, query: bool = False) -> bool:
+        try:
+            known = _KNOWN_BUCKETS.setdefault(self.fs, set())
+        except TypeError:  # a filesystem that cannot be weakly referenced: do not remember
+            return False
+        if query:
+            return bucket in known
+        if bucket is not None:
+            known.add(bucket)
+        return True
 
     def size(self, rel: str) -> int:
-        """Size in bytes; ``FileNotFoundError`` when absent."""
+        """Size in bytes; ``FileNotFoundError`` when absent; local: never through a link
+        (:class:`UnsafeCheckpointError` for anything but a regular file)."""
         if self.local:
-            return os.stat(self.join(rel)).st_size
-        info = self.fs.info(self.join(rel))
+            fd, st = open_regular(self.join(rel))
+            os.close(fd)
+            return st.st_size
+        with self._remote("size", rel):
+            info = self.fs.info(self.join(rel))
         if info.get("type") == "directory":
             raise FileNotFoundError(self.join(rel))
         return int(info["size"])
 
-    def read(self, rel: str) -> bytes:
+    def read(self, rel: str, *, max_bytes: int | None = None) -> bytes:
+        """The whole file.  ``max_bytes``: a larger file raises :class:`SchemaError` before any of
+        it is read.  Local: never through a link (:class:`UnsafeCheckpointError`)."""
+        path = self.join(rel)
         if self.local:
-            with open(self.join(rel), "rb") as f:
-                return f.read()
-        return self.fs.cat_file(self.join(rel))
+            fd, st = open_regular(path)
+            with open(fd, "rb", closefd=True) as f:
+                self._check_max(rel, st.st_size, max_bytes)
+                if max_bytes is None:
+                    return f.read()
+                # Ask for what fstat said (a read's buffer is allocated at the size asked for),
+                # then for the rest up to the limit in case it grew since.
+                data = f.read(st.st_size + 1)
+                if len(data) > st.st_size:
+                    data += f.read(max_bytes + 1 - len(data))
+                self._check_max(rel, len(data), max_bytes)
+                return data
+        with self._remote("read", rel):
+            if max_bytes is not None:
+                info = self.fs.info(path)
+                if info.get("type") == "directory":
+                    raise FileNotFoundError(path)
+                self._check_max(rel, int(info.get("size") or 0), max_bytes)
+            data = self.fs.cat_file(path)
+        if max_bytes is not None:
+            self._check_max(rel, len(data), max_bytes)
+        return data
+
+    def _check_max(self, rel: str, size: int, max_bytes: int | None) -> None:
+        if max_bytes is not None and size > max_bytes:
+            raise SchemaError(f"{self.join(rel)}: {size} bytes, more than the limit of {max_bytes} "
+                              "bytes for this file; refused without reading it")
 
     def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Bytes ``[start, end)`` of each range, fetched concurrently where the backend can."""
         if not ranges:
             return []
         path = self.join(rel)
-        blobs = self.fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges],
-                                   [r[1] for r in ranges])
-        for blob in blobs:  # async filesystems hand back per-range errors instead of raising
-            if isinstance(blob, BaseException):
-                raise blob
+        with self._remote("read", rel):
+            blobs = self.fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges],
+                                       [r[1] for r in ranges])
+            for blob in blobs:  # async filesystems hand back per-range errors instead of raising
+                if isinstance(blob, BaseException):
+                    raise blob
         return blobs
 
     def listdir(self, rel: str = "") -> list[Entry]:
@@ -140,7 +335,10 @@ class Store:
             except (FileNotFoundError, NotADirectoryError):
                 return []
         try:
-            infos = self.fs.ls(path, detail=True, refresh=True)
+            with self._remote("list", rel):
+                infos = self.fs.ls(path, detail=True, refresh=True)
+        except CheckpointNotFoundError:
+            raise  # the bucket is missing: not an empty folder
         except FileNotFoundError:
             return []
         out = []
@@ -156,57 +354,195 @@ class Store:
             os.makedirs(self.join(rel), exist_ok=True)
 
     def open_write(self, rel: str):
-        """A binary file for streaming writes (local: ``fsync_close`` makes it durable)."""
+        """A binary file for streaming writes (local: ``fsync_close`` makes it durable and raises
+        any write, flush, fsync or close error; remote: its ``close`` uploads and raises)."""
         _tick("open_write", self.join(rel))
         if self.local:
             return open(self.join(rel), "wb", buffering=1 << 20)
-        return self.fs.open(self.join(rel), "wb")
+        with self._remote("write", rel, write=True):
+            return _RemoteWriter(self, rel, self.fs.open(self.join(rel), "wb"))
 
     def write_bytes(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
-        """Write a whole file.  ``create_only`` raises ``FileExistsError`` if it exists (atomically
-        where ``atomic_create`` holds)."""
-        _tick("write_bytes", self.join(rel))
+        """Write a whole file, durably on local disk (any write/fsync/close error is raised, naming
+        the file).  ``create_only`` raises ``FileExistsError`` if it exists (atomically where
+        ``atomic_create`` holds)."""
+        path = self.join(rel)
+        _tick("write_bytes", path)
         if self.local:
-            with open(self.join(rel), "xb" if create_only else "wb") as f:
+            f = open(path, "xb" if create_only else "wb")
+            try:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            except OSError as e:
+                _close_quietly(f, path)
+                raise _named(e, "write or fsync", path) from e
+            except BaseException:
+                _close_quietly(f, path)
+                raise
+            try:
+                f.close()
+            except OSError as e:
+                raise _named(e, "close", path) from e
             return
-        if create_only:
-            self.fs.pipe_file(self.join(rel), data, mode="create")
-        else:
-            self.fs.pipe_file(self.join(rel), data)
+        with self._remote("write", rel, write=True):
+            if create_only:
+                self.fs.pipe_file(path, data, mode="create")
+            else:
+                self.fs.pipe_file(path, data)
 
     def delete(self, rel: str) -> None:
-        _tick("delete", self.join(rel))
+        """Remove one file; nothing if absent.  Local: a link is removed itself, never its target,
+        and nothing is deleted through a link (a store whose folder is a link raises
+        :class:`UnsafeCheckpointError`)."""
+        path = self.join(rel)
+        _tick("delete", path)
+        if not self.local:
+            try:
+                with self._remote("delete", rel):
+                    self.fs.rm_file(path)
+            except CheckpointNotFoundError as e:  # the bucket is gone: so is the object
+                log.info("%s: not deleting %s: %s", self.url, rel, e)
+            except FileNotFoundError:
+                pass
+            return
+        parent, name = os.path.split(path)
         try:
-            if self.local:
-                os.unlink(self.join(rel))
-            else:
-                self.fs.rm_file(self.join(rel))
+            dfd = os.open(parent, _DIR_FLAGS)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if os.path.islink(parent):
+                raise UnsafeCheckpointError(
+                    f"{parent}: is a symbolic link; refusing to delete {name} through it "
+                    "(that would delete a file wherever the link points)") from e
+            if e.errno == errno.ENOTDIR:
+                return  # a file where the folder was: nothing to delete under it
+            raise
+        try:
+            try:
+                st = os.lstat(name, dir_fd=dfd)
+            except FileNotFoundError:
+                return
+            if stat.S_ISLNK(st.st_mode):
+                log.warning("%s: is a symbolic link; removing the link itself, not its target",
+                            path)
+            os.unlink(name, dir_fd=dfd)  # unlink never follows a link
         except FileNotFoundError:
             pass
+        finally:
+            os.close(dfd)
 
     def delete_tree(self, rel: str = "") -> None:
-        _tick("delete_tree", self.join(rel))
+        """Remove a folder and everything in it; nothing if absent.  Local: never follows a link
+        (a link at ``rel`` is removed itself and logged; links inside are removed as links); a
+        file that cannot be removed is logged and left for ``gc()``."""
         path = self.join(rel)
-        if self.local:
-            shutil.rmtree(path, ignore_errors=True)
+        _tick("delete_tree", path)
+        if not self.local:
+            try:
+                with self._remote("delete", rel):
+                    self.fs.rm(path, recursive=True)
+            except CheckpointNotFoundError as e:
+                log.info("%s: not deleting %s: %s", self.url, rel or ".", e)
+            except FileNotFoundError:
+                pass
             return
         try:
-            self.fs.rm(path, recursive=True)
+            st = os.lstat(path)
         except FileNotFoundError:
-            pass
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            # rmtree refuses a link and, with ignore_errors, would silently leave it.
+            log.warning("%s: is %s, not a folder; removing it itself%s", path, _kind(st.st_mode),
+                        " (its target is untouched)" if stat.S_ISLNK(st.st_mode) else "")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+
+        def failed(func: Any, p: str, exc: Any) -> None:
+            err = exc[1] if isinstance(exc, tuple) else exc
+            if not isinstance(err, FileNotFoundError):
+                log.warning("%s: could not remove %s (%s: %s); left for gc()", self.url, p,
+                            type(err).__name__, err)
+
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=failed)
+        else:
+            shutil.rmtree(path, onerror=failed)
+
+
+class _RemoteWriter:
+    """A remote file from ``open_write`` whose errors name the URL (see ``Store._remote``)."""
+
+    def __init__(self, store: Store, rel: str, f: Any):
+        self._store, self._rel, self._f = store, rel, f
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def write(self, data: Any) -> int:
+        with self._store._remote("write", self._rel, write=True):
+            return self._f.write(data)
+
+    def flush(self) -> None:
+        with self._store._remote("write", self._rel, write=True):
+            self._f.flush()
+
+    def close(self) -> None:
+        with self._store._remote("write", self._rel, write=True):
+            self._f.close()
+
+    def __enter__(self) -> _RemoteWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _named(e: OSError, op: str, path: str) -> OSError:
+    """``e`` with ``path`` and ``op`` in its message (an fsync's EIO names no file by itself)."""
+    if isinstance(e, CheckpointError) or e.errno is None or e.filename is not None:
+        return e
+    return OSError(e.errno, f"{e.strerror} ({op})", path)
+
+
+def _close_quietly(f: Any, path: str) -> None:
+    """Close ``f`` after an error that is being raised; a second error is logged, not raised."""
+    try:
+        f.close()
+    except Exception as e:  # the first error is the one to report
+        log.warning("%s: close after a failed write also failed: %s", path, e)
 
 
 def fsync_close(f: Any) -> None:
-    """Close a file from ``open_write``, first forcing local data to disk."""
+    """Close a file from ``open_write``, first forcing local data to disk.
+
+    A local file's failed flush, fsync or close raises (naming the file): the save must fail,
+    not report a checkpoint the disk may not hold.  Remote files (no ``fileno``) just close; their
+    close uploads and raises on failure.
+    """
+    try:
+        fd = f.fileno()
+    except (AttributeError, io.UnsupportedOperation):
+        f.close()
+        return
+    path = getattr(f, "name", None)
+    path = path if isinstance(path, str) else f"descriptor {fd}"
     try:
         f.flush()
-        os.fsync(f.fileno())
-    except (OSError, AttributeError, ValueError):  # remote files have no descriptor
-        pass
-    f.close()
+        os.fsync(fd)
+    except OSError as e:
+        _close_quietly(f, path)
+        raise _named(e, "flush or fsync", path) from e
+    except BaseException:
+        _close_quietly(f, path)
+        raise
+    try:
+        f.close()
+    except OSError as e:
+        raise _named(e, "close", path) from e
 
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -241,9 +577,12 @@ def _find_sync_file_range() -> Any:
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    """Make a folder's entries durable; any failure raises (naming the folder)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         os.fsync(fd)
+    except OSError as e:
+        raise _named(e, "fsync of the folder", path) from e
     finally:
         os.close(fd)
 
