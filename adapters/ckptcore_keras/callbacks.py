@@ -56,6 +56,7 @@ from typing import Any, Mapping
 import keras
 import numpy as np
 
+from ckptcore._storage import check_url
 from ckptcore.errors import RestoreError
 from ckptcore.manager import CheckpointManager
 
@@ -88,7 +89,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Back up the whole training state to ``root`` and resume ``fit`` exactly where it stopped.
 
     Args:
-        root: Any fsspec URL (a local folder, ``s3://bucket/run``...).
+        root: Any fsspec URL (a local folder, ``s3://bucket/run``...): a non-empty str or
+            path-like, else ``ValueError`` / ``TypeError`` before anything is created.
         save_freq: ``"epoch"``, or save every this many trained batches.
         cursor: The :class:`ckptcore.DataCursor` that ``ckptcore_keras.dataset``
             reads; the callback advances it and resumes it mid-epoch.
@@ -109,11 +111,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     def __init__(self, root: Any, *, save_freq: str | int = "epoch", cursor: Any = None,
                  keep: Any = 2, async_save: bool = False,
                  storage_options: Mapping[str, Any] | None = None):
+        # Checked before anything else: str("") is "/" to the manager and str(None) a folder "None".
+        root = check_url(root, "root")
         super().__init__()
         if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool)
                                      or save_freq < 1):
             raise ValueError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}")
-        self.root, self.save_freq, self.cursor = str(root), save_freq, cursor
+        self.root, self.save_freq, self.cursor = root, save_freq, cursor
         self.keep, self.async_save = keep, async_save
         self.storage_options = dict(storage_options or {})
         self._manager: CheckpointManager | None = None

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 
 import paddle
 
+from ckptcore._storage import check_url
 from ckptcore.cursor import CursorShard, DataCursor
 from ckptcore.manager import CheckpointManager
 from ckptcore.state import TrainingState
@@ -50,7 +51,8 @@ class Checkpoint(paddle.callbacks.Callback):
     """Save a ``paddle.Model.fit`` run under ``root`` and resume it exactly.
 
     Args:
-        root: A folder or any fsspec URL; checkpoints go to ``<root>/step-<batches trained>``.
+        root: A folder or any fsspec URL; checkpoints go to ``<root>/step-<batches trained>``.  A
+            non-empty str or path-like, else ``ValueError`` / ``TypeError`` before anything is created.
         save_freq: ``"epoch"`` (at the end of every epoch) or an int N (every N batches, and at
             the end of every epoch).  A checkpoint is also written when ``fit`` ends.
         cursor: The :class:`~ckptcore_paddle.ResumableBatchSampler` of the training DataLoader
@@ -76,6 +78,8 @@ class Checkpoint(paddle.callbacks.Callback):
 
     def __init__(self, root: str | os.PathLike, *, save_freq: str | int = "epoch", cursor: Any = None,
                  keep: Any = 3, async_save: bool = False, storage_options: Mapping[str, Any] | None = None):
+        # Checked before anything else: "" would put checkpoints in "/" and None in a folder "None".
+        root = check_url(root, "root")
         super().__init__()
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
                                      or save_freq < 1):
@@ -86,7 +90,7 @@ class Checkpoint(paddle.callbacks.Callback):
         if cursor is None and save_freq != "epoch":
             raise ValueError("saving every N batches needs the data position to resume exactly: pass "
                              "cursor=<the ResumableBatchSampler of the training DataLoader>")
-        self.root = os.fspath(root)
+        self.root = root
         self.save_freq = save_freq
         self.cursor = cursor
         self.keep, self.async_save, self.storage_options = keep, async_save, dict(storage_options or {})
