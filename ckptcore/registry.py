@@ -1,28 +1,24 @@
 """Adapters, found lazily through the ``ckptcore.adapters`` entry-point group.
 
-An adapter turns one framework's objects into a :class:`~ckptcore.TrainingState`
-and back.  The whole contract::
-
-    class Adapter(Protocol):
-        name: str                                    # "keras", "paddle"
-        def handles(self, obj: object) -> bool: ...  # must not import the framework
-        def capture(self, **objects) -> TrainingState: ...
-        def restore(self, state: TrainingState, **objects) -> RestoreReport: ...
-
-A package registers one under ``[project.entry-points."ckptcore.adapters"]``
-(``keras = "ckptcore_keras:ADAPTER"``).  Entry points are read only when a
-framework object is first handed to ckptcore, and an adapter module must not
+An adapter turns one framework's objects into a :class:`~ckptcore.TrainingState` and back; its
+contract is :class:`ckptcore.adapter.Adapter`.  A package registers one under
+``[project.entry-points."ckptcore.adapters"]`` (``name = "package:ADAPTER"``).  Entry points are
+read only when a framework object is first handed to ckptcore, and an adapter module must not
 import its framework at import time, so ``import ckptcore`` stays light.
+
+This is the one module of the core that names frameworks: the install hints below, in the spirit
+of fsspec's registry of known implementations.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import threading
 from importlib.metadata import entry_points
-from typing import Any, Protocol, runtime_checkable
 
+from .adapter import Adapter
 from .errors import AdapterNotFoundError
-from .state import RestoreReport, TrainingState
 
 __all__ = ["Adapter", "adapter_for", "get_adapter", "available_adapters"]
 
@@ -33,19 +29,20 @@ _HINTS = {
     "paddle": "pip install 'ckptcore[paddle]'",
 }
 
+_MEMBERS = ("name", "capture_views", "handles", "capture", "restore", "dialect", "formats", "demo")
+_log = logging.getLogger("ckptcore")
 _lock = threading.Lock()
 _loaded: dict[str, Adapter] | None = None
+_broken: dict[str, str] = {}  # adapters whose entry point failed to load: name -> why
 
 
-@runtime_checkable
-class Adapter(Protocol):
-    name: str
-
-    def handles(self, obj: object) -> bool: ...
-
-    def capture(self, **objects: Any) -> TrainingState: ...
-
-    def restore(self, state: TrainingState, **objects: Any) -> RestoreReport: ...
+def _declares(obj: object, member: str) -> bool:
+    # getattr_static: looking must not run a property (an adapter's dialect imports a module).
+    try:
+        inspect.getattr_static(obj, member)
+    except AttributeError:
+        return False
+    return True
 
 
 def _load() -> dict[str, Adapter]:
@@ -55,9 +52,15 @@ def _load() -> dict[str, Adapter]:
             found: dict[str, Adapter] = {}
             for ep in entry_points(group=GROUP):
                 try:
-                    found[ep.name] = ep.load()
-                except ImportError:  # a broken or partial install must not break the others
-                    continue
+                    adapter = ep.load()
+                    missing = [m for m in _MEMBERS if not _declares(adapter, m)]
+                    if missing:
+                        raise TypeError(f"{ep.value} lacks {', '.join(missing)} of the adapter contract")
+                    found[ep.name] = adapter
+                except Exception as e:  # noqa: BLE001 - one broken adapter must not break the others
+                    _broken[ep.name] = f"{type(e).__name__}: {e}"
+                    _log.warning("ckptcore adapter %r (%s) failed to load and is skipped: %s",
+                                 ep.name, ep.value, _broken[ep.name])
             _loaded = found
         return _loaded
 
@@ -71,6 +74,9 @@ def get_adapter(name: str) -> Adapter:
     """The adapter registered as ``name`` (e.g. ``"keras"``)."""
     adapters = _load()
     if name not in adapters:
+        if name in _broken:
+            raise AdapterNotFoundError(f"the ckptcore adapter {name!r} is installed but failed to "
+                                       f"load: {_broken[name]}")
         hint = _HINTS.get(name, f"install a package that registers it under {GROUP!r}")
         raise AdapterNotFoundError(f"no ckptcore adapter named {name!r} is installed; {hint}")
     return adapters[name]

@@ -92,6 +92,14 @@ class ParamInfo:
     layout: str | None = None
     attrs: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # The vocabulary's enums (ckptcore.vocab) compare equal to their words; store the words, so
+        # a ParamInfo encodes, compares and prints the same however it was built.
+        for name in ("kind", "role", "layout"):
+            value = getattr(self, name)
+            if isinstance(value, str) and type(value) is not str:
+                object.__setattr__(self, name, str(value))
+
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "layer": self.layer, "kind": self.kind, "role": self.role,
                 "layout": self.layout, "attrs": dict(self.attrs)}

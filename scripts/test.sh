@@ -10,7 +10,7 @@ status=0
 run() {  # pytest exit 5 means "no tests collected": not a failure for an optional group
   .venv/bin/python -m pytest "$@" || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
 }
-run tests --ignore=tests/keras --ignore=tests/paddle "${@}"
-[ -d tests/paddle ] && run tests/paddle "${@}"
-[ -d tests/keras ] && run tests/keras "${@}"
+run tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter "${@}"
+[ -d tests/paddle_adapter ] && run tests/paddle_adapter "${@}"
+[ -d tests/keras_adapter ] && run tests/keras_adapter "${@}"
 exit $status

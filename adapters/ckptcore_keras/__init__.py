@@ -76,6 +76,7 @@ class KerasAdapter:
     """The registry's view of this package: ``name``, ``handles``, ``capture``, ``restore``."""
 
     name = "keras"
+    capture_views = False
 
     def handles(self, obj: object) -> bool:
         # Looks only at module names, so asking never imports TensorFlow.
@@ -87,6 +88,20 @@ class KerasAdapter:
 
     def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
         return restore(state, **objects)
+
+    @property
+    def dialect(self) -> Any:
+        from ._dialect import DIALECT
+        return DIALECT
+
+    @property
+    def formats(self) -> Any:
+        from ._files import FORMATS
+        return FORMATS
+
+    def demo(self, *, seed: int, features: int, classes: int) -> Any:
+        from ._demo import demo
+        return demo(seed=seed, features=features, classes=classes)
 
     def __repr__(self) -> str:
         return "<ckptcore_keras.ADAPTER>"

@@ -98,6 +98,20 @@ class PaddleAdapter:
     def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
         return restore(state, **objects)
 
+    @property
+    def dialect(self) -> Any:
+        from ._dialect import DIALECT
+        return DIALECT
+
+    @property
+    def formats(self) -> Any:
+        from ._files import FORMATS
+        return FORMATS
+
+    def demo(self, *, seed: int, features: int, classes: int) -> Any:
+        from ._demo import demo
+        return demo(seed=seed, features=features, classes=classes)
+
     def __repr__(self) -> str:
         return "<ckptcore_paddle.ADAPTER>"
 

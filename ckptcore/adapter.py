@@ -1,0 +1,237 @@
+"""The adapter contract: what a framework package provides, and the restore planning the core does.
+
+An adapter is one object per framework, registered under the ``ckptcore.adapters`` entry-point
+group (see :mod:`ckptcore.registry`).  It *discovers* the framework's objects (which tensors a model
+has, under which names, with which optimizer slots) and *moves bytes* (framework tensor to NumPy
+array and back).  Everything else is the core's: validating a state against the targets, deciding
+what is missing or unexpected, the error messages, the :class:`~ckptcore.RestoreReport`, migration
+between frameworks (through the adapter's :attr:`Adapter.dialect`), the command line's import and
+export verbs (through :attr:`Adapter.formats`) and ``ckpt demo`` (through :meth:`Adapter.demo`).
+
+An adapter module must not import its framework at import time: the registry imports adapters
+to ask them questions (``handles``), and ``import ckptcore`` stays free of every framework.
+
+Restoring goes in two phases, so a failed restore leaves every target untouched::
+
+    plan = RestorePlan()
+    for name, target in discovered.items():           # the adapter's discovery
+        value = state.model.get(name)
+        if value is None:
+            plan.missing(name)
+        else:
+            plan.assign(name, value, shape=target.shape, dtype=target_dtype,
+                        put=lambda t=target, v=value: write_into(t, v))
+    plan.unexpected_from(state.model, discovered)      # saved names nothing took
+    return plan.apply(strict)                          # raises, or writes everything and reports
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from .errors import RestoreError
+from .state import RestoreReport, TrainingState
+
+__all__ = ["Adapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified", "mismatch_message",
+           "CALLBACK_KEEP"]
+
+# How many checkpoints a framework callback keeps when the user does not say: the same number in
+# every adapter, so switching frameworks does not change how much disk a run uses.
+CALLBACK_KEEP = 3
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """What the registry expects of an adapter object (``ADAPTER`` in the adapter package).
+
+    ``capture`` and ``restore`` take the framework objects as keywords: ``model`` always, then
+    ``optimizer``, ``cursor`` (a :class:`~ckptcore.DataCursor` or anything with ``state_dict`` /
+    ``load_state_dict``) and any framework-specific ones (``scheduler``, ``scaler``...).  An object
+    passed that the adapter does not know is a ``TypeError``, never silently ignored.
+    """
+
+    name: str
+    """The framework's short name, also ``TrainingState.framework`` of its captures."""
+
+    capture_views: bool
+    """Whether ``capture(copy=False)`` returns views of live buffers (a synchronous save may write
+    them as they are; an asynchronous save copies them first)."""
+
+    def handles(self, obj: object) -> bool:
+        """Whether ``obj`` (a model) belongs to this framework.  Must not import the framework."""
+
+    def capture(self, *, model: Any, optimizer: Any = None, cursor: Any = None, rng: bool = True,
+                copy: bool = True, **objects: Any) -> TrainingState:
+        """Snapshot the objects.  ``rng=False`` leaves ``state.rng`` empty; ``copy=False`` may
+        return views of live buffers (see :attr:`capture_views`)."""
+
+    def restore(self, state: TrainingState, *, model: Any, optimizer: Any = None, cursor: Any = None,
+                strict: bool = True, rng: bool = True, **objects: Any) -> RestoreReport:
+        """Put ``state`` back (through a :class:`RestorePlan`).  ``rng=False`` leaves every RNG
+        as it is.  A state of another framework is converted first (``ckptcore.convert``)."""
+
+    @property
+    def dialect(self) -> Any:
+        """The framework's migration dialect (see :mod:`ckptcore.migrate`): its optimizers,
+        schedules, RNG and ``extra`` section in neutral terms."""
+
+    @property
+    def formats(self) -> Sequence[FileFormat]:
+        """The framework's native checkpoint files that ``ckpt import``/``ckpt export`` handle."""
+
+    def demo(self, *, seed: int, features: int, classes: int) -> DemoProgram:
+        """A tiny model for ``ckpt demo``, built deterministically from ``seed``."""
+
+
+@dataclass(frozen=True)
+class FileFormat:
+    """A framework's native checkpoint files, as the command line sees them.
+
+    Attributes:
+        name: The ``--to``/``--from`` choice, e.g. ``"tf-checkpoint"``, ``"pdparams"``.
+        framework: The adapter's name.
+        description: One line for ``--help``.
+        detect: Whether a path given to ``ckpt import`` is of this format (no framework import).
+        read: ``read(src, model=None, optimizer=None, **options) -> TrainingState``; ``model`` and
+            ``optimizer`` come from ``--model MODULE:FACTORY`` when given.
+        write: ``write(state, dst, model=None, optimizer=None, **options) -> str`` (what it wrote).
+        needs_model: Whether ``write`` needs live objects (``--model``) to name or shape the files.
+        options: Extra command-line options, ``{name: help}``, passed to ``read``/``write`` as
+            keywords (``None`` when not given on the command line).
+    """
+
+    name: str
+    framework: str
+    description: str
+    detect: Callable[[str], bool]
+    read: Callable[..., TrainingState] | None = None
+    write: Callable[..., Any] | None = None
+    needs_model: bool = False
+    options: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.read is None and self.write is None:
+            raise ValueError(f"file format {self.name!r} neither reads nor writes")
+
+
+@dataclass(frozen=True)
+class DemoProgram:
+    """What ``ckpt demo`` trains: the objects it saves and restores, and one training step.
+
+    ``objects`` go to ``CheckpointManager.save``/``restore`` as keywords (``model=...``, ...);
+    ``train_step(x, y)`` trains one batch of float32 features and int64 labels.
+    """
+
+    description: str
+    objects: Mapping[str, Any]
+    train_step: Callable[[np.ndarray, np.ndarray], None]
+
+
+def qualified(section: str, *parts: str) -> str:
+    """The one naming scheme of :class:`~ckptcore.RestoreReport` entries.
+
+    Model tensors are reported by their own name; everything else as ``section/part/...``:
+    ``optimizer/dense/kernel/m`` (a slot), ``schedule``, ``data``, ``accumulation/dense/kernel``.
+    """
+    if section == "model":
+        return "/".join(parts)
+    return "/".join((section, *parts))
+
+
+def _show(names: Sequence[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def mismatch_message(missing: Sequence[str], unexpected: Sequence[str]) -> str:
+    """The one wording of a strict restore's refusal."""
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {_show(list(missing))}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in the target: {_show(list(unexpected))}")
+    return ("the checkpoint does not fit the target: " + "; ".join(parts)
+            + ". Pass strict=False to restore what matches and get a RestoreReport.")
+
+
+class RestorePlan:
+    """Everything a restore will do, checked before any of it is done.
+
+    Adapters record assignments (checked here for shape and dtype at once, naming the tensor),
+    names missing on either side, and deferred actions (setting a schedule, positioning a cursor).
+    :meth:`apply` then raises one :class:`~ckptcore.errors.RestoreError` listing every mismatch, or
+    performs all assignments, then all actions, in the order recorded.
+    """
+
+    def __init__(self) -> None:
+        self._puts: list[Callable[[], None]] = []
+        self._actions: list[Callable[[], None]] = []
+        self._missing: list[str] = []
+        self._unexpected: list[str] = []
+        self._applied = False
+
+    def assign(self, name: str, value: np.ndarray, *, shape: Iterable[int] | None,
+               dtype: Any, put: Callable[[], None]) -> None:
+        """Plan ``put()``, which writes ``value`` into the target tensor called ``name``.
+
+        ``shape`` and ``dtype`` are the target's (``dtype`` anything ``np.dtype`` accepts, or None
+        to skip the dtype check where the framework converts exactly itself).
+
+        Raises:
+            RestoreError: the saved array does not fit the target (names the tensor); raised now,
+                whatever ``strict`` says, since nothing can put it there.
+        """
+        check_fits(name, value, shape, dtype)
+        self._puts.append(put)
+
+    def then(self, action: Callable[[], None]) -> None:
+        """Plan an action to run after every assignment (a schedule, a cursor, gradients)."""
+        self._actions.append(action)
+
+    def missing(self, *names: str) -> None:
+        """Names the target has and the state does not (already :func:`qualified`)."""
+        self._missing.extend(names)
+
+    def unexpected(self, *names: str) -> None:
+        """Names the state has and nothing in the target takes (already :func:`qualified`)."""
+        self._unexpected.extend(names)
+
+    def unexpected_from(self, saved: Iterable[str], taken: Iterable[str], section: str = "model") -> None:
+        """Report every name of ``saved`` not in ``taken``, qualified under ``section``."""
+        taken = set(taken)
+        self.unexpected(*(qualified(section, n) for n in saved if n not in taken))
+
+    @property
+    def report(self) -> RestoreReport:
+        return RestoreReport(missing=tuple(self._missing), unexpected=tuple(self._unexpected))
+
+    def apply(self, strict: bool = True) -> RestoreReport:
+        """Raise on mismatches when ``strict``; otherwise (or when all fits) do everything planned."""
+        if self._applied:
+            raise RuntimeError("this RestorePlan was already applied")
+        if strict and (self._missing or self._unexpected):
+            raise RestoreError(mismatch_message(self._missing, self._unexpected))
+        self._applied = True
+        for put in self._puts:
+            put()
+        for action in self._actions:
+            action()
+        return self.report
+
+
+def check_fits(name: str, value: Any, shape: Iterable[int] | None, dtype: Any) -> None:
+    """Raise :class:`RestoreError` naming ``name`` unless ``value`` has ``shape`` and ``dtype``."""
+    got_shape = tuple(int(d) for d in np.shape(value))
+    if shape is not None:
+        want_shape = tuple(int(d) for d in shape)
+        if got_shape != want_shape:
+            raise RestoreError(f"{name}: the checkpoint holds shape {list(got_shape)}, the target "
+                               f"has {list(want_shape)}")
+    if dtype is not None:
+        got, want = np.asarray(value).dtype if not hasattr(value, "dtype") else value.dtype, np.dtype(dtype)
+        if got != want:
+            raise RestoreError(f"{name}: the checkpoint holds {got}, the target is {want}")
+
