@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,3 +146,57 @@ try:  # Hypothesis must not write its example database into the repository.
     _hsettings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ckptcore"))
 except ImportError:  # pragma: no cover
     pass
+
+
+# --- Subprocesses --------------------------------------------------------------------------------
+# One harness for every test folder: a fresh interpreter with the repository importable, run from
+# the calling test's folder (so its private helper modules import), whose failure fails the test
+# with its output.  Adapter tests use it for what cannot happen in pytest's own process: kills,
+# resumes in a new process, multi-process groups, and the other framework.
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env(here: Path | str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(REPO), str(REPO / "adapters")] + ([str(here)] if here else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    env.setdefault("GLOG_minloglevel", "3")
+    return env
+
+
+def _runner(here: Path):
+    def run(*args: str, timeout: float = 300) -> str:
+        proc = subprocess.run([sys.executable, *map(str, args)], env=subprocess_env(here),
+                              capture_output=True, text=True, timeout=timeout, cwd=str(here))
+        if proc.returncode != 0:
+            pytest.fail(f"subprocess {args} exited with {proc.returncode}\n--- stdout\n"
+                        f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}", pytrace=False)
+        return proc.stdout
+    return run
+
+
+@pytest.fixture
+def run_python(request):
+    """``run_python(*args, timeout=300)``: run ``python args...`` to success; return its stdout."""
+    return _runner(Path(request.fspath).parent)
+
+
+@pytest.fixture(scope="module")
+def run_python_module(request):
+    """:func:`run_python` for module-scoped fixtures."""
+    return _runner(Path(request.fspath).parent)
+
+
+@pytest.fixture(scope="module")
+def spawn_python(request):
+    """``spawn_python(*args)``: start ``python args...`` and return its ``Popen`` (for workers that
+    are meant to die: the caller checks the return code)."""
+    here = Path(request.fspath).parent
+
+    def spawn(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *map(str, args)], env=subprocess_env(here),
+                                cwd=str(here), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return spawn
