@@ -225,14 +225,23 @@ def restore_objects(state: TrainingState, objects: Mapping[str, Any]) -> None:
         return
     if "model" in objects:
         adapter = adapter_for(objects["model"])
-        if state.framework not in (None, adapter.name):
-            state = convert(state, adapter.name, objects["model"], objects.get("optimizer"),
-                            scheduler=objects.get("scheduler"), **options)
+        state = convert_for(state, adapter.name, objects, **options)
         adapter.restore(state, **objects)
     elif set(objects) == {"cursor"}:
         objects["cursor"].load_state_dict(state.data)
     else:
         raise TypeError(f"restoring into {sorted(objects)} needs model=... as well")
+
+
+def convert_for(state: TrainingState, framework: str, objects: Mapping[str, Any], *,
+                name_map: Mapping[str, str | None] | None = None, approximate: bool = False) -> TrainingState:
+    """``state`` itself when it is ``framework``'s (or neutral), else converted for the target
+    ``objects`` (``model=``, ``optimizer=``, ``scheduler=``...).  The one place a restore converts
+    between frameworks: adapters' own ``restore`` functions call it first."""
+    if state.framework in (None, framework):
+        return state
+    return convert(state, framework, objects["model"], objects.get("optimizer"),
+                   scheduler=objects.get("scheduler"), name_map=name_map, approximate=approximate)
 
 
 def convert(state: TrainingState | str | os.PathLike, to: str, model: Any, optimizer: Any = None, *,
