@@ -174,8 +174,9 @@ def cli_to_paddle(d: str, opts: dict) -> dict:
 def rng(d: str, opts: dict) -> dict:
     """The reseeded Paddle generator is exactly what ``paddle.seed`` gives (and it restores)."""
     from ckptcore.migrate.rng import convert_rng
+    from ckptcore_paddle._dialect import DIALECT
 
-    entry = convert_rng({"tensorflow": {"state": [1, 2, 3], "algorithm": 1}}, "paddle", 7)["paddle"][0]
+    entry = convert_rng({"tensorflow": {"state": [1, 2, 3], "algorithm": 1}}, DIALECT, 7)["paddle"][0]
     paddle.seed(entry["seed"])
     _, seed, offset, engine = paddle.get_rng_state()[0].__getstate__()
     first = paddle.rand([4]).numpy().tolist()
