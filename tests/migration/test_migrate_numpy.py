@@ -395,3 +395,4 @@ def test_public_names():
     assert ckptcore.convert is ckptcore.api.convert
     assert issubclass(ckptcore.MigrationError, ValueError)
     assert issubclass(ckptcore.MigrationWarning, UserWarning)
+    assert ckptcore.migrate.MigrationWarning is ckptcore.errors.MigrationWarning
