@@ -7,6 +7,7 @@ convert to and from the existing ones: a new framework needs no edit of ``ckptco
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import warnings
@@ -44,6 +45,16 @@ def test_every_dialect_satisfies_the_protocol_and_imports_no_framework():
     assert not {"tensorflow", "keras", "paddle"} & {m.split(".")[0] for m in sys.modules}
 
 
+def test_dialect_modules_import_no_framework_in_a_fresh_interpreter():
+    import subprocess
+
+    code = ("import sys, json; import ckptcore_keras._dialect as k, ckptcore_paddle._dialect as p, "
+            "ckptcore_numpy._dialect as n; [d.DIALECT.rng_from_seed(1) for d in (k, p, n)]; "
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert not {"tensorflow", "keras", "paddle"} & set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def test_adapters_hand_out_their_dialects():
     assert get_adapter("keras").dialect is KERAS
     assert get_adapter("paddle").dialect is PADDLE
@@ -62,7 +73,8 @@ def test_unknown_framework_is_a_migration_error():
 
 # (dialect, kind, hyperparams, native slot names) for every optimizer a dialect supports.
 OPTIMIZERS = [
-    ("keras", "adam", {"learning_rate": 1e-3, "beta_1": 0.8, "beta_2": 0.99, "epsilon": 1e-6}, ["momentum", "velocity"]),
+    ("keras", "adam", {"learning_rate": 1e-3, "beta_1": 0.8, "beta_2": 0.99, "epsilon": 1e-6},
+     ["momentum", "velocity"]),
     ("keras", "adam", {"learning_rate": 1e-3, "amsgrad": True}, ["momentum", "velocity", "velocity_hat"]),
     ("keras", "adamw", {"learning_rate": 1e-3, "weight_decay": 0.05}, ["momentum", "velocity"]),
     ("keras", "sgd", {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True}, ["momentum"]),
@@ -359,8 +371,8 @@ def test_a_third_dialect_converts_to_and_from_an_existing_one():
 
 def _with_keras_opt(k: TrainingState) -> TrainingState:
     t = _keras_dense_state()
-    t.optimizer = OptimizerState("adam", 0, dict(k.optimizer.hyperparams),
-                                 {n: {s: np.zeros_like(a) for s, a in slots.items()} for n, slots in k.optimizer.slots.items()})
+    zeros = {n: {s: np.zeros_like(a) for s, a in slots.items()} for n, slots in k.optimizer.slots.items()}
+    t.optimizer = OptimizerState("adam", 0, dict(k.optimizer.hyperparams), zeros)
     t.schedule = ScheduleState(k.schedule.kind, dict(k.schedule.config))
     return t
 
