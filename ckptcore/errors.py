@@ -23,6 +23,7 @@ __all__ = [
     "CaptureError",
     "MigrationError",
     "AdapterNotFoundError",
+    "MigrationWarning",
 ]
 
 
@@ -100,3 +101,10 @@ class MigrationError(CheckpointError, ValueError):
 
 class AdapterNotFoundError(CheckpointError, LookupError):
     """No installed adapter handles the given framework objects."""
+
+
+class MigrationWarning(UserWarning):
+    """A converted state continues the run, but not exactly; the message says how far off.
+
+    A warning, not an error: it lives here so that ``import ckptcore`` need not load the
+    migration package to offer it."""

@@ -1,8 +1,8 @@
 """Paddle Adam and AdamW with Keras' epsilon convention, for exact cross-framework continuation.
 
 Keras updates ``w -= lr·√(1-β2ᵗ)/(1-β1ᵗ) · m/(√v + ε)``; Paddle's kernel adds ``ε·√(1-β2ᵗ)``
-instead of ``ε`` (FRAMEWORKS.md §0.1), which drifts by up to 1e-3 in a few steps wherever √v is
-near ε.  These optimizers pass Paddle's kernel ``ε/√(1-β2ᵗ)`` for each parameter's own step ``t``
+instead of ``ε`` (docs/MIGRATION.md, "Framework facts migration relies on"), which drifts by up
+to 1e-3 in a few steps wherever √v is near ε.  These optimizers pass Paddle's kernel ``ε/√(1-β2ᵗ)`` for each parameter's own step ``t``
 (read from its ``beta2_pow_acc``, which holds β2ᵗ before update ``t``), so the update is Keras'
 to float32 rounding.  Everything else (accumulators, state_dict keys, ``set_state_dict``) is
 Paddle's own, and ckptcore records them as kinds ``kerasadam`` / ``kerasadamw``.

@@ -1,19 +1,22 @@
-"""Weight layouts: how one layer's arrays in one framework become the other's.
+"""Weight layouts: how one layer's arrays on one side become the other side's.
 
 Everything here works from the two sides' :class:`~ckptcore.ParamInfo` alone (kind, role,
-layout letters, attrs), so it needs neither framework.  A layer pair becomes a list of
-:class:`Move`: one per target array, with the source arrays it is built from and two functions,
-one for the weight and one for an optimizer slot of that weight.  The two differ only where a
-layer's parameterisation differs (Paddle's LSTM splits Keras' one bias into ``bias_ih`` +
-``bias_hh``); for every pure re-layout (transposes, gate reordering, the Flatten row
-permutation) the slot gets exactly the weight's transform.
+layout letters, attrs) and the flattening default of each side's dialect, so it needs no
+framework.  A layer pair becomes a list of :class:`Move`: one per target array, with the source
+arrays it is built from and two functions, one for the weight and one for an optimizer slot of
+that weight.  The two differ only where a layer's parameterisation differs (one recurrent bias
+split into input and recurrent biases); for every pure re-layout (transposes, gate reordering,
+the Flatten row permutation) the slot gets exactly the weight's transform.
 
-Layout letters (FRAMEWORKS.md §1.1): ``io`` Dense/Linear; convolutions ``kio``/``hwio``/``dhwio``
-(Keras) and ``oik``/``oihw``/``oidhw`` (Paddle); transposed ``koi``/``hwoi`` and ``iok``/``iohw``;
-Keras depthwise ``hwim`` and Paddle's grouped ``oihw`` of shape ``(in*M, 1, h, w)``.  Recurrent
-layouts are gate orders (``ifco`` LSTM in both; GRU ``zrh`` in Keras, ``rzc`` in Paddle, where
-``h`` and ``c`` both name the candidate) and ``attrs["axes"]`` says whether the gate axis comes
-last (``io``, Keras) or first (``oi``, Paddle).
+Layout letters are those of :mod:`ckptcore.vocab` (``io`` dense; convolutions ``kio``/``hwio``/
+``dhwio`` or ``oik``/``oihw``/``oidhw``; transposed convolutions ``koi``/``hwoi`` or ``iok``/
+``iohw``; depthwise ``hwim``, or a grouped ``oihw`` of shape ``(in*M, 1, h, w)``).  Recurrent
+layouts are gate orders (``ifco`` LSTM; GRU ``zrh`` or ``rzc``, where ``h`` and ``c`` both name the
+candidate) and ``attrs["axes"]`` says whether the gate axis comes last (``io``) or first (``oi``).
+The recurrent bias takes one of three forms, read from the roles and shapes: *single* (one
+``bias`` vector), *stacked* (one ``bias`` of shape ``(2, G*u)``: input row, recurrent row) or
+*split* (``bias`` and ``recurrent_bias`` vectors).  docs/MIGRATION.md, section "Framework facts
+migration relies on", lists which framework uses which.
 """
 
 from __future__ import annotations
@@ -24,18 +27,23 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..state import ParamInfo
+from ..vocab import Kind, Role
 
 Array = np.ndarray
 Fn = Callable[[Sequence[Array]], Array]
 
-__all__ = ["Move", "Unit", "plan_unit", "permute_letters", "flatten_permutation", "RNN_KINDS"]
+__all__ = ["Move", "Unit", "plan_unit", "permute_letters", "flatten_permutation", "RNN_KINDS",
+           "SPLIT_BIAS", "MERGED_BIAS"]
 
-RNN_KINDS = ("lstm", "gru", "simple_rnn")
+RNN_KINDS = (Kind.LSTM, Kind.GRU, Kind.SIMPLE_RNN)
+# Move notes for a recurrent bias split in two or merged into one (the training caveat in convert).
+SPLIT_BIAS, MERGED_BIAS = "bias_split", "bias_merged"
+NORM_KINDS = (Kind.BATCH_NORM, Kind.LAYER_NORM, Kind.GROUP_NORM)
 
 
 @dataclass
 class Unit:
-    """One weight-owning layer (or one layer/direction of a Paddle multi-layer RNN)."""
+    """One weight-owning layer (or one layer/direction of a multi-layer RNN)."""
 
     kind: str
     layer: str
@@ -43,11 +51,13 @@ class Unit:
     infos: dict[str, ParamInfo]     # role -> its description
     shapes: dict[str, tuple]        # role -> array shape
     label: str = ""                 # for messages
-    framework: str = ""
+    framework: str = ""             # for messages
+    flatten_default: str | None = None   # the side's dialect's default_flatten_order
 
     @property
     def main_size(self) -> int:
-        for role in ("kernel", "embeddings", "depthwise_kernel", "gamma", "moving_mean", "beta", "bias"):
+        for role in (Role.KERNEL, Role.EMBEDDINGS, Role.DEPTHWISE_KERNEL, Role.GAMMA, Role.MOVING_MEAN,
+                     Role.BETA, Role.BIAS):
             if role in self.shapes:
                 return int(np.prod(self.shapes[role]))
         return sum(int(np.prod(s)) for s in self.shapes.values())
@@ -88,27 +98,29 @@ def _flatten_facts(info: ParamInfo) -> tuple[str | None, list[int] | None, int |
     return order, (list(shape) if shape is not None else None), channels
 
 
-def flatten_permutation(src: ParamInfo, dst: ParamInfo, rows: int, *, src_fw: str = "",
-                        dst_fw: str = "") -> tuple[np.ndarray | None, str]:
+def flatten_permutation(src: ParamInfo, dst: ParamInfo, rows: int, *, src_default: str | None = None,
+                        dst_default: str | None = None, src_fw: str = "", dst_fw: str = ""
+                        ) -> tuple[np.ndarray | None, str]:
     """Row index array ``p`` with ``dst_kernel = src_kernel[p]`` for a Dense after a Flatten.
 
     ``p`` is ``None`` when no permutation is needed (same flattening order, or no feature map);
-    the string says what was assumed, if anything.  When only one side knows the map and the
-    other is Paddle, Paddle's default channels-first order is assumed (its adapter infers maps
-    from layer definition order and cannot always tell).  Raises :class:`LayoutProblem` when the
-    two sides disagree about the map's size.
+    the string says what was assumed, if anything.  When only one side knows the map, the other
+    side's dialect default (``src_default``/``dst_default``, its ``default_flatten_order``) is
+    assumed: some adapters infer maps from layer definition order and cannot always tell.  Raises
+    :class:`LayoutProblem` when the two sides disagree about the map's size.
     """
     s_order, s_shape, s_c = _flatten_facts(src)
     d_order, d_shape, d_c = _flatten_facts(dst)
     assumed = ""
     if (s_order is None) != (d_order is None):
         known = s_shape if s_order is not None else d_shape
-        if (src_fw if s_order is None else dst_fw) == "paddle" and known is not None and len(known) >= 2:
-            assumed = "channels_first (Paddle's default) assumed for the Linear layer's flattened input"
+        default, fw = (src_default, src_fw) if s_order is None else (dst_default, dst_fw)
+        if default is not None and known is not None and len(known) >= 2:
+            assumed = f"{default} (the {fw} default) assumed for the dense layer's flattened input"
             if s_order is None:
-                s_order, s_c = "channels_first", (d_c if d_c is not None else None)
+                s_order, s_c = default, (d_c if d_c is not None else None)
             else:
-                d_order, d_c = "channels_first", (s_c if s_c is not None else None)
+                d_order, d_c = default, (s_c if s_c is not None else None)
     if s_order is None or d_order is None or s_order == d_order:
         return None, assumed
     # Spatial dims and channels, from whichever side knows the full shape.
@@ -146,10 +158,10 @@ def _same(xs: Sequence[Array]) -> Array:
 
 
 def _kernel_fn(kind: str, s: ParamInfo, d: ParamInfo, s_shape: tuple, d_shape: tuple,
-               fws: tuple[str, str] = ("", "")) -> tuple[Fn, str]:
+               src: Unit, dst: Unit) -> tuple[Fn, str]:
     """The transform of a kernel-like array from ``s``'s layout to ``d``'s."""
     sl, dl = s.layout or "", d.layout or ""
-    if kind == "depthwise_conv2d" and s.role == "kernel":
+    if kind == Kind.DEPTHWISE_CONV2D and s.role == Role.KERNEL:
         if sl == "hwim" and dl == "oihw":       # (h,w,i,m) -> (i*m, 1, h, w), channel c*M+m
             h, w, i, m = s_shape
             return (lambda xs: np.ascontiguousarray(
@@ -158,8 +170,10 @@ def _kernel_fn(kind: str, s: ParamInfo, d: ParamInfo, s_shape: tuple, d_shape: t
             h, w, i, m = d_shape
             return (lambda xs: np.ascontiguousarray(
                 xs[0].reshape(i, m, h, w).transpose(2, 3, 0, 1))), "(i*m)1hw->hwim"
-    if kind == "dense" and s.role == "kernel":
-        perm, assumed = (flatten_permutation(s, d, s_shape[0], src_fw=fws[0], dst_fw=fws[1])
+    if kind == Kind.DENSE and s.role == Role.KERNEL:
+        perm, assumed = (flatten_permutation(s, d, s_shape[0], src_default=src.flatten_default,
+                                             dst_default=dst.flatten_default, src_fw=src.framework,
+                                             dst_fw=dst.framework)
                          if len(s_shape) == 2 else (None, ""))
         note = "; ".join(x for x in ("flatten rows reordered" if perm is not None else "", assumed) if x)
         if perm is not None:
@@ -177,8 +191,7 @@ def _plain_moves(src: Unit, dst: Unit) -> list[Move]:
             raise LayoutProblem(f"the target's {role!r} ({dname}) has no counterpart in the source layer "
                                 f"{src.layer} (roles {sorted(src.params)})")
         s, d = src.infos[role], dst.infos[role]
-        fn, note = _kernel_fn(dst.kind, s, d, src.shapes[role], dst.shapes[role],
-                              (src.framework, dst.framework))
+        fn, note = _kernel_fn(dst.kind, s, d, src.shapes[role], dst.shapes[role], src, dst)
         moves.append(Move(dname, (src.params[role],), fn, fn, note))
     extra = set(src.params) - set(dst.params)
     if extra:
@@ -191,8 +204,8 @@ def _plain_moves(src: Unit, dst: Unit) -> list[Move]:
 
 
 def _gates(layout: str | None, kind: str) -> str:
-    g = (layout or "").replace("h", "c") if kind == "gru" else (layout or "")
-    return g or {"lstm": "ifco", "gru": "zrc"}.get(kind, "")
+    g = (layout or "").replace("h", "c") if kind == Kind.GRU else (layout or "")
+    return g or {Kind.LSTM: "ifco", Kind.GRU: "zrc"}.get(kind, "")
 
 
 def _reorder(arr: Array, src: str, dst: str, axis: int) -> Array:
@@ -202,73 +215,97 @@ def _reorder(arr: Array, src: str, dst: str, axis: int) -> Array:
     return np.concatenate([blocks[src.index(g)] for g in dst], axis=axis)
 
 
-def _is_keras_rnn(unit: Unit) -> bool:
-    info = unit.infos.get("kernel")
-    return info is not None and info.attrs.get("axes") == "io"
+def _axes(unit: Unit) -> str:
+    """``io`` (gate axis last) or ``oi`` (gate axis first, also assumed when not recorded)."""
+    info = unit.infos.get(Role.KERNEL)
+    return "io" if info is not None and info.attrs.get("axes") == "io" else "oi"
+
+
+def _bias_form(unit: Unit) -> str | None:
+    if Role.RECURRENT_BIAS in unit.params:
+        return "split"
+    if Role.BIAS in unit.params:
+        return "stacked" if len(unit.shapes[Role.BIAS]) == 2 else "single"
+    return None
+
+
+def _reset_after(unit: Unit) -> bool:
+    info = unit.infos.get(Role.KERNEL)
+    return bool(info.attrs.get("reset_after", True)) if info is not None else True
 
 
 def _rnn_moves(src: Unit, dst: Unit) -> list[Move]:
-    """LSTM/GRU between Keras (gate axis last, one or two bias rows) and Paddle (gate axis first,
-    ``bias_ih`` and ``bias_hh``)."""
+    """LSTM/GRU between gate axes (last or first), gate orders and bias forms."""
     kind = dst.kind
-    k2p = _is_keras_rnn(src) and not _is_keras_rnn(dst)
-    p2k = _is_keras_rnn(dst) and not _is_keras_rnn(src)
-    if not (k2p or p2k):
+    sa, da = _axes(src), _axes(dst)
+    sb, db = _bias_form(src), _bias_form(dst)
+    sg = _gates(src.infos[Role.KERNEL].layout, kind) if Role.KERNEL in src.infos else ""
+    dg = _gates(dst.infos[Role.KERNEL].layout, kind) if Role.KERNEL in dst.infos else ""
+    if sa == da and sb == db and sg == dg:
         return _plain_moves(src, dst)
-    if kind == "simple_rnn":
+    if kind == Kind.SIMPLE_RNN:
         raise LayoutProblem("SimpleRNN conversion is not supported")
-    keras = src if k2p else dst
-    if kind == "gru" and not keras.infos["kernel"].attrs.get("reset_after", True):
-        raise LayoutProblem("Keras GRU(reset_after=False) applies the reset gate before the recurrent "
-                            "matmul; Paddle's GRU always applies it after, so no weights reproduce it. "
-                            "Use GRU(reset_after=True) (the Keras 3 default)")
-    sg = _gates(src.infos["kernel"].layout, kind)
-    dg = _gates(dst.infos["kernel"].layout, kind)
+    if kind == Kind.GRU and not (_reset_after(src) and _reset_after(dst)):
+        raise LayoutProblem("GRU(reset_after=False) applies the reset gate before the recurrent "
+                            "matmul, the other side after it, so no weights reproduce it. "
+                            "Use GRU(reset_after=True) on both sides")
     moves: list[Move] = []
-    for role in ("kernel", "recurrent_kernel"):
+    for role in (Role.KERNEL, Role.RECURRENT_KERNEL):
         if role not in dst.params or role not in src.params:
             raise LayoutProblem(f"the {kind} layer lacks its {role}")
-        if k2p:   # (in, G*u) -> (G*u, in)
-            fn = (lambda xs, sg=sg, dg=dg: np.ascontiguousarray(_reorder(xs[0], sg, dg, 1).T))
+        gate_axis = 1 if sa == "io" else 0      # (in, G*u) or (G*u, in)
+        if sa != da:
+            fn = (lambda xs, sg=sg, dg=dg, ax=gate_axis: np.ascontiguousarray(_reorder(xs[0], sg, dg, ax).T))
+            note = f"{sg}->{dg}, transposed"
         else:
-            fn = (lambda xs, sg=sg, dg=dg: np.ascontiguousarray(_reorder(xs[0], sg, dg, 0).T))
-        moves.append(Move(dst.params[role], (src.params[role],), fn, fn, f"{sg}->{dg}, transposed"))
-    if k2p:
-        moves += _bias_k2p(src, dst, kind, sg, dg)
-    else:
-        moves += _bias_p2k(src, dst, kind, sg, dg)
-    return moves
+            fn = (lambda xs, sg=sg, dg=dg, ax=gate_axis: np.ascontiguousarray(_reorder(xs[0], sg, dg, ax)))
+            note = f"{sg}->{dg}"
+        moves.append(Move(dst.params[role], (src.params[role],), fn, fn, note))
+    return moves + _bias_moves(src, dst, kind, sb, db, sg, dg)
 
 
-def _bias_k2p(src: Unit, dst: Unit, kind: str, sg: str, dg: str) -> list[Move]:
-    if "bias" not in src.params:
-        raise LayoutProblem(f"the Keras {kind} layer has no bias (use_bias=False) but Paddle's always "
-                            "has two")
-    b = src.params["bias"]
-    if kind == "gru":   # (2, 3u): row 0 input bias, row 1 recurrent bias
-        ih = (lambda xs: np.ascontiguousarray(_reorder(xs[0][0], sg, dg, 0)))
-        hh = (lambda xs: np.ascontiguousarray(_reorder(xs[0][1], sg, dg, 0)))
-        return [Move(dst.params["bias"], (b,), ih, ih), Move(dst.params["recurrent_bias"], (b,), hh, hh)]
-    ih = (lambda xs: np.ascontiguousarray(_reorder(xs[0], sg, dg, 0)))
-    # Paddle adds two bias vectors that receive the same gradient: put the value in one and zeros in
-    # the other; each slot gets the Keras bias' slot (the gradient history both would have seen).
-    zero = (lambda xs: np.zeros_like(_reorder(xs[0], sg, dg, 0)))
-    return [Move(dst.params["bias"], (b,), ih, ih),
-            Move(dst.params["recurrent_bias"], (b,), zero, ih, note="lstm_split_bias")]
+def _vec(sg: str, dg: str, row: int | None = None) -> Fn:
+    if row is None:
+        return lambda xs: np.ascontiguousarray(_reorder(xs[0], sg, dg, 0))
+    return lambda xs: np.ascontiguousarray(_reorder(xs[0][row], sg, dg, 0))
 
 
-def _bias_p2k(src: Unit, dst: Unit, kind: str, sg: str, dg: str) -> list[Move]:
-    if "bias" not in dst.params:
-        raise LayoutProblem(f"the Keras {kind} layer has no bias (use_bias=False) but Paddle's has two")
-    ih, hh = src.params.get("bias"), src.params.get("recurrent_bias")
-    if ih is None or hh is None:
-        raise LayoutProblem(f"the Paddle {kind} layer lacks bias_ih/bias_hh")
-    if kind == "gru":
-        fn = (lambda xs: np.ascontiguousarray(np.stack([_reorder(xs[0], sg, dg, 0), _reorder(xs[1], sg, dg, 0)])))
-        return [Move(dst.params["bias"], (ih, hh), fn, fn)]
-    w = (lambda xs: np.ascontiguousarray(_reorder(xs[0] + xs[1], sg, dg, 0)))
-    s = (lambda xs: np.ascontiguousarray(_reorder((xs[0] + xs[1]) / 2, sg, dg, 0)))
-    return [Move(dst.params["bias"], (ih, hh), w, s, note="lstm_merged_bias")]
+def _bias_moves(src: Unit, dst: Unit, kind: str, sb: str | None, db: str | None, sg: str, dg: str
+                ) -> list[Move]:
+    if sb is None or db is None:
+        if sb == db:
+            return []
+        raise LayoutProblem(f"the {'source' if sb is None else 'target'} {kind} layer has no bias "
+                            f"(use_bias=False) but the other side's has a {sb or db} bias")
+    b, B, RB = src.params.get(Role.BIAS), dst.params.get(Role.BIAS), dst.params.get(Role.RECURRENT_BIAS)
+    if sb == db == "single":
+        f = _vec(sg, dg)
+        return [Move(B, (b,), f, f)]
+    if sb == db == "stacked":
+        f = (lambda xs: np.ascontiguousarray(np.stack([_reorder(xs[0][0], sg, dg, 0),
+                                                       _reorder(xs[0][1], sg, dg, 0)])))
+        return [Move(B, (b,), f, f)]
+    if sb == db == "split":
+        f = _vec(sg, dg)
+        return [Move(B, (b,), f, f), Move(RB, (src.params[Role.RECURRENT_BIAS],), f, f)]
+    if sb == "stacked" and db == "split":   # row 0 the input bias, row 1 the recurrent bias
+        ih, hh = _vec(sg, dg, 0), _vec(sg, dg, 1)
+        return [Move(B, (b,), ih, ih), Move(RB, (b,), hh, hh)]
+    if sb == "split" and db == "stacked":
+        f = (lambda xs: np.ascontiguousarray(np.stack([_reorder(xs[0], sg, dg, 0), _reorder(xs[1], sg, dg, 0)])))
+        return [Move(B, (b, src.params[Role.RECURRENT_BIAS]), f, f)]
+    if sb == "single" and db == "split":
+        ih = _vec(sg, dg)
+        # Two bias vectors that receive the same gradient: the value goes into one and zeros into the
+        # other; each slot gets the single bias' slot (the gradient history both would have seen).
+        zero = (lambda xs: np.zeros_like(_reorder(xs[0], sg, dg, 0)))
+        return [Move(B, (b,), ih, ih), Move(RB, (b,), zero, ih, note=SPLIT_BIAS)]
+    if sb == "split" and db == "single":
+        hh = src.params[Role.RECURRENT_BIAS]
+        w = (lambda xs: np.ascontiguousarray(_reorder(xs[0] + xs[1], sg, dg, 0)))
+        s = (lambda xs: np.ascontiguousarray(_reorder((xs[0] + xs[1]) / 2, sg, dg, 0)))
+        return [Move(B, (b, hh), w, s, note=MERGED_BIAS)]
+    raise LayoutProblem(f"a {sb} {kind} bias cannot become a {db} one")
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -285,6 +322,8 @@ def plan_unit(src: Unit, dst: Unit) -> list[Move]:
 
 def layer_hyperparams(unit: Unit) -> dict[str, float]:
     """Normalisation hyperparameters that change outputs (epsilon) or statistics (momentum)."""
+    # ParamInfo records a normalisation's momentum as moving = moving*momentum + batch*(1-momentum)
+    # whatever the framework's own convention; its adapter converts.
     info = next(iter(unit.infos.values()))
     return {k: float(info.attrs[k]) for k in ("epsilon", "momentum")
             if isinstance(info.attrs.get(k), (int, float)) and not isinstance(info.attrs.get(k), bool)}

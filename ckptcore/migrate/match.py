@@ -1,9 +1,10 @@
 """Which source layer becomes which target layer.
 
-Both adapters describe every parameter with a :class:`~ckptcore.ParamInfo`; parameters sharing an
-``index`` form a layer (a :class:`~.layouts.Unit`).  A Paddle multi-layer or bidirectional RNN is
-one layer there but several in Keras (one per layer and direction), so it is split into one unit
-per ``(layer_index, direction)``.  The two unit lists are aligned in order by kind and size (an
+Every adapter describes its parameters with a :class:`~ckptcore.ParamInfo`; parameters sharing an
+``index`` form a layer (a :class:`~.layouts.Unit`).  A multi-layer or bidirectional RNN may be one
+layer in one framework and several in another (one per layer and direction), so it is split into
+one unit per ``(attrs["layer_index"], attrs["direction"])``.  The two unit lists are aligned in
+order by kind and size (an
 LCS alignment, so one extra or missing layer is reported as such instead of shifting every later
 pair); ``name_map`` pins pairs first.  Every source parameter that finds no place and every target
 parameter that gets no value is reported with the reason, all at once.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..state import ParamInfo, TrainingState
+from ..vocab import Role
 from .layouts import RNN_KINDS, LayoutProblem, Move, Unit, plan_unit
 
 __all__ = ["units_of", "match_units", "plan_moves"]
@@ -21,8 +23,11 @@ __all__ = ["units_of", "match_units", "plan_moves"]
 _DIRECTIONS = {"forward": 0, "backward": 1, "reverse": 1}
 
 
-def units_of(state: TrainingState, side: str) -> tuple[list[Unit], dict[str, str]]:
-    """The state's layers in model order, and the parameters no layer claims (name -> why)."""
+def units_of(state: TrainingState, side: str, flatten_default: str | None = None
+             ) -> tuple[list[Unit], dict[str, str]]:
+    """The state's layers in model order, and the parameters no layer claims (name -> why).
+
+    ``flatten_default`` is the side's dialect's ``default_flatten_order``."""
     groups: dict[tuple, dict[str, tuple[str, ParamInfo]]] = {}
     loose: dict[str, str] = {}
     for name in state.model:
@@ -31,7 +36,7 @@ def units_of(state: TrainingState, side: str) -> tuple[list[Unit], dict[str, str
             loose[name] = "it has no ParamInfo (captured by an adapter that does not describe parameters)"
             continue
         if info.index < 0:
-            if info.role != "seed_state":
+            if info.role != Role.SEED_STATE:
                 loose[name] = f"it is a {info.kind!r} variable outside any layer ({info.role})"
             continue
         sub: tuple = ()
@@ -56,7 +61,7 @@ def units_of(state: TrainingState, side: str) -> tuple[list[Unit], dict[str, str
                           infos={r: i for r, (_, i) in roles.items()},
                           shapes={r: tuple(state.model[n].shape) for r, (n, _) in roles.items()},
                           label=f"{side} layer {label} ({first.kind})",
-                          framework=state.framework or ""))
+                          framework=state.framework or "", flatten_default=flatten_default))
     return units, loose
 
 
@@ -87,8 +92,8 @@ def _unique_leftovers(src: list[Unit], dst: list[Unit], left_s: set[int], left_d
                       ) -> list[tuple[int, int]]:
     """Pair layers the ordered alignment left over when their (kind, size) occurs once on each side.
 
-    Multi-branch models list their layers in different orders in the two frameworks (Keras by
-    graph depth, Paddle by definition), so an ordered alignment alone leaves whole branches out.
+    Multi-branch models may list their layers in different orders in two frameworks (one by graph
+    depth, another by definition), so an ordered alignment alone leaves whole branches out.
     """
     def by_sig(units: list[Unit], idx: set[int]) -> dict[tuple, list[int]]:
         out: dict[tuple, list[int]] = {}

@@ -1,15 +1,16 @@
 """Random-number state across frameworks: carried where portable, reseeded where not.
 
-Python's ``random`` and numpy's global state are the same in both processes, so they are carried
-as they are (Paddle's ``DataLoader(shuffle=True)`` draws from numpy's).  TensorFlow's, Keras' and
-Paddle's own generators are different algorithms with different state, so no state of one can be
-expressed in the other.  They are *reseeded deterministically*: a 31-bit seed is derived from a
-SHA-256 of the source's framework generator states and the step, and the target's generators get
-the state that seeding them with it would give (Paddle: ``std::mt19937_64`` seeded through
-``std::seed_seq``, what ``paddle.seed`` does; TensorFlow: a Philox state ``[seed, 0, 0]``; Keras:
-``SeedGenerator`` state ``[seed, 0]``).  Converting the same checkpoint twice therefore gives the
-same continued run, but its dropout masks and random augmentations differ from the ones the
-source framework would have drawn.
+Python's ``random`` and NumPy's global state (and NumPy generators) are the same in every process,
+so they are carried as they are.  A framework's own generators use their own algorithms and state,
+so no state of one can be expressed in another.  They are *reseeded deterministically*: a 31-bit
+seed is derived from a SHA-256 of the source's non-portable generator states and the step, and the
+target dialect's :meth:`~.dialect.Dialect.rng_from_seed` gives the state that seeding its
+generators with it would leave.  Converting the same checkpoint twice therefore gives the same
+continued run, but its dropout masks and random augmentations differ from the ones the source
+framework would have drawn.
+
+:func:`mt19937_64_text` is a helper for dialects whose framework keeps a C++ ``std::mt19937_64``
+engine seeded through ``std::seed_seq``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["derive_seed", "convert_rng", "mt19937_64_text"]
+from .dialect import Dialect
 
-_PORTABLE = ("python", "numpy", "numpy_generators")
+__all__ = ["derive_seed", "convert_rng", "mt19937_64_text", "PORTABLE"]
+
+PORTABLE = ("python", "numpy", "numpy_generators")
 _M32 = 0xFFFFFFFF
 
 
@@ -42,7 +45,7 @@ def _jsonable(x: Any) -> Any:
 
 def derive_seed(rng: dict[str, Any], step: int, salt: str = "") -> int:
     """A 31-bit seed that depends only on the non-portable generator states, ``step`` and ``salt``."""
-    own = {k: v for k, v in (rng or {}).items() if k not in _PORTABLE}
+    own = {k: v for k, v in (rng or {}).items() if k not in PORTABLE}
     blob = json.dumps({"rng": _jsonable(own), "step": int(step), "salt": salt}, sort_keys=True)
     return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:4], "little") & 0x7FFFFFFF
 
@@ -80,13 +83,8 @@ def mt19937_64_text(seed: int) -> str:
     return " ".join(map(str, state)) + " 312"
 
 
-def convert_rng(rng: dict[str, Any], to: str, step: int) -> dict[str, Any]:
-    """``rng`` for framework ``to``: portable entries as they are, the framework's own reseeded."""
-    out = {k: v for k, v in (rng or {}).items() if k in _PORTABLE}
-    seed = derive_seed(rng, step)
-    if to == "paddle":
-        out["paddle"] = [{"device": -1, "seed": seed, "offset": 0, "engine": mt19937_64_text(seed)}]
-    elif to == "keras":
-        out["tensorflow"] = {"state": [seed, 0, 0], "algorithm": 1}
-        out["keras"] = {"state": [seed, 0], "seed": seed}
+def convert_rng(rng: dict[str, Any], to: Dialect, step: int) -> dict[str, Any]:
+    """``rng`` for dialect ``to``: portable entries as they are, the framework's own reseeded."""
+    out = {k: v for k, v in (rng or {}).items() if k in PORTABLE}
+    out.update(to.rng_from_seed(derive_seed(rng, step)))
     return out

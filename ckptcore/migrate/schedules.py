@@ -1,28 +1,34 @@
-"""Learning-rate schedules: which Keras schedule a Paddle scheduler continues, and at which step.
+"""Learning-rate schedules in neutral terms: canonical formulas, their values, and continuation.
 
-Each schedule is reduced to a canonical formula (:func:`canonical`); two schedules continue each
-other exactly when their canonical forms are equal, which encodes every exact pair of
-FRAMEWORKS.md §4.2 with its parameter mapping:
+Each framework's dialect reduces a schedule to a canonical form, a tuple naming a formula and its
+parameters; two schedules continue each other exactly when their canonical forms are equal
+(:func:`same`).  The forms, with ``t`` the step the schedule is evaluated at:
 
-=============================  ==========================================  ==================
-Keras                          Paddle                                      canonical
-=============================  ==========================================  ==================
-ExponentialDecay(l, d, r)      ExponentialDecay(l, r**(1/d)),              ``exp`` l, q
-                               NaturalExpDecay(l, -log q)
-ExponentialDecay(staircase)    StepDecay(l, d, r)                          ``stair`` l, d, r
-PiecewiseConstantDecay(b, v)   PiecewiseDecay(b+1, v),                     ``piecewise`` b+1, v
-                               MultiStepDecay(l, b+1, γ) if v = l·γ^i
-PolynomialDecay                PolynomialDecay (same arguments)            ``poly``
-InverseTimeDecay(l, d, r)      InverseTimeDecay(l, r/d)                    ``inv`` l, r/d
-CosineDecay(l, d, α)           CosineAnnealingDecay(l, d, α·l)             ``cos`` (to step d)
-CosineDecay(warmup)            LinearWarmup(CosineAnnealingDecay(...))     ``warmcos``
-CosineDecayRestarts(m_mul=1)   CosineAnnealingWarmRestarts(l, T0, int)     ``sgdr``
-=============================  ==========================================  ==================
+==========================================  ==================================================
+form                                        rate at step ``t``
+==========================================  ==================================================
+``("const", lr)``                           ``lr`` (a float learning rate, no schedule)
+``("exp", lr0, q)``                         ``lr0 · qᵗ``
+``("stair", lr0, n, r)``                    ``lr0 · r^⌊t/n⌋``
+``("piecewise", bounds, values)``           ``values[i]``, ``i`` = how many bounds ``t`` has
+                                            reached (``t >= b``)
+``("poly", lr0, n, end, power, cycle)``     ``(lr0-end)·(1-t'/n')^power + end`` (``cycle``
+                                            stretches ``n`` to the next multiple past ``t``)
+``("inv", lr0, k)``                         ``lr0 / (1 + k·t)``
+``("cos", lr0, n, eta)``                    ``eta + (lr0-eta)·(1+cos(π·t/n))/2``
+``("warmcos", start, w, peak, n, eta)``     linear from ``start`` to ``peak`` over ``w`` steps,
+                                            then ``("cos", peak, n, eta)`` at ``t-w``
+``("sgdr", lr0, T0, mult, eta)``            cosine restarts: periods ``T0, T0·mult, ...``
+==========================================  ==================================================
 
-Positions: a Keras schedule is evaluated at ``optimizer.iterations`` (micro-steps with gradient
-accumulation); a Paddle scheduler at ``last_epoch``, which equals it when ``sch.step()`` follows
-every ``opt.step()``.  The converted state carries the target's ``last_lr`` computed with the
-target's own formula, so recursive Paddle schedulers (CosineAnnealingDecay) go on correctly.
+A cosine past its last step is the one place two frameworks may compute the same form
+differently: the dialect's ``cosine_past_end`` says whether its rate holds the final value
+(``"hold"``) or follows the cosine up again (``"rise"``).
+
+Positions: a dialect whose ``schedule_follows_optimizer`` is true evaluates the schedule at the
+optimizer's update count (micro-steps under gradient accumulation); others at the schedule's own
+position.  The converted state carries the target's ``last_lr`` computed with the target's own
+convention, and the target dialect adds whatever runtime state its schedulers keep.
 """
 
 from __future__ import annotations
@@ -30,86 +36,25 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..errors import MigrationError
 from ..state import ScheduleState
+from .dialect import Canon, Dialect
 
-__all__ = ["canonical", "value", "same", "convert_schedule"]
-
-Canon = tuple
-
-
-def _f(x: Any) -> float:
-    return float(x)
+__all__ = ["Canon", "value", "same", "sgdr_position", "canonical", "convert_schedule"]
 
 
-def canonical(kind: str, config: dict[str, Any], framework: str) -> Canon | None:
-    """The schedule's formula as a tuple, or None when it has no counterpart in the other framework."""
-    c = config or {}
+def canonical(dialect: Dialect, schedule: ScheduleState, problems: list[str] | None = None) -> Canon | None:
+    """``schedule``'s canonical form through ``dialect``, or None (a dialect that has no schedules
+    at all says why in ``problems``)."""
     try:
-        if framework == "keras":
-            return _keras(kind, c)
-        return _paddle(kind, c)
+        return dialect.schedule_to_canonical(schedule)
+    except MigrationError as e:
+        if problems is None:
+            raise
+        problems.append(f"schedule: {e}")
+        return None
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
-
-
-def _keras(kind: str, c: dict) -> Canon | None:
-    if kind == "ExponentialDecay":
-        lr0, ds, r = _f(c["initial_learning_rate"]), _f(c["decay_steps"]), _f(c["decay_rate"])
-        return ("stair", lr0, int(ds), r) if c.get("staircase") else ("exp", lr0, r ** (1 / ds))
-    if kind == "PiecewiseConstantDecay":
-        return ("piecewise", tuple(int(b) + 1 for b in c["boundaries"]), tuple(_f(v) for v in c["values"]))
-    if kind == "PolynomialDecay":
-        return ("poly", _f(c["initial_learning_rate"]), int(c["decay_steps"]), _f(c["end_learning_rate"]),
-                _f(c["power"]), bool(c["cycle"]))
-    if kind == "InverseTimeDecay":
-        if c.get("staircase"):
-            return None
-        return ("inv", _f(c["initial_learning_rate"]), _f(c["decay_rate"]) / _f(c["decay_steps"]))
-    if kind == "CosineDecay":
-        lr0, ds, alpha = _f(c["initial_learning_rate"]), int(c["decay_steps"]), _f(c.get("alpha", 0.0))
-        target, w = c.get("warmup_target"), int(c.get("warmup_steps") or 0)
-        if target is None or w == 0:
-            return ("cos", lr0, ds, alpha * lr0)
-        return ("warmcos", lr0, w, _f(target), ds, alpha * _f(target))
-    if kind == "CosineDecayRestarts":
-        if not math.isclose(_f(c.get("m_mul", 1.0)), 1.0) or _f(c["t_mul"]) != int(_f(c["t_mul"])):
-            return None
-        lr0 = _f(c["initial_learning_rate"])
-        return ("sgdr", lr0, int(c["first_decay_steps"]), int(_f(c["t_mul"])), _f(c.get("alpha", 0.0)) * lr0)
-    return None
-
-
-def _paddle(kind: str, c: dict) -> Canon | None:
-    lr0 = c.get("learning_rate")
-    if kind == "ExponentialDecay":
-        return ("exp", _f(lr0), _f(c["gamma"]))
-    if kind == "NaturalExpDecay":
-        return ("exp", _f(lr0), math.exp(-_f(c["gamma"])))
-    if kind == "StepDecay":
-        return ("stair", _f(lr0), int(c["step_size"]), _f(c["gamma"]))
-    if kind == "PiecewiseDecay":
-        return ("piecewise", tuple(int(b) for b in c["boundaries"]), tuple(_f(v) for v in c["values"]))
-    if kind == "MultiStepDecay":
-        ms = tuple(int(b) for b in c["milestones"])
-        return ("piecewise", ms, tuple(_f(lr0) * _f(c["gamma"]) ** i for i in range(len(ms) + 1)))
-    if kind == "PolynomialDecay":
-        return ("poly", _f(lr0), int(c["decay_steps"]), _f(c["end_lr"]), _f(c["power"]), bool(c["cycle"]))
-    if kind == "InverseTimeDecay":
-        return ("inv", _f(lr0), _f(c["gamma"]))
-    if kind == "CosineAnnealingDecay":
-        return ("cos", _f(lr0), int(c["T_max"]), _f(c["eta_min"]))
-    if kind == "CosineAnnealingWarmRestarts":
-        return ("sgdr", _f(lr0), int(c["T_0"]), int(c["T_mult"]), _f(c["eta_min"]))
-    if kind == "LinearWarmup":
-        inner = c.get("learning_rate")
-        if not isinstance(inner, dict) or inner.get("kind") != "CosineAnnealingDecay":
-            return None
-        ic = inner["config"]
-        if not math.isclose(_f(ic["learning_rate"]), _f(c["end_lr"]), rel_tol=1e-9):
-            return None
-        return ("warmcos", _f(c["start_lr"]), int(c["warmup_steps"]), _f(c["end_lr"]), int(ic["T_max"]),
-                _f(ic["eta_min"]))
-    return None
 
 
 def same(a: Canon | None, b: Canon | None) -> bool:
@@ -126,7 +71,8 @@ def _eq(x: Any, y: Any) -> bool:
     return math.isclose(float(x), float(y), rel_tol=1e-9, abs_tol=1e-15)
 
 
-def _sgdr_position(t: int, t0: int, mult: int) -> tuple[int, int]:
+def sgdr_position(t: int, t0: int, mult: int) -> tuple[int, int]:
+    """Position ``t`` in cosine restarts: ``(steps into the current period, its length)``."""
     if mult == 1:
         return t % t0, t0
     cur, ti = t, t0
@@ -135,9 +81,11 @@ def _sgdr_position(t: int, t0: int, mult: int) -> tuple[int, int]:
     return cur, ti
 
 
-def value(c: Canon, t: int, framework: str) -> float:
-    """The rate at step ``t`` as ``framework`` computes it (they differ only past a cosine's end)."""
+def value(c: Canon, t: int, past_end: str = "hold") -> float:
+    """The rate of form ``c`` at step ``t``; ``past_end`` is the cosine's behaviour past its end."""
     tag = c[0]
+    if tag == "const":
+        return c[1]
     if tag == "exp":
         return c[1] * c[2] ** t
     if tag == "stair":
@@ -157,22 +105,25 @@ def value(c: Canon, t: int, framework: str) -> float:
         return c[1] / (1 + c[2] * t)
     if tag == "cos":
         lr0, ds, eta = c[1:]
-        s = min(t, ds) if framework == "keras" else t
+        s = min(t, ds) if past_end == "hold" else t
         return eta + (lr0 - eta) * (1 + math.cos(math.pi * s / ds)) / 2
     if tag == "warmcos":
         start, w, peak, ds, eta = c[1:]
         if t < w:
             return (peak - start) * t / w + start
-        return value(("cos", peak, ds, eta), t - w, framework)
+        return value(("cos", peak, ds, eta), t - w, past_end)
     if tag == "sgdr":
         lr0, t0, mult, eta = c[1:]
-        cur, ti = _sgdr_position(t, t0, mult)
+        cur, ti = sgdr_position(t, t0, mult)
         return eta + (lr0 - eta) * (1 + math.cos(math.pi * cur / ti)) / 2
     raise ValueError(f"unknown schedule form {tag!r}")
 
 
+_PAST_END = {"hold": "stays at the final rate", "rise": "rises again"}
+
+
 def _horizon(c: Canon) -> int | None:
-    """The last step up to which Keras and Paddle agree (cosine decay without restarts)."""
+    """The last step up to which the ``hold`` and ``rise`` conventions agree (cosine without restarts)."""
     if c[0] == "cos":
         return c[2]
     if c[0] == "warmcos":
@@ -186,18 +137,17 @@ def _describe(s: ScheduleState | None, fw: str) -> str:
     return f"{fw} {s.kind}({', '.join(f'{k}={v}' for k, v in (s.config or {}).items() if k != 'name')})"
 
 
-def convert_schedule(src: ScheduleState | None, src_fw: str, src_lr: float | None, dst: ScheduleState | None,
-                     dst_fw: str, step: int, *, warnings: list[str], problems: list[str],
+def convert_schedule(src: ScheduleState | None, src_d: Dialect, src_lr: float | None, dst: ScheduleState | None,
+                     dst_d: Dialect, step: int, *, warnings: list[str], problems: list[str],
                      approximate: bool) -> tuple[ScheduleState | None, dict | None, float | None]:
-    """``(target ScheduleState, Paddle scheduler extra, constant lr for the optimizer)``.
-
-    ``step`` is the schedule position the target continues from.
-    """
+    """``(target ScheduleState, the target dialect's private schedule state, constant lr for the
+    optimizer)``.  ``step`` is the schedule position the target continues from."""
     if src is None and dst is None:
         return None, None, src_lr
-    sc = canonical(src.kind, src.config, src_fw) if src is not None else ("const", src_lr)
-    dc = canonical(dst.kind, dst.config, dst_fw) if dst is not None else None
-    here = value(sc, step, src_fw) if src is not None and sc is not None else (
+    src_fw, dst_fw = src_d.name, dst_d.name
+    sc = canonical(src_d, src, problems) if src is not None else ("const", src_lr)
+    dc = canonical(dst_d, dst, problems) if dst is not None else None
+    here = value(sc, step, src_d.cosine_past_end) if src is not None and sc is not None else (
         src.last_lr if src is not None else src_lr)
     if dst is None:  # the target uses a float learning rate
         msg = (f"schedule: the source's {_describe(src, src_fw)} at step {step} cannot continue as a "
@@ -208,7 +158,7 @@ def convert_schedule(src: ScheduleState | None, src_fw: str, src_lr: float | Non
             problems.append(msg + "; give the target optimizer the matching scheduler (or approximate=True)")
         return None, None, here
     if not same(sc, dc):
-        there = value(dc, step, dst_fw) if dc is not None else dst.last_lr
+        there = value(dc, step, dst_d.cosine_past_end) if dc is not None else dst.last_lr
         msg = (f"schedule: the target's {_describe(dst, dst_fw)} does not continue the source's "
                f"{_describe(src, src_fw)} exactly (at step {step}: source lr {here}, target lr {there})")
         if not approximate:
@@ -218,30 +168,23 @@ def convert_schedule(src: ScheduleState | None, src_fw: str, src_lr: float | Non
         warnings.append(msg + "; the target's schedule continues from this step")
     form = dc
     horizon = _horizon(form) if form is not None else None
-    if horizon is not None:
+    # Past a cosine's end the two sides part only when their conventions differ; a float source
+    # rate ("const") never reaches this point with a cosine target unless approximate.
+    src_end = src_d.cosine_past_end if src is not None else dst_d.cosine_past_end
+    if horizon is not None and src_end != dst_d.cosine_past_end:
+        after = (f"the source's schedule {_PAST_END.get(src_end, src_end)} while the target's "
+                 f"{_PAST_END.get(dst_d.cosine_past_end, dst_d.cosine_past_end)}")
         if step > horizon:
-            msg = (f"schedule: step {step} is past the cosine's end (step {horizon}), where Keras stays at "
-                   "the final rate and Paddle rises again")
+            msg = f"schedule: step {step} is past the cosine's end (step {horizon}), where {after}"
             (warnings if approximate else problems).append(msg)
         else:
-            warnings.append(f"schedule: exact up to step {horizon}; after it Keras' CosineDecay stays at the "
-                            "final rate while Paddle's CosineAnnealingDecay rises again")
-    last = value(form, step, dst_fw) if form is not None else dst.last_lr
-    out = ScheduleState(kind=dst.kind, config=dict(dst.config), step=int(step), last_lr=last)
-    extra = _paddle_state(dst, form, step, last) if dst_fw == "paddle" and form is not None else None
+            warnings.append(f"schedule: exact up to step {horizon}; after it {after}")
+    if form is None:
+        return ScheduleState(kind=dst.kind, config=dict(dst.config), step=int(step), last_lr=dst.last_lr), None, None
+    last = value(form, step, dst_d.cosine_past_end)
+    try:
+        out, extra = dst_d.schedule_from_canonical(form, dst, int(step), last)
+    except MigrationError as e:
+        problems.append(f"schedule: {e}")
+        return None, None, None
     return out, extra, None
-
-
-def _paddle_state(dst: ScheduleState, form: Canon, step: int, last: float) -> dict:
-    """What ``restore_schedule`` of the Paddle adapter puts back: Paddle's own ``state_dict()``."""
-    state: dict[str, Any] = {"last_epoch": int(step), "last_lr": float(last)}
-    out: dict[str, Any] = {"state": state}
-    if dst.kind == "LinearWarmup":
-        start, w, peak, ds, eta = form[1:]
-        inner_t = max(step - w, 0)
-        state["LinearWarmup_LR"] = {"last_epoch": inner_t,
-                                    "last_lr": float(value(("cos", peak, ds, eta), inner_t, "paddle"))}
-    if dst.kind == "CosineAnnealingWarmRestarts":
-        cur, ti = _sgdr_position(step, form[2], form[3])
-        out["attrs"] = {"T_cur": cur, "T_i": ti}
-    return out

@@ -38,7 +38,7 @@ OPT_CASES: dict[str, dict[str, Any]] = {
                                        "epsilon": 1e-7}), "exact": False},
 }
 
-# Schedule pairs of FRAMEWORKS.md §4.2: (Keras schedule, Paddle scheduler) as (class, kwargs).
+# The exact schedule pairs of docs/MIGRATION.md: (Keras schedule, Paddle scheduler) as (class, kwargs).
 SCHEDULES: dict[str, tuple[tuple[str, dict], tuple[str, dict]]] = {
     "exponential": (("ExponentialDecay", {"initial_learning_rate": 0.1, "decay_steps": 10, "decay_rate": 0.5}),
                     ("ExponentialDecay", {"learning_rate": 0.1, "gamma": 0.5 ** (1 / 10)})),

@@ -174,14 +174,17 @@ def cli_to_paddle(d: str, opts: dict) -> dict:
 def rng(d: str, opts: dict) -> dict:
     """The reseeded Paddle generator is exactly what ``paddle.seed`` gives (and it restores)."""
     from ckptcore.migrate.rng import convert_rng
+    from ckptcore_paddle._dialect import DIALECT
 
-    entry = convert_rng({"tensorflow": {"state": [1, 2, 3], "algorithm": 1}}, "paddle", 7)["paddle"][0]
+    entry = convert_rng({"tensorflow": {"state": [1, 2, 3], "algorithm": 1}}, DIALECT, 7)["paddle"][0]
     paddle.seed(entry["seed"])
     _, seed, offset, engine = paddle.get_rng_state()[0].__getstate__()
     first = paddle.rand([4]).numpy().tolist()
-    from ckptcore_paddle._rng import restore_all_rng
+    from ckptcore_paddle import _rng
+    # The adapter module map names it restore_framework_rng; older trees call it restore_all_rng.
+    restore = getattr(_rng, "restore_framework_rng", None) or _rng.restore_all_rng
     paddle.seed(0)
-    restore_all_rng({"paddle": [entry]})
+    restore({"paddle": [entry]})
     return {"engine_equal": bytes(engine).decode() == entry["engine"], "seed_equal": seed == entry["seed"],
             "draws_equal": paddle.rand([4]).numpy().tolist() == first}
 

@@ -19,7 +19,9 @@ from ckptcore import AccumulationState, OptimizerState, ParamInfo, ScheduleState
 from ckptcore.errors import MigrationError
 from ckptcore.migrate import MigrationWarning, convert_state
 from ckptcore.migrate.rng import convert_rng, derive_seed, mt19937_64_text
-from ckptcore.migrate.schedules import canonical, same, value
+from ckptcore.migrate.schedules import same, value
+from ckptcore_keras._dialect import DIALECT as KERAS
+from ckptcore_paddle._dialect import DIALECT as PADDLE
 
 RS = np.random.RandomState(0)
 
@@ -87,7 +89,7 @@ def test_conv_and_flatten_layouts_both_ways():
     out, warns = convert(k, p)
     assert warns == [] and out.framework == "paddle" and set(out.model) == set(p.model)
     np.testing.assert_array_equal(out.model["conv.weight"], k.model["c/kernel"].transpose(3, 2, 0, 1))
-    # FRAMEWORKS.md §1.4: Keras rows (h, w, c) -> Paddle rows (c, h, w)
+    # Keras rows (h, w, c) -> Paddle rows (c, h, w): docs/MIGRATION.md, "Framework facts migration relies on"
     expect = k.model["d/kernel"].reshape(2, 3, 4, 5).transpose(2, 0, 1, 3).reshape(24, 5)
     np.testing.assert_array_equal(out.model["fc.weight"], expect)
     back, _ = convert(out, k)
@@ -103,7 +105,7 @@ def test_paddle_default_flatten_order_is_assumed_and_said():
     out, warns = convert(k, p)
     expect = k.model["d/kernel"].reshape(2, 3, 4, 5).transpose(2, 0, 1, 3).reshape(24, 5)
     np.testing.assert_array_equal(out.model["fc.weight"], expect)
-    assert any("channels_first (Paddle's default) assumed" in w for w in warns)
+    assert any("channels_first (the paddle default) assumed" in w for w in warns)
 
 
 @pytest.mark.parametrize("kind,klayout,playout,kshape,perm", [
@@ -157,7 +159,7 @@ def test_gru_gate_order_and_biases():
     k, p = rnn_pair("gru")
     out, _ = convert(k, p)
 
-    def zrh_to_rzh(a, axis):   # FRAMEWORKS.md §1.1
+    def zrh_to_rzh(a, axis):   # the two GRU gate orders (docs/MIGRATION.md, "Framework facts ...")
         z, r, h = np.split(a, 3, axis=axis)
         return np.concatenate([r, z, h], axis=axis)
     np.testing.assert_array_equal(out.model["r.weight_ih_l0"], zrh_to_rzh(k.model["r/cell/kernel"], 1).T)
@@ -330,15 +332,17 @@ KERAS_PADDLE_PAIRS = [
 
 @pytest.mark.parametrize("keras,paddle", KERAS_PADDLE_PAIRS, ids=lambda x: x[0])
 def test_schedule_pairs_are_the_same_formula(keras, paddle):
-    a, b = canonical(*keras, "keras"), canonical(*paddle, "paddle")
+    a, b = KERAS.schedule_to_canonical(ScheduleState(*keras)), PADDLE.schedule_to_canonical(ScheduleState(*paddle))
     assert same(a, b)
-    assert all(abs(value(a, t, "keras") - value(b, t, "paddle")) < 1e-12 for t in range(40))
+    assert all(abs(value(a, t, KERAS.cosine_past_end) - value(b, t, PADDLE.cosine_past_end)) < 1e-12
+               for t in range(40))
 
 
 def test_piecewise_boundaries_shift_by_one():
-    c = canonical("PiecewiseConstantDecay", {"boundaries": [10], "values": [1.0, 2.0]}, "keras")
-    assert value(c, 10, "keras") == 1.0 and value(c, 11, "keras") == 2.0   # Keras: step <= b inclusive
-    assert not same(c, canonical("PiecewiseDecay", {"boundaries": [10], "values": [1.0, 2.0]}, "paddle"))
+    c = KERAS.schedule_to_canonical(ScheduleState("PiecewiseConstantDecay", {"boundaries": [10], "values": [1.0, 2.0]}))
+    assert value(c, 10) == 1.0 and value(c, 11) == 2.0   # Keras: step <= b inclusive
+    assert not same(c, PADDLE.schedule_to_canonical(ScheduleState("PiecewiseDecay", {"boundaries": [10],
+                                                                                       "values": [1.0, 2.0]})))
 
 
 def test_schedule_without_counterpart_and_cosine_horizon():
@@ -375,11 +379,11 @@ def test_paddle_schedule_state_for_recursive_and_nested_schedulers():
 
 def test_rng_is_carried_or_reseeded_deterministically():
     rng = {"python": {"version": 3}, "numpy": {"state": 1}, "tensorflow": {"state": [5, 0, 0], "algorithm": 1}}
-    out = convert_rng(rng, "paddle", 10)
+    out = convert_rng(rng, PADDLE, 10)
     assert out["python"] == rng["python"] and out["numpy"] == rng["numpy"] and "tensorflow" not in out
-    assert out == convert_rng(rng, "paddle", 10)
+    assert out == convert_rng(rng, PADDLE, 10)
     assert derive_seed(rng, 10) != derive_seed(rng, 11)
-    back = convert_rng(out, "keras", 10)
+    back = convert_rng(out, KERAS, 10)
     assert back["keras"]["state"][1] == 0 and back["tensorflow"]["algorithm"] == 1
     # paddle.seed(12345)'s engine, as Paddle 3.3 reports it (std::seed_seq then std::mt19937_64)
     words = mt19937_64_text(12345).split()
@@ -391,3 +395,4 @@ def test_public_names():
     assert ckptcore.convert is ckptcore.api.convert
     assert issubclass(ckptcore.MigrationError, ValueError)
     assert issubclass(ckptcore.MigrationWarning, UserWarning)
+    assert ckptcore.migrate.MigrationWarning is ckptcore.errors.MigrationWarning
