@@ -82,7 +82,7 @@ class Mnist(nn.Layer):
 
 
 class SeedCNN(nn.Layer):
-    """Seed 004's CNN at full size: conv 1->20 5x5 pad 2, max-pool 2, conv 20->20, max-pool 2, linear 980->10."""
+    """A small MNIST CNN: conv 1->20 5x5 pad 2, max-pool 2, conv 20->20, max-pool 2, linear 980->10."""
 
     def __init__(self):
         super().__init__()
