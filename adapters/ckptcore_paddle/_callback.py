@@ -26,7 +26,8 @@ was given, calling ``on_train_begin`` once first.  The callback therefore
 With ``accumulate_grad_batches=N`` a due checkpoint waits for the end of the accumulation window
 (gradients are then clear), since hapi counts windows from the start of each loop pass.
 Checkpoint ``step`` numbers (and ``state.step``) count batches trained; ``state.optimizer.step``
-counts optimizer updates.  Only rank 0 writes; every rank restores.
+counts optimizer updates.  The callback's own progress (batches trained, epochs completed) is
+persisted under ``state.extra["paddle"]["fit"]``.  Only rank 0 writes; every rank restores.
 """
 
 from __future__ import annotations

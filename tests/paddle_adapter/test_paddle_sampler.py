@@ -6,7 +6,6 @@ The DataLoader side (prefetching with a buffer thread and with worker processes)
 
 from __future__ import annotations
 
-
 import pytest
 
 import ckptcore
