@@ -25,47 +25,59 @@ if TYPE_CHECKING:  # pragma: no cover
     from ckptcore.state import RestoreReport, TrainingState
 
     from ._callback import Checkpoint
-    from ._sampler import ResumableBatchSampler
+    from ._data import ResumableBatchSampler
 
 __all__ = ["ADAPTER", "capture", "restore", "import_paddle_files", "export_paddle_files",
            "ResumableBatchSampler", "Checkpoint"]
 
 # Public classes, imported on first access (Checkpoint subclasses a Paddle class).
-_LAZY = {"ResumableBatchSampler": "._sampler", "Checkpoint": "._callback"}
+_LAZY = {"ResumableBatchSampler": "._data", "Checkpoint": "._callback"}
 
 # Classes this adapter handles, by (top-level package, class name) anywhere in the MRO.
 _HANDLED = {"Layer", "DataParallel", "Model"}
 
+# The framework objects capture and restore take besides model and optimizer (the contract's
+# cursor, rng, copy and strict are flags); anything else passed through ADAPTER is a TypeError.
+_CAPTURE_KEYWORDS = frozenset({"model", "optimizer", "cursor", "rng", "copy", "scheduler", "scaler", "step",
+                               "accumulate_every", "accumulated"})
+_RESTORE_KEYWORDS = frozenset({"model", "optimizer", "cursor", "strict", "rng", "scheduler", "scaler"})
 
-def capture(model: Any, optimizer: Any = None, *, scheduler: Any = None, cursor: Any = None,
-            scaler: Any = None, rng: bool = True, step: int | None = None,
-            accumulate_every: int | None = None, accumulated: int | None = None,
-            copy: bool = True) -> TrainingState:
+
+def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,
+            scheduler: Any = None, scaler: Any = None, step: int | None = None,
+            accumulate_every: int | None = None, accumulated: int | None = None) -> TrainingState:
     """Snapshot a Paddle model, optimizer, scheduler, scaler, RNGs and cursor (see ``_capture.py``)."""
     from ._capture import capture as _capture
-    return _capture(model, optimizer, scheduler=scheduler, cursor=cursor, scaler=scaler, rng=rng,
-                    step=step, accumulate_every=accumulate_every, accumulated=accumulated, copy=copy)
+    return _capture(model, optimizer, cursor=cursor, rng=rng, copy=copy, scheduler=scheduler, scaler=scaler,
+                    step=step, accumulate_every=accumulate_every, accumulated=accumulated)
 
 
-def restore(state: TrainingState, model: Any, optimizer: Any = None, *, scheduler: Any = None,
-            cursor: Any = None, scaler: Any = None, strict: bool = True, rng: bool = True) -> RestoreReport:
+def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
+            strict: bool = True, rng: bool = True, scheduler: Any = None, scaler: Any = None) -> RestoreReport:
     """Put a captured state back into Paddle objects, bit for bit (see ``_capture.py``)."""
     from ._capture import restore as _restore
-    return _restore(state, model, optimizer, scheduler=scheduler, cursor=cursor, scaler=scaler,
-                    strict=strict, rng=rng)
+    return _restore(state, model, optimizer, cursor=cursor, strict=strict, rng=rng, scheduler=scheduler,
+                    scaler=scaler)
 
 
 def import_paddle_files(pdparams: str | os.PathLike, pdopt: str | os.PathLike | None = None) -> TrainingState:
-    """Read ``paddle.save`` files without running code or importing Paddle (see ``pd_files.py``)."""
-    from .pd_files import import_paddle_files as _import
+    """Read ``paddle.save`` files without running code or importing Paddle (see ``_files.py``)."""
+    from ._files import import_paddle_files as _import
     return _import(pdparams, pdopt)
 
 
 def export_paddle_files(state: TrainingState, prefix: str | os.PathLike, *,
                         param_names: dict[str, str] | None = None) -> tuple[str, str | None]:
-    """Write ``prefix.pdparams`` (and ``prefix.pdopt``) for ``paddle.load`` (see ``pd_files.py``)."""
-    from .pd_files import export_paddle_files as _export
+    """Write ``prefix.pdparams`` (and ``prefix.pdopt``) for ``paddle.load`` (see ``_files.py``)."""
+    from ._files import export_paddle_files as _export
     return _export(state, prefix, param_names=param_names)
+
+
+def _check_keywords(verb: str, objects: dict[str, Any], known: frozenset[str]) -> None:
+    unknown = sorted(set(objects) - known)
+    if unknown:
+        raise TypeError(f"ckptcore_paddle.{verb} does not take {', '.join(unknown)} "
+                        f"(it takes {', '.join(sorted(known))})")
 
 
 def __getattr__(name: str) -> Any:
@@ -82,7 +94,7 @@ def __dir__() -> list[str]:
 
 
 class PaddleAdapter:
-    """The registry's view of this package: ``name``, ``handles``, ``capture``, ``restore``."""
+    """The registry's view of this package (the :class:`ckptcore.adapter.Adapter` protocol)."""
 
     name = "paddle"
     capture_views = True  # capture(copy=False) returns views of the live tensors
@@ -93,9 +105,11 @@ class PaddleAdapter:
                    for cls in type(obj).__mro__)
 
     def capture(self, **objects: Any) -> TrainingState:
+        _check_keywords("capture", objects, _CAPTURE_KEYWORDS)
         return capture(**objects)
 
     def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
+        _check_keywords("restore", objects, _RESTORE_KEYWORDS)
         return restore(state, **objects)
 
     @property

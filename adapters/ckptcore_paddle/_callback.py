@@ -26,7 +26,8 @@ was given, calling ``on_train_begin`` once first.  The callback therefore
 With ``accumulate_grad_batches=N`` a due checkpoint waits for the end of the accumulation window
 (gradients are then clear), since hapi counts windows from the start of each loop pass.
 Checkpoint ``step`` numbers (and ``state.step``) count batches trained; ``state.optimizer.step``
-counts optimizer updates.  Only rank 0 writes; every rank restores.
+counts optimizer updates.  The callback's own progress (batches trained, epochs completed) is
+persisted under ``state.extra["paddle"]["fit"]``.  Only rank 0 writes; every rank restores.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ from typing import Any, Mapping
 import paddle
 
 from ckptcore._storage import check_url
+from ckptcore.adapter import CALLBACK_KEEP
 from ckptcore.cursor import CursorShard, DataCursor
 from ckptcore.manager import CheckpointManager
 from ckptcore.state import TrainingState
 
 from ._capture import capture
-from ._sampler import ResumableBatchSampler, samplers_of
+from ._data import ResumableBatchSampler, samplers_of
 
 __all__ = ["Checkpoint"]
 
@@ -61,7 +63,8 @@ class Checkpoint(paddle.callbacks.Callback):
             as the epoch starts, and the checkpoint holds that RNG), an int ``save_freq`` is
             refused, and resuming a run that already completed ``epochs`` raises ValueError
             (with a cursor it trains nothing).
-        keep: Retention, as for :class:`~ckptcore.CheckpointManager` (default: the newest 3).
+        keep: Retention, as for :class:`~ckptcore.CheckpointManager` (default:
+            ``ckptcore.adapter.CALLBACK_KEEP``, the newest 3, as in every adapter's callback).
         async_save: Write in a background thread.
         storage_options: Passed to fsspec.
 
@@ -77,7 +80,7 @@ class Checkpoint(paddle.callbacks.Callback):
     """
 
     def __init__(self, root: str | os.PathLike, *, save_freq: str | int = "epoch", cursor: Any = None,
-                 keep: Any = 3, async_save: bool = False, storage_options: Mapping[str, Any] | None = None):
+                 keep: Any = CALLBACK_KEEP, async_save: bool = False, storage_options: Mapping[str, Any] | None = None):
         # Checked before anything else: "" would put checkpoints in "/" and None in a folder "None".
         root = check_url(root, "root")
         super().__init__()
@@ -174,7 +177,7 @@ class Checkpoint(paddle.callbacks.Callback):
             return
         active = [s for s in self._samplers() if s._pass is not None and s._pass.yielded > s._pass.advanced]
         if len(active) != 1:
-            raise RuntimeError(f"{len(active)} ResumableBatchSamplers over this cursor have a batch in flight; "
+            raise ValueError(f"{len(active)} ResumableBatchSamplers over this cursor have a batch in flight; "
                                "pass the training DataLoader's sampler itself as Checkpoint(cursor=...)")
         active[0].advance()
 

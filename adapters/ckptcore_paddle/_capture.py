@@ -2,16 +2,10 @@
 
 Naming (a contract: checkpoints written today must restore tomorrow):
 
-* ``state.model``: the layer's ``state_dict()`` keys (structured names such as ``conv1.weight``,
-  ``bn._mean``), without a ``paddle.DataParallel`` wrapper's ``_layers.`` prefix.  A tensor reachable
-  under several names (``nn.LSTM`` lists each weight both as ``weight_ih_l0`` and
-  ``0.cell.weight_ih``) is stored once, under its first name; ``extra["paddle"]["aliases"]`` maps
-  the others to it.
-* ``state.optimizer.slots[name][slot]``: accumulators keyed by that structured name and Paddle's
-  accumulator name without the runtime prefix and counter (``linear_0.w_0_moment1_0`` of
-  ``fc.weight`` becomes ``slots["fc.weight"]["moment1"]``); ``"master_weight"`` is a multi-precision
-  optimizer's float32 copy.  The mapping goes through the live ``param.name``, so a process whose
-  name counters differ restores correctly.
+* ``state.model``: the tensors by structured name (see ``_tensors.py``); a tensor reachable under
+  several names is stored once, and ``extra["paddle"]["aliases"]`` maps the others to it.
+* ``state.optimizer.slots[name][slot]``: accumulators by structured name and slot (see
+  ``_optimizer.py``).
 * ``state.optimizer.step``: Paddle optimizers keep no update counter.  In order: the ``step``
   argument; for Adam-family optimizers the count implied by ``beta2_pow_acc`` (then
   ``beta1_pow_acc``), looked up exactly in the float32 product sequence; the attached (or given)
@@ -31,60 +25,39 @@ Naming (a contract: checkpoints written today must restore tomorrow):
   ``clear_grad()`` leaves); restore recreates those and sets every other gradient to None, because
   an optimizer updates a parameter with a zero gradient but skips one without.
 * ``state.rng``: ckptcore's ``"python"`` and ``"numpy"`` plus ``"paddle"`` (see ``_rng.py``).
-* ``state.params``: a ParamInfo per entry of ``state.model`` (see ``_describe.py``);
+
+Restoring goes through one :class:`ckptcore.adapter.RestorePlan`: every check first, then every
+assignment and action.  RestoreReport names follow :func:`ckptcore.adapter.qualified`: model
+tensors by their own name, ``optimizer/<param>/<slot>``, ``optimizer``, ``schedule``,
+``grad_scaler``, ``data``.
+* ``state.params``: a ParamInfo per entry of ``state.model`` (see ``_params.py``);
   ``extra["paddle"]["param_names"]`` maps structured names to runtime names, which
   :func:`~ckptcore_paddle.export_paddle_files` needs for ``.pdopt`` keys.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import Any
 
 import numpy as np
 import paddle
 
+from ckptcore.adapter import RestorePlan, qualified
 from ckptcore.errors import RestoreError
+from ckptcore.rng import capture_rng, restore_rng
 from ckptcore.state import AccumulationState, RestoreReport, TrainingState
 
-from ._describe import describe
-from ._optim import (attached_scheduler, capture_optimizer, capture_schedule, capture_scaler, plan_optimizer,
-                     plan_scaler, restore_learning_rate, restore_schedule, schedule_fits)
-from ._rng import capture_all_rng, restore_all_rng
-from ._tensors import assign, check_fits, numpy_dtype, to_numpy
-
-_PREFIX = "_layers."
+from ._optimizer import (attached_scheduler, capture_optimizer, capture_scaler, capture_schedule, plan_optimizer,
+                         plan_scaler, plan_schedule)
+from ._params import describe_params
+from ._rng import capture_framework_rng, restore_framework_rng
+from ._tensors import assign, named_tensors, numpy_dtype, to_numpy, unwrap
 
 
-def unwrap(model: Any) -> tuple[Any, Any]:
-    """The plain layer inside a hapi ``Model`` and/or ``DataParallel``, and a hapi model's optimizer."""
-    opt = None
-    if type(model).__name__ == "Model" and hasattr(model, "network"):
-        model, opt = model.network, getattr(model, "_optimizer", None)
-    while type(model).__name__ == "DataParallel" and hasattr(model, "_layers"):
-        model = model._layers
-    return model, opt
-
-
-def named_tensors(layer: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """``state_dict()`` tensors by structured name, each tensor once, and the aliases of repeated ones."""
-    first: dict[int, str] = {}
-    tensors: dict[str, Any] = {}
-    aliases: dict[str, str] = {}
-    for name, t in layer.state_dict().items():
-        while name.startswith(_PREFIX):
-            name = name[len(_PREFIX):]
-        if id(t) in first:
-            aliases[name] = first[id(t)]
-        else:
-            first[id(t)] = name
-            tensors[name] = t
-    return tensors, aliases
-
-
-def capture(model: Any, optimizer: Any = None, *, scheduler: Any = None, cursor: Any = None,
-            scaler: Any = None, rng: bool = True, step: int | None = None,
-            accumulate_every: int | None = None, accumulated: int | None = None,
-            copy: bool = True) -> TrainingState:
+def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,
+            scheduler: Any = None, scaler: Any = None, step: int | None = None,
+            accumulate_every: int | None = None, accumulated: int | None = None) -> TrainingState:
     """Snapshot a Paddle model, optimizer, LR scheduler, GradScaler, RNGs, gradients and a data cursor.
 
     ``scheduler`` defaults to the optimizer's own ``LRScheduler``; a hapi ``paddle.Model`` brings its
@@ -103,7 +76,7 @@ def capture(model: Any, optimizer: Any = None, *, scheduler: Any = None, cursor:
     tensors, aliases = named_tensors(layer)
     runtime = {t.name: s for s, t in tensors.items()}
     state = TrainingState(framework="paddle", model={s: to_numpy(t, copy) for s, t in tensors.items()},
-                          params=describe(layer, tensors))
+                          params=describe_params(layer, tensors))
     extra: dict[str, Any] = {"param_names": {s: t.name for s, t in tensors.items()}}
     if aliases:
         extra["aliases"] = aliases
@@ -122,7 +95,7 @@ def capture(model: Any, optimizer: Any = None, *, scheduler: Any = None, cursor:
         state.accumulation = AccumulationState(every=int(accumulate_every or 0), count=int(accumulated or 0),
                                                buffers=buffers)
     if rng:
-        state.rng = capture_all_rng()
+        state.rng = {**capture_rng(), **capture_framework_rng()}
     if cursor is not None:
         state.data = dict(cursor.state_dict())
     state.metadata = {"versions": {"paddle": paddle.__version__, "numpy": np.__version__},
@@ -154,129 +127,96 @@ def _any_bit(arr: np.ndarray) -> bool:
     return bool(flat[:n].view(np.uint64).any() or flat[n:].any())
 
 
-def restore(state: TrainingState, model: Any, optimizer: Any = None, *, scheduler: Any = None,
-            cursor: Any = None, scaler: Any = None, strict: bool = True, rng: bool = True) -> RestoreReport:
+def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
+            strict: bool = True, rng: bool = True, scheduler: Any = None, scaler: Any = None) -> RestoreReport:
     """Put ``state`` back into ``model`` (and the other objects given), bit for bit.
 
     Everything is checked before anything is assigned.  A shape or dtype mismatch is a RestoreError
     naming the tensor, whatever ``strict`` says; names present on only one side raise RestoreError
-    when ``strict`` and are returned in the RestoreReport otherwise.  Optimizer slots are reported
-    as ``optimizer/<param>/<slot>``.  Objects not passed are left alone.
+    when ``strict`` and are returned in the RestoreReport otherwise.  ``rng=False`` leaves every
+    RNG as it is.  Objects not passed are left alone.
 
     Raises:
         RestoreError: a mismatch as described.
-        MigrationError: a state captured from another framework (it is converted first, see
-            ``ckptcore.convert``) that cannot be converted.
+        MigrationError: a state captured from another framework (it is converted first, through
+            ``ckptcore.api.convert_for``) that cannot be converted.
     """
+    from ckptcore.api import convert_for
+
     layer, hapi_opt = unwrap(model)
     optimizer = hapi_opt if optimizer is None else optimizer
-    if state.framework not in (None, "paddle"):  # another framework's state: migrate it first
-        from ckptcore.api import convert
-        state = convert(state, "paddle", model, optimizer, scheduler=scheduler)
+    state = convert_for(state, "paddle", {"model": model, "optimizer": optimizer, "scheduler": scheduler})
     extra = (state.extra or {}).get("paddle") or {}
-    missing: list[str] = []
-    unexpected: list[str] = []
-
-    def report(kind: str, name: str) -> None:
-        (missing if kind == "missing" else unexpected).append(name)
-
+    plan = RestorePlan()
     tensors, aliases = named_tensors(layer)
-    actions: list[Callable[[], None]] = []
-    pairs = _plan_model(state, extra, tensors, aliases, report)
-    actions += _plan_grads(state, extra, tensors)
-    sch = scheduler if scheduler is not None else (attached_scheduler(optimizer) if optimizer else None)
+    _plan_model(plan, state, extra, tensors, aliases)
+    _plan_grads(plan, state, extra, tensors)
     if optimizer is not None:
-        if state.optimizer is None:
-            report("missing", "optimizer")
-        else:
-            opt_pairs, drops = plan_optimizer(optimizer, state.optimizer, tensors, report)
-            pairs += opt_pairs
-            actions += drops
-            actions.append(lambda: restore_learning_rate(optimizer, state.optimizer))
+        plan_optimizer(plan, optimizer, state.optimizer, tensors)
+    sch = scheduler if scheduler is not None else (attached_scheduler(optimizer) if optimizer else None)
     if sch is not None:
-        if state.schedule is None:
-            report("missing", "schedule")
-        elif not schedule_fits(sch, state.schedule):
-            raise RestoreError(f"the state holds a {state.schedule.kind} schedule but the scheduler given "
-                               f"is a {type(sch).__name__}")
-        else:
-            actions.append(lambda: restore_schedule(sch, state.schedule, extra.get("scheduler")))
+        plan_schedule(plan, sch, state.schedule, extra.get("scheduler"))
     if scaler is not None:
-        saved = (state.optimizer.extra if state.optimizer else {}).get("grad_scaler", extra.get("grad_scaler"))
-        act = plan_scaler(scaler, saved, report)
-        actions += [act] if act else []
+        plan_scaler(plan, scaler, (state.optimizer.extra if state.optimizer else {}).get(
+            "grad_scaler", extra.get("grad_scaler")))
     if cursor is not None:
         if state.data:
-            actions.append(lambda: cursor.load_state_dict(state.data))
+            plan.then(functools.partial(cursor.load_state_dict, state.data))
         else:
-            report("missing", "data")
-    if strict and (missing or unexpected):
-        raise RestoreError(_mismatch_message(missing, unexpected))
-    for target, value in pairs:
-        assign(target, value)
-    for act in actions:
-        act()
+            plan.missing(qualified("data"))
     if rng and state.rng:
-        restore_all_rng(state.rng)
-    return RestoreReport(missing=tuple(missing), unexpected=tuple(unexpected))
+        plan.then(functools.partial(_restore_rng, state.rng))
+    return plan.apply(strict)
 
 
-def _mismatch_message(missing: list[str], unexpected: list[str]) -> str:
-    parts = []
-    if missing:
-        parts.append(f"missing from the checkpoint: {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
-    if unexpected:
-        parts.append(f"in the checkpoint but not in the target: {', '.join(unexpected[:20])}"
-                     + (" ..." if len(unexpected) > 20 else ""))
-    return "; ".join(parts) + " (pass strict=False to restore the rest and get a report)"
+def _restore_rng(rng: dict[str, Any]) -> None:
+    restore_framework_rng(rng)  # checks its entries before it sets anything
+    restore_rng({k: v for k, v in rng.items() if k in ("python", "numpy")})
 
 
-def _plan_model(state: TrainingState, extra: dict, tensors: dict[str, Any], aliases: dict[str, str],
-                report: Callable[[str, str], None]) -> list[tuple[Any, np.ndarray]]:
-    """Pair each target tensor with the saved array under any of its names; check shapes and dtypes."""
+def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any],
+                aliases: dict[str, str]) -> None:
+    """Pair each target tensor with the saved array under any of its names."""
     saved = state.model
     saved_alias = {a: c for a, c in (extra.get("aliases") or {}).items() if c in saved}
     names_of: dict[str, list[str]] = {c: [c] for c in tensors}
     for a, c in aliases.items():
         names_of[c].append(a)
     used: set[str] = set()
-    pairs = []
     for canonical, names in names_of.items():
         src = next((n if n in saved else saved_alias[n] for n in names if n in saved or n in saved_alias), None)
         if src is None:
-            report("missing", canonical)
+            plan.missing(qualified("model", canonical))
             continue
-        check_fits(canonical, saved[src], tensors[canonical])
+        t, value = tensors[canonical], saved[src]
+        plan.assign(qualified("model", canonical), value, shape=t.shape, dtype=numpy_dtype(t),
+                    put=functools.partial(assign, t, value))
         used.add(src)
-        pairs.append((tensors[canonical], saved[src]))
-    for name in saved:
-        if name not in used:
-            report("unexpected", name)
-    return pairs
+    plan.unexpected_from(saved, used)
 
 
-def _plan_grads(state: TrainingState, extra: dict, tensors: dict[str, Any]) -> list[Callable[[], None]]:
+def _plan_grads(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any]) -> None:
     """Gradients as captured: saved buffers, zero gradients, and None for every other parameter."""
     buffers = state.accumulation.buffers if state.accumulation else {}
     zero = extra.get("zero_grads")
     if zero is None and not buffers:
-        return []  # not captured by this adapter: leave the gradients alone
+        return  # not captured by this adapter: leave the gradients alone
     for name, arr in buffers.items():
         if name not in tensors:
-            raise RestoreError(f"accumulated gradient {name}: the target model has no such parameter")
-        check_fits(f"gradient of {name}", arr, tensors[name])
+            raise RestoreError(f"{qualified('accumulation', name)}: the target model has no such parameter")
+        # Checked here, set by an action: the gradient tensor may not exist until then.
+        plan.assign(qualified("accumulation", name), arr, shape=tensors[name].shape,
+                    dtype=numpy_dtype(tensors[name]), put=lambda: None)
     zero = set(zero or ())
-    actions: list[Callable[[], None]] = []
     for name, t in tensors.items():
         if t.stop_gradient:
             continue
         if name in buffers:
-            actions.append(lambda t=t, a=buffers[name]: _set_grad(t, a))
+            plan.then(functools.partial(_set_grad, t, buffers[name]))
         elif name in zero:
-            actions.append(lambda t=t: _zero_grad(t))
+            plan.then(functools.partial(_zero_grad, t))
         else:
-            actions.append(lambda t=t: t.clear_gradient(False))
-    return actions
+            plan.then(functools.partial(t.clear_gradient, False))
 
 
 def _set_grad(t: Any, value: np.ndarray) -> None:

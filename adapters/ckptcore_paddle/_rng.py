@@ -4,41 +4,42 @@
 numpy state is what ``paddle.io.DataLoader(shuffle=True)`` draws its order from): a list with one
 ``{"device": int, "seed": int, "offset": int, "engine": str}`` per generator of the current place,
 as ``paddle.get_rng_state()`` returns them.  ``engine`` is the ASCII text of the CPU
-``std::mt19937_64`` state (FRAMEWORKS.md §5); seeds are unsigned 64-bit ints.
+``std::mt19937_64`` state (the decimal words ``GeneratorState.__getstate__`` gives, which
+``__setstate__`` reads back exactly); seeds are unsigned 64-bit ints.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import paddle
 
 from ckptcore.errors import SchemaError
-from ckptcore.rng import capture_rng, restore_rng
 
 
-def capture_all_rng() -> dict[str, Any]:
-    out = capture_rng()
+def capture_framework_rng() -> dict[str, Any]:
+    """``{"paddle": [...]}``: every generator of the current place."""
     states = []
     for gs in paddle.get_rng_state():
         device, seed, offset, engine = gs.__getstate__()
         states.append({"device": int(device), "seed": int(seed), "offset": int(offset),
                        "engine": bytes(engine).decode("ascii")})
-    out["paddle"] = states
-    return out
+    return {"paddle": states}
 
 
-def restore_all_rng(rng: dict[str, Any]) -> None:
-    """Validate and put back every generator in ``rng``; nothing changes if an entry is malformed."""
-    paddle_states = None
-    if rng.get("paddle") is not None:
-        paddle_states = _generator_states(rng["paddle"])
-        if len(paddle_states) != len(paddle.get_rng_state()):
-            raise SchemaError(f"rng['paddle'] holds {len(paddle_states)} generator states but the current "
-                              f"place has {len(paddle.get_rng_state())}; restore on the same kind of device")
-    restore_rng({k: v for k, v in rng.items() if k in ("python", "numpy")})
-    if paddle_states is not None:
-        paddle.set_rng_state(paddle_states)
+def restore_framework_rng(rng: Mapping[str, Any]) -> None:
+    """Put back ``rng["paddle"]`` (other entries are the core's); nothing changes if it is malformed.
+
+    Raises:
+        SchemaError: an entry is not a generator state, or their number is not the current place's.
+    """
+    if rng.get("paddle") is None:
+        return
+    states = _generator_states(rng["paddle"])
+    if len(states) != len(paddle.get_rng_state()):
+        raise SchemaError(f"rng['paddle'] holds {len(states)} generator states but the current "
+                          f"place has {len(paddle.get_rng_state())}; restore on the same kind of device")
+    paddle.set_rng_state(states)
 
 
 def _generator_states(entries: Any) -> list[Any]:

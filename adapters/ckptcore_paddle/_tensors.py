@@ -1,4 +1,13 @@
-"""Paddle tensor <-> numpy, bit for bit."""
+"""Discovery of a Paddle model's named tensors, and Paddle tensor <-> numpy, bit for bit.
+
+Naming (a contract: checkpoints written today must restore tomorrow): the layer's ``state_dict()``
+keys (structured names such as ``conv1.weight``, ``bn._mean``), without a ``paddle.DataParallel``
+wrapper's ``_layers.`` prefix.  A tensor reachable under several names (``nn.LSTM`` lists each
+weight both as ``weight_ih_l0`` and ``0.cell.weight_ih``) is named once, by its first name; the
+others are its aliases.
+
+Nothing here imports Paddle: tensors are handled through their own methods.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +15,39 @@ from typing import Any
 
 import numpy as np
 
-from ckptcore.errors import RestoreError
-
 try:  # bfloat16/float8 have no numpy dtype of their own; ml_dtypes provides them
     import ml_dtypes
 except ImportError:  # pragma: no cover - ml_dtypes comes with the core's dependencies
     ml_dtypes = None
 
 _EXTENDED = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+_PREFIX = "_layers."
+
+
+def unwrap(model: Any) -> tuple[Any, Any]:
+    """The plain layer inside a hapi ``Model`` and/or ``DataParallel``, and a hapi model's optimizer."""
+    opt = None
+    if type(model).__name__ == "Model" and hasattr(model, "network"):
+        model, opt = model.network, getattr(model, "_optimizer", None)
+    while type(model).__name__ == "DataParallel" and hasattr(model, "_layers"):
+        model = model._layers
+    return model, opt
+
+
+def named_tensors(layer: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """``state_dict()`` tensors by structured name, each tensor once, and the aliases of repeated ones."""
+    first: dict[int, str] = {}
+    tensors: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    for name, t in layer.state_dict().items():
+        while name.startswith(_PREFIX):
+            name = name[len(_PREFIX):]
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+            tensors[name] = t
+    return tensors, aliases
 
 
 def numpy_dtype(t: Any) -> np.dtype:
@@ -47,20 +81,8 @@ def to_numpy(t: Any, copy: bool = True) -> np.ndarray:
     return out
 
 
-def check_fits(name: str, value: np.ndarray, target: Any) -> None:
-    """Raise RestoreError unless ``value`` has exactly ``target``'s shape and dtype."""
-    shape = tuple(int(d) for d in target.shape)
-    value = np.asarray(value)
-    if tuple(value.shape) != shape:
-        raise RestoreError(f"{name}: the checkpoint holds shape {tuple(value.shape)} but the target has {shape}")
-    dtype = numpy_dtype(target)
-    if value.dtype != dtype:
-        raise RestoreError(f"{name}: the checkpoint holds dtype {value.dtype} but the target has {dtype}; "
-                           "convert the state explicitly if a cast is intended")
-
-
 def assign(target: Any, value: np.ndarray) -> None:
-    """Copy ``value`` into ``target`` in place (same shape and dtype, checked before)."""
+    """Copy ``value`` into ``target`` in place (same shape and dtype, checked by the RestorePlan)."""
     value = np.ascontiguousarray(value)
     if value.dtype.name in _EXTENDED:
         value = value.view(np.uint16 if value.dtype.itemsize == 2 else np.uint8)

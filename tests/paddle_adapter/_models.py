@@ -1,4 +1,4 @@
-"""Tiny Paddle models, optimizers and schedulers shared by the worker processes (imports Paddle)."""
+"""Tiny Paddle models, optimizers and schedulers shared by the tests and their subprocesses (imports Paddle)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def _factor(epoch: int) -> float:
     return 0.9
 
 
-# Every built-in scheduler of FRAMEWORKS.md §4.2's table, plus the two callable-based ones (§4.1).
+# Every built-in LRScheduler of Paddle 3, including the two built on a callable (LambdaDecay and
+# MultiplicativeDecay, whose function cannot be saved: only their position is).
 SCHEDULERS = {
     "constant": lambda: None,
     "ExponentialDecay": lambda: L.ExponentialDecay(0.1, 0.9),
@@ -81,7 +82,7 @@ class Mnist(nn.Layer):
 
 
 class SeedCNN(nn.Layer):
-    """Seed 004's CNN at full size: conv 1->20 5x5 pad 2, max-pool 2, conv 20->20, max-pool 2, linear 980->10."""
+    """A small MNIST CNN: conv 1->20 5x5 pad 2, max-pool 2, conv 20->20, max-pool 2, linear 980->10."""
 
     def __init__(self):
         super().__init__()

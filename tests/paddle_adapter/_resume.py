@@ -1,8 +1,8 @@
-"""Paddle halves of the exact-resume acceptance tests (issue 5), run as ``python _resume.py <command> <dir> ...``.
+"""The processes of the exact-resume tests, run as ``python _resume.py <command> <dir> ...``.
 
 Commands (see ``test_paddle_resume.py`` for how they are combined):
 
-* ``reference``: uninterrupted runs: seed 004's CNN in a custom loop (``plain``, saving at each
+* ``reference``: uninterrupted runs: a small MNIST CNN in a custom loop (``plain``, saving at each
   epoch end), the same with gradients accumulated over 4 batches (``accum``), and ``paddle.Model.fit``
   with :class:`ckptcore_paddle.Checkpoint` (``fit``).
 * ``victim <name>``: the run ``name`` from scratch, checkpointing as it goes; it prints
@@ -10,9 +10,9 @@ Commands (see ``test_paddle_resume.py`` for how they are combined):
 * ``resume``: in one fresh process, resumes ``plain`` from the end-of-epoch-0 checkpoint of the
   reference run (a) and from the newest checkpoint of its victim (b), ``accum`` from its victim (c),
   and ``fit`` from its victim; each to the end of epoch 2.
-* ``dp <phase>``: one rank of a two-process ``paddle.DataParallel`` job (gloo on CPU; the parent
-  sets the ``PADDLE_*`` variables that ``paddle.distributed.launch`` would); ``elastic``: the same
-  job resumed in one process with the plain model.
+* ``dp <phase> <rank> <port,port>``: one rank of a two-process ``paddle.DataParallel`` job (gloo
+  on CPU; it sets the ``PADDLE_*`` variables that ``paddle.distributed.launch`` would, from its
+  rank and the two ports); ``elastic``: the same job resumed in one process with the plain model.
 
 Every run writes ``<dir>/<run>.json`` (per-batch losses as float32 bit patterns, what was restored)
 and ``<dir>/<run>.npz`` (final parameters and optimizer accumulators through Paddle's own APIs);
@@ -29,6 +29,9 @@ import time
 import warnings
 
 warnings.filterwarnings("ignore")
+# Several of these processes share the machine's cores; one OpenMP thread each keeps them from
+# oversubscribing (every run, reference and resumed alike, computes with the same setting).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
@@ -39,7 +42,7 @@ import ckptcore_paddle as cp  # noqa: E402
 from _models import SeedCNN, snapshot  # noqa: E402
 
 SEED, DATA_SEED, BS, EPOCHS = 1024, 4, 32, 3
-N_CNN = int(os.environ.get("CKPTCORE_TEST_CNN_SAMPLES", "1000"))
+N_CNN = 1000
 N_FIT = 640
 ACC = 4
 # Kill points (counts of batches trained), inside epoch 1 (batches 32..63 with 1000 samples).
@@ -333,8 +336,18 @@ def resume(d: str) -> None:
     fit_run(d, "resume_fit", os.path.join(d, "ckpt_kill_fit"))
 
 
+def dp_env(rank: int, ports: list[int]) -> dict[str, str]:
+    """What ``paddle.distributed.launch``/``spawn`` give each gloo rank."""
+    eps = [f"127.0.0.1:{p}" for p in ports]
+    return {"PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(len(ports)),
+            "PADDLE_TRAINER_ENDPOINTS": ",".join(eps), "PADDLE_CURRENT_ENDPOINT": eps[rank],
+            "PADDLE_DISTRI_BACKEND": "gloo"}
+
+
 if __name__ == "__main__":
     command, directory, *rest = sys.argv[1:]
+    if command == "dp":
+        os.environ.update(dp_env(int(rest[1]), [int(p) for p in rest[2].split(",")]))
     {"reference": lambda: reference(directory),
      "victim": lambda: victim(directory, rest[0]),
      "resume": lambda: resume(directory),

@@ -4,22 +4,21 @@
 from __future__ import annotations
 
 import collections
-import json
 import os
 import pickle
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from _paddle_util import HAVE_PADDLE, run_python, run_worker
+import ckptcore_paddle
+from ckptcore.adapter import FileFormat
 from ckptcore.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptcore_paddle import export_paddle_files, import_paddle_files
-from ckptcore_paddle._common import split_accumulator_key, step_from_pow
-from ckptcore_paddle.pd_files import load_paddle_pickle
+from ckptcore_paddle._files import FORMATS, load_paddle_pickle
+from ckptcore_paddle._optimizer import split_accumulator_key, step_from_pow
 
 CASES = ["mlp_adam_warmup", "cnn_momentum_poly", "zoo_rmsprop", "mlp_adagrad_named",
          "mlp_adamw_second_cawr", "mlp_momentum_protocol2"]
@@ -158,10 +157,26 @@ def test_accumulator_key_parsing():
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def pdfiles():
+    """The Paddle half of these tests (skips them, with the reason, where Paddle is not installed)."""
+    pytest.importorskip("paddle", reason="paddlepaddle is not installed")
+    import _pdfiles
+    return _pdfiles
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, pdfiles):
     d = tmp_path_factory.mktemp("pdfiles")
-    run_worker("save_files", d)
-    return d, json.loads((d / "ref.json").read_text())
+    return d, pdfiles.save_files(str(d))
+
+
+@pytest.fixture(scope="module")
+def exported(files, pdfiles):
+    d, _ = files
+    state = pickle.loads((d / "clean_state.pkl").read_bytes())
+    paths = export_paddle_files(state, d / "export")
+    cawr = import_paddle_files(d / "mlp_adamw_second_cawr.pdparams", d / "mlp_adamw_second_cawr.pdopt")
+    return state, paths, pdfiles.load_exported(str(d), cawr)
 
 
 def _ref(d: Path, case: str) -> dict[str, np.ndarray]:
@@ -218,15 +233,10 @@ def test_import_then_export_reproduces_paddle_save(files, tmp_path, case):
             assert _same(ours[k], v) if isinstance(v, np.ndarray) else ours[k] == v, (ext, k)
 
 
-def test_export_is_accepted_by_paddle_load_and_set_state_dict(files):
+def test_export_is_accepted_by_paddle_load_and_set_state_dict(files, exported):
     d, _ = files
-    state = pickle.loads((d / "clean_state.pkl").read_bytes())
-    params, opt = export_paddle_files(state, d / "export")
-    assert (params, opt) == (str(d / "export.pdparams"), str(d / "export.pdopt"))
-    cawr = import_paddle_files(d / "mlp_adamw_second_cawr.pdparams", d / "mlp_adamw_second_cawr.pdopt")
-    (d / "imported_cawr.pkl").write_bytes(pickle.dumps(cawr))
-    run_worker("load_exported", d)
-    out = json.loads((d / "load_exported.json").read_text())
+    state, paths, out = exported
+    assert paths == (str(d / "export.pdparams"), str(d / "export.pdopt"))
     assert out["set_state_dict"] == [[], []]
     for k, v in out["loaded"].items():
         assert np.array_equal(np.asarray(v, dtype=state.model[k].dtype), state.model[k]), k
@@ -236,16 +246,14 @@ def test_export_is_accepted_by_paddle_load_and_set_state_dict(files):
             assert _same(a[k], b[k]), k  # the next step from Paddle's own loader is bitwise the original's
 
 
-def test_restore_recovers_what_paddles_own_cawr_state_lacks(files):
-    d, ref = files
-    if not (d / "load_exported.json").exists():
-        pytest.skip("needs test_export_is_accepted_by_paddle_load_and_set_state_dict")
-    out = json.loads((d / "load_exported.json").read_text())
+def test_restore_recovers_what_paddles_own_cawr_state_lacks(files, exported):
+    _, ref = files
+    out = exported[2]
     assert out["cawr_report"] == []
     assert out["cawr_lrs"] == ref["mlp_adamw_second_cawr"]["next_lrs"]
 
 
-def test_files_work_where_paddle_cannot_be_imported(files, tmp_path):
+def test_files_work_where_paddle_cannot_be_imported(files, tmp_path, run_python):
     d, _ = files
     script = textwrap.dedent(f"""
         import sys
@@ -257,22 +265,49 @@ def test_files_work_where_paddle_cannot_be_imported(files, tmp_path):
         print(ckptcore_paddle.export_paddle_files(s, {str(tmp_path / 'out')!r}))
         assert sys.modules["paddle"] is None
     """)
-    run_python(["-c", script])
+    run_python("-c", script)
     assert (tmp_path / "out.pdparams").exists() and (tmp_path / "out.pdopt").exists()
 
 
-def test_importing_the_adapter_does_not_import_paddle():
+def test_importing_the_adapter_does_not_import_paddle(run_python):
     script = textwrap.dedent("""
         import sys
         import ckptcore_paddle
         assert ckptcore_paddle.ADAPTER.name == "paddle"
         assert not ckptcore_paddle.ADAPTER.handles(object())
+        formats = ckptcore_paddle.ADAPTER.formats
+        assert [f.name for f in formats] == ["pdparams"]
         loaded = sorted(m for m in sys.modules if m == "paddle" or m.startswith("paddle."))
         assert not loaded, loaded
     """)
-    run_python(["-c", script])
+    run_python("-c", script)
 
 
-@pytest.mark.skipif(not HAVE_PADDLE, reason="paddlepaddle is not installed")
-def test_worker_is_not_run_in_this_process():
-    assert "paddle" not in sys.modules  # the Paddle tests must be able to share a run with TensorFlow's
+# ----------------------------------------------------------------------------- ckpt import / export
+
+
+def test_the_pdparams_format_reads_and_writes_through_the_cli_contract(files, tmp_path):
+    d, _ = files
+    (fmt,) = FORMATS
+    assert isinstance(fmt, FileFormat) and fmt is ckptcore_paddle.ADAPTER.formats[0]
+    assert (fmt.name, fmt.framework, set(fmt.options)) == ("pdparams", "paddle", {"pdopt"})
+    assert fmt.detect(str(d / "cnn_momentum_poly.pdparams")) and not fmt.detect(str(d / "x.pdopt"))
+    src = str(d / "cnn_momentum_poly.pdparams")
+    beside = fmt.read(src)  # the .pdopt next to it is found
+    given = fmt.read(src, pdopt=str(d / "cnn_momentum_poly.pdopt"))
+    direct = import_paddle_files(src, d / "cnn_momentum_poly.pdopt")
+    for state in (beside, given):
+        assert state.optimizer.slots.keys() == direct.optimizer.slots.keys()
+        assert all(np.array_equal(state.model[k], v) for k, v in direct.model.items())
+    lone = tmp_path / "lone.pdparams"
+    lone.write_bytes((d / "cnn_momentum_poly.pdparams").read_bytes())
+    assert fmt.read(str(lone)).optimizer is None
+    wrote = fmt.write(direct, str(tmp_path / "out.pdparams"), pdopt=str(tmp_path / "elsewhere.pdopt"))
+    assert wrote == f"{tmp_path / 'out.pdparams'}, {tmp_path / 'elsewhere.pdopt'}"
+    again = fmt.read(str(tmp_path / "out.pdparams"), pdopt=str(tmp_path / "elsewhere.pdopt"))
+    assert all(np.array_equal(again.optimizer.slots[p][s], v)
+               for p, slots in direct.optimizer.slots.items() for s, v in slots.items())
+    with pytest.raises(TypeError, match="compress"):
+        fmt.read(src, compress=True)
+    with pytest.raises(TypeError, match="compress"):
+        fmt.write(direct, str(tmp_path / "x"), compress=True)

@@ -470,7 +470,7 @@ case("pdopt: 50 keys of 40,000 underscores (quadratic prefix search)", "SchemaEr
 def run_corpus(directory: Path) -> dict:
     """Write every case's file, read each, and report what happened (run in a child process)."""
     from ckptcore.errors import CheckpointError
-    from ckptcore_paddle.pd_files import import_paddle_files, load_paddle_pickle
+    from ckptcore_paddle._files import import_paddle_files, load_paddle_pickle
 
     canary_dir = directory / "canary"
     canary_dir.mkdir()
@@ -526,14 +526,13 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402 - the child process above needs no pytest
 
-from _paddle_util import run_python  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def corpus(tmp_path_factory, run_python_module):
     d = tmp_path_factory.mktemp("hostile")
     start = time.monotonic()
-    run_python([__file__, str(d)], timeout=600)  # fails the test unless the child exits with 0
+    run_python_module(__file__, d, timeout=600)  # fails the test unless the child exits with 0
     out = json.loads((d / "results.json").read_text())
     out["seconds"] = time.monotonic() - start
     return out
@@ -600,7 +599,7 @@ def _legit_near_the_bounds() -> dict[str, object]:
 
 
 def test_legitimate_files_near_the_bounds_load(tmp_path):
-    from ckptcore_paddle.pd_files import import_paddle_files, load_paddle_pickle
+    from ckptcore_paddle._files import import_paddle_files, load_paddle_pickle
 
     saved = _legit_near_the_bounds()
     for protocol in (0, 1, 2, 3, 4):

@@ -1,9 +1,10 @@
-"""Exact resume with Paddle (issue 5, acceptance 1, 2 and 4), bit for bit, on CPU.
+"""Exact resume with Paddle after a kill or in a new process, bit for bit, on CPU.
 
-All runs are subprocesses of ``_resume.py`` (Paddle never enters pytest's process); one module
-fixture starts them as early as their inputs allow, so independent runs share the cores:
+All runs are subprocesses of ``_resume.py`` (a fresh process is the point: killed, resumed, or one
+of a process group); one module fixture starts them as early as their inputs allow, so
+independent runs share the cores:
 
-* seed 004's CNN on synthetic MNIST-shaped data, Momentum + PolynomialDecay, batch 32, shuffled by
+* a small MNIST CNN on synthetic MNIST-shaped data, Momentum + PolynomialDecay, batch 32, shuffled by
   a ``DataCursor`` through ``ResumableBatchSampler`` and a prefetching ``DataLoader``, 3 epochs:
   (a) resumed in a new process from the end-of-epoch-0 checkpoint; (b) SIGKILLed by this process in
   the middle of epoch 1 (saving asynchronously) and resumed; (c) accumulating gradients over 4
@@ -20,8 +21,6 @@ import os
 import queue
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,11 +28,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _paddle_util import HAVE_PADDLE, HERE, worker_env
+pytest.importorskip("paddle", reason="paddlepaddle is not installed")
 
-import ckptcore
-
-pytestmark = pytest.mark.skipif(not HAVE_PADDLE, reason="paddlepaddle is not installed")
+import ckptcore  # noqa: E402
 
 # 1000 CNN samples (32 batches an epoch, the last of 8) rather than the issue's ~2,000: the runs
 # below train the CNN for about 14 epochs in all, on CPU.
@@ -48,15 +45,13 @@ class Run:
 
     started: list[Run] = []
 
-    def __init__(self, d: Path, name: str, command: str, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, spawn, d: Path, name: str, command: str, *args: str):
         self.name, self.d = name, d
-        self.err = open(d / f"{name}.stderr", "w")
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "_resume.py"), command, str(d), *args],
-                                     env={**worker_env(), "CKPTCORE_TEST_CNN_SAMPLES": str(N_CNN), **(env or {})},
-                                     cwd=str(HERE),
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
+        self.proc = spawn("_resume.py", command, d, *args)
         self.lines: queue.Queue[str] = queue.Queue()
+        self.err: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self.err.extend, args=(self.proc.stderr,), daemon=True).start()
         Run.started.append(self)
 
     def _read(self) -> None:
@@ -64,8 +59,7 @@ class Run:
             self.lines.put(line)
 
     def _fail(self, what: str) -> None:
-        self.err.flush()
-        tail = (self.d / f"{self.name}.stderr").read_text()[-6000:]
+        tail = "".join(self.err)[-6000:]
         pytest.fail(f"{self.name}: {what}\n--- stderr\n{tail}", pytrace=False)
 
     def signalled(self) -> int:
@@ -102,17 +96,9 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _dp_env(rank: int, ports: list[int]) -> dict[str, str]:
-    """What ``paddle.distributed.launch``/``spawn`` give each gloo rank (checked against spawn's env)."""
-    eps = [f"127.0.0.1:{p}" for p in ports]
-    return {"PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(len(ports)),
-            "PADDLE_TRAINER_ENDPOINTS": ",".join(eps), "PADDLE_CURRENT_ENDPOINT": eps[rank],
-            "PADDLE_DISTRI_BACKEND": "gloo"}
-
-
-def _dp_job(d: Path, phase: str) -> tuple[list[Run], int]:
-    ports = _free_ports(2)
-    ranks = [Run(d, f"dp_{phase}_{r}", "dp", phase, env=_dp_env(r, ports)) for r in range(2)]
+def _dp_job(spawn, d: Path, phase: str) -> tuple[list[Run], int]:
+    ports = ",".join(map(str, _free_ports(2)))
+    ranks = [Run(spawn, d, f"dp_{phase}_{r}", "dp", phase, str(r), ports) for r in range(2)]
     return ranks, ranks[0].signalled()
 
 
@@ -124,10 +110,10 @@ def _wait_for_step(root: Path, step: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
+def runs(tmp_path_factory, spawn_python) -> Path:
     d = tmp_path_factory.mktemp("resume")
     try:
-        yield _orchestrate(d)
+        yield _orchestrate(spawn_python, d)
     finally:  # a failed run must not leave victims sleeping
         for r in Run.started:
             if r.proc.poll() is None:
@@ -136,10 +122,10 @@ def runs(tmp_path_factory) -> Path:
         Run.started.clear()
 
 
-def _orchestrate(d: Path) -> Path:
-    reference = Run(d, "reference", "reference")
-    victims = {n: Run(d, f"victim_{n}", "victim", n) for n in ("plain", "accum", "fit")}
-    dp_ranks, dp_signal = _dp_job(d, "first")
+def _orchestrate(spawn, d: Path) -> Path:
+    reference = Run(spawn, d, "reference", "reference")
+    victims = {n: Run(spawn, d, f"victim_{n}", "victim", n) for n in ("plain", "accum", "fit")}
+    dp_ranks, dp_signal = _dp_job(spawn, d, "first")
     signalled = {}
     for name, v in victims.items():
         signalled[name] = v.signalled()
@@ -147,11 +133,11 @@ def _orchestrate(d: Path) -> Path:
     for r in dp_ranks:
         r.kill()
     signalled["dp_first"] = dp_signal
-    dp_ranks, signalled["dp_second"] = _dp_job(d, "second")
+    dp_ranks, signalled["dp_second"] = _dp_job(spawn, d, "second")
     for r in dp_ranks:
         r.kill()
     _wait_for_step(d / "ckpt_ref_plain", PER_EPOCH)
-    later = [Run(d, "resume", "resume"), Run(d, "elastic", "elastic")]
+    later = [Run(spawn, d, "resume", "resume"), Run(spawn, d, "elastic", "elastic")]
     for r in [reference, *later]:
         r.finish()
     (d / "signalled.json").write_text(json.dumps(signalled))

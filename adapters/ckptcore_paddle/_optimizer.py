@@ -1,23 +1,54 @@
-"""Optimizer, LR scheduler and GradScaler state: Paddle objects <-> OptimizerState / ScheduleState."""
+"""Optimizer, LR scheduler and GradScaler state: Paddle objects <-> OptimizerState / ScheduleState.
+
+Naming: ``state.optimizer.slots[name][slot]`` holds the accumulators keyed by the parameter's
+structured name (see ``_tensors.py``) and Paddle's accumulator name without the runtime prefix and
+counter (``linear_0.w_0_moment1_0`` of ``fc.weight`` becomes ``slots["fc.weight"]["moment1"]``);
+``"master_weight"`` is a multi-precision optimizer's float32 copy.  The mapping goes through the
+live ``param.name``, so a process whose name counters differ restores correctly.
+
+Restoring plans through a :class:`ckptcore.adapter.RestorePlan`; report names are
+``optimizer/<param>/<slot>``, ``schedule`` and ``grad_scaler``.
+
+Paddle is imported only by the functions that need a live object, so that the file interop
+(``_files.py``), which shares the accumulator-name parsing and step counting below, runs without it.
+"""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import math
-from typing import Any, Callable
+import re
+from typing import Any
 
 import numpy as np
-import paddle
 
+from ckptcore.adapter import RestorePlan, qualified
 from ckptcore.errors import CaptureError, RestoreError
 from ckptcore.state import OptimizerState, ScheduleState
+from ckptcore.vocab import plain
 
-from ._common import MASTER_SLOT, SCHEDULER_EXTRA_ATTRS, adam_step, plain, split_accumulator_key
-from ._tensors import check_fits, to_numpy
+from ._tensors import assign, numpy_dtype, to_numpy
 
-LRScheduler = paddle.optimizer.lr.LRScheduler
+# Accumulator names of Paddle's built-in optimizers (the names their _add_accumulator calls use),
+# longest first so that "moment2_max" wins over "moment2" when a key is matched by suffix.
+KNOWN_SLOTS = tuple(sorted({
+    "moment1", "moment2", "moment2_max", "beta1_pow_acc", "beta2_pow_acc",  # Adam, AdamW, Lamb
+    "velocity",                                                              # Momentum, Lars
+    "momentum", "mean_square", "mean_grad",                                  # RMSProp
+    "moment",                                                                # Adagrad, Adamax
+    "inf_norm",                                                              # Adamax
+    "_avg_squared_grad", "_avg_squared_update",                              # Adadelta
+}, key=len, reverse=True))
+MASTER_SLOT = "master_weight"  # a multi-precision optimizer's float32 copy of a low-precision parameter
 
+# Scheduler state that Paddle's own state_dict() leaves out (CosineAnnealingWarmRestarts keeps its
+# position in the current cycle in T_cur/T_i, which state_dict() omits): restoring from state_dict()
+# alone is silently wrong for these, so ScheduleState.state carries them too.
+SCHEDULER_EXTRA_ATTRS = {"CosineAnnealingWarmRestarts": ("T_cur", "T_i")}
+
+_COUNTER = re.compile(r"_\d+$")
+_MASTER = re.compile(r"^fp32_master_\d+_")
 _HYPER = (("_beta1", "beta1"), ("_beta2", "beta2"), ("_epsilon", "epsilon"), ("_momentum", "momentum"),
           ("_use_nesterov", "use_nesterov"), ("_rho", "rho"), ("_centered", "centered"),
           ("initial_accumulator_value", "initial_accumulator_value"), ("_weight_decay", "weight_decay"),
@@ -25,6 +56,8 @@ _HYPER = (("_beta1", "beta1"), ("_beta2", "beta2"), ("_epsilon", "epsilon"), ("_
           ("_rescale_grad", "rescale_grad"), ("_regularization_method", "regularization_method"),
           ("_regularization_coeff", "regularization_coeff"))
 # Constructor argument -> attribute, where Paddle stores it under another name.
+# Constructor arguments that have a plain form; anything else (a callable, an object) is not config.
+_CONFIG_TYPES = (int, float, str, bool, list, tuple, dict, np.generic, np.ndarray, type(None))
 _CTOR_ALIASES = {"learning_rate": "base_lr", "base_learning_rate": "base_lr",
                  "max_learning_rate": "max_lr", "exp_gamma": "gamma"}
 
@@ -37,9 +70,15 @@ def optimizer_params(opt: Any) -> list[Any]:
     return out
 
 
+def _is_scheduler(obj: Any) -> bool:
+    from paddle.optimizer.lr import LRScheduler
+    return isinstance(obj, LRScheduler)
+
+
 def attached_scheduler(opt: Any) -> Any:
+    """The ``LRScheduler`` an optimizer was built with, or None for a float learning rate."""
     lr = getattr(opt, "_learning_rate", None)
-    return lr if isinstance(lr, LRScheduler) else None
+    return lr if _is_scheduler(lr) else None
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -94,7 +133,8 @@ def _longest_prefix(key: str, names: dict[str, str]) -> str | None:
 
 
 def _derive_step(opt: Any, slots: dict, scheduler: Any) -> tuple[int, str]:
-    """Paddle optimizers keep no update counter; ``_capture.py``'s docstring gives the order tried here."""
+    """Paddle optimizers keep no update counter: for Adam-family optimizers the count implied by
+    ``beta2_pow_acc`` (then ``beta1_pow_acc``), else the scheduler's ``last_epoch``, else 0."""
     if any("beta2_pow_acc" in s for s in slots.values()):
         t = adam_step(slots, float(_scalar(opt._beta1)), float(_scalar(opt._beta2)))
         if t is not None:
@@ -141,58 +181,62 @@ def hyperparams(opt: Any, runtime_to_struct: dict[str, str]) -> dict[str, Any]:
     return hp
 
 
-def plan_optimizer(opt: Any, state: OptimizerState, struct_to_param: dict[str, Any],
-                   report: Callable[[str, str], None]) -> tuple[list[tuple[Any, np.ndarray]], list[Callable[[], None]]]:
-    """Match ``state``'s slots to ``opt``'s accumulators, creating them if the optimizer never stepped.
+def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
+                   struct_to_param: dict[str, Any]) -> None:
+    """Plan restoring ``state``'s slots into ``opt``'s accumulators (and its float learning rate).
 
-    Returns ``(variable, value)`` pairs to assign and the actions that drop accumulators the state
-    does not have (they did not exist when it was captured); records missing/unexpected names
-    through ``report``; raises RestoreError on a shape or dtype mismatch.  Creating accumulators is
-    the only change made here, and it is the one the optimizer's first step would make anyway.
+    Accumulators the optimizer has not created yet (it never stepped) are created here: the only
+    change made before the plan is applied, and the one its first step would make anyway.
+    Accumulators the state does not have are dropped when the plan is applied (they did not exist
+    when it was captured).  Shape and dtype are checked by ``plan.assign``.
     """
+    if state is None:
+        plan.missing(qualified("optimizer"))
+        return
     prefix = f"{opt._name}_" if opt._name else ""
     params = {p.name: p for p in optimizer_params(opt)}
     runtime_struct = {p.name: s for s, p in struct_to_param.items() if p.name in params}
-    for s in sorted(set(state.slots) - set(runtime_struct.values())):
-        report("unexpected", f"optimizer/{s}")
-    wanted = [struct_to_param[s] for s in state.slots if s in struct_to_param and s in runtime_struct.values()]
+    ours = set(runtime_struct.values())
+    plan.unexpected(*(qualified("optimizer", s) for s in sorted(set(state.slots) - ours)))
+    wanted = [struct_to_param[s] for s in state.slots if s in ours]
     opt._accumulators_holder = {}
     if wanted:
+        import paddle
         block = paddle.static.default_main_program().global_block()
         opt._create_accumulators(block, wanted)
     master = dict(getattr(opt, "_master_weights", None) or {})
     owner = {v.name: k for k, v in master.items()}
-    pairs: list[tuple[Any, np.ndarray]] = []
-    drops: list[Callable[[], None]] = []
     seen: set[tuple[str, str]] = set()
+
+    def put(name: str, var: Any, value: np.ndarray) -> None:
+        plan.assign(name, value, shape=var.shape, dtype=numpy_dtype(var),
+                    put=functools.partial(assign, var, value))
+
     for acc, per_param in list(opt._accumulators.items()):
         slot = acc[len(prefix):] if prefix and acc.startswith(prefix) else acc
         for pname in list(per_param):
             struct = runtime_struct.get(owner.get(pname, pname))
             if struct is None:  # a parameter outside the model: not ours to change
-                report("missing", f"optimizer/{owner.get(pname, pname)}/{slot}")
+                plan.missing(qualified("optimizer", owner.get(pname, pname), slot))
                 continue
             saved = state.slots.get(struct, {})
             if slot not in saved:
                 if struct in state.slots:
-                    report("missing", f"optimizer/{struct}/{slot}")
-                drops.append(functools.partial(_drop_accumulator, opt, acc, pname, owner.get(pname, pname)))
+                    plan.missing(qualified("optimizer", struct, slot))
+                plan.then(functools.partial(_drop_accumulator, opt, acc, pname, owner.get(pname, pname)))
                 continue
-            check_fits(f"optimizer/{struct}/{slot}", saved[slot], per_param[pname])
-            pairs.append((per_param[pname], saved[slot]))
+            put(qualified("optimizer", struct, slot), per_param[pname], saved[slot])
             seen.add((struct, slot))
     for pname, var in master.items():
         struct = runtime_struct.get(pname)
         if struct is not None and MASTER_SLOT in state.slots.get(struct, {}):
-            check_fits(f"optimizer/{struct}/{MASTER_SLOT}", state.slots[struct][MASTER_SLOT], var)
-            pairs.append((var, state.slots[struct][MASTER_SLOT]))
+            put(qualified("optimizer", struct, MASTER_SLOT), var, state.slots[struct][MASTER_SLOT])
             seen.add((struct, MASTER_SLOT))
     for struct, per_slot in state.slots.items():
-        if struct in runtime_struct.values():
-            for slot in per_slot:
-                if (struct, slot) not in seen:
-                    report("unexpected", f"optimizer/{struct}/{slot}")
-    return pairs, drops
+        if struct in ours:
+            plan.unexpected(*(qualified("optimizer", struct, slot) for slot in per_slot
+                              if (struct, slot) not in seen))
+    plan.then(functools.partial(restore_learning_rate, opt, state))
 
 
 def _drop_accumulator(opt: Any, acc: str, pname: str, param_name: str) -> None:
@@ -203,7 +247,7 @@ def _drop_accumulator(opt: Any, acc: str, pname: str, param_name: str) -> None:
 def restore_learning_rate(opt: Any, state: OptimizerState) -> None:
     """A float learning rate changed with ``set_lr`` is state too; a scheduler's is restored with it."""
     lr = state.hyperparams.get("learning_rate")
-    if lr is not None and not isinstance(opt._learning_rate, LRScheduler):
+    if lr is not None and not _is_scheduler(opt._learning_rate):
         opt.set_lr(float(lr))
 
 
@@ -230,13 +274,10 @@ def scheduler_config(sch: Any) -> dict[str, Any]:
         for attr in (name, f"_{name}", _CTOR_ALIASES.get(name, "")):
             if attr and hasattr(sch, attr):
                 value = getattr(sch, attr)
-                if isinstance(value, LRScheduler):
+                if _is_scheduler(value):
                     config[name] = {"kind": type(value).__name__, "config": scheduler_config(value)}
-                elif not callable(value):
-                    try:
-                        config[name] = plain(_scalar(value))
-                    except TypeError:
-                        pass
+                elif isinstance(value, _CONFIG_TYPES):  # callables and other objects are left out
+                    config[name] = plain(value)
                 break
     return config
 
@@ -244,6 +285,22 @@ def scheduler_config(sch: Any) -> dict[str, Any]:
 def schedule_fits(sch: Any, schedule: ScheduleState) -> bool:
     """Whether ``schedule`` was captured from a scheduler of ``sch``'s class (or its class is unknown)."""
     return schedule.kind in (type(sch).__name__, "LRScheduler")
+
+
+def plan_schedule(plan: RestorePlan, sch: Any, schedule: ScheduleState | None,
+                  legacy: dict[str, Any] | None = None) -> None:
+    """Plan loading ``schedule`` into ``sch`` (reported as ``schedule`` when the state has none).
+
+    Raises:
+        RestoreError: the state's schedule is of another class than ``sch``.
+    """
+    if schedule is None:
+        plan.missing(qualified("schedule"))
+    elif not schedule_fits(sch, schedule):
+        raise RestoreError(f"{qualified('schedule')}: the state holds a {schedule.kind} schedule but the "
+                           f"scheduler given is a {type(sch).__name__}")
+    else:
+        plan.then(functools.partial(restore_schedule, sch, schedule, legacy))
 
 
 def restore_schedule(sch: Any, schedule: ScheduleState, legacy: dict[str, Any] | None = None) -> None:
@@ -294,16 +351,87 @@ def capture_scaler(scaler: Any) -> dict[str, Any]:
     return out
 
 
-def plan_scaler(scaler: Any, saved: dict[str, Any] | None,
-                report: Callable[[str, str], None]) -> Callable[[], None] | None:
-    """The action that loads ``saved`` into ``scaler``, after checking it; None if there is nothing to do."""
+def plan_scaler(plan: RestorePlan, scaler: Any, saved: dict[str, Any] | None) -> None:
+    """Plan loading ``saved`` into ``scaler``, after checking it (reported as ``grad_scaler``)."""
     if not getattr(scaler, "_enable", False):
-        return None  # a disabled scaler has no state (Paddle's own load_state_dict ignores it too)
+        return  # a disabled scaler has no state (Paddle's own load_state_dict ignores it too)
     if not saved or not saved.get("enabled"):
-        report("missing", "grad_scaler")
-        return None
+        plan.missing(qualified("grad_scaler"))
+        return
     sd = {k: v for k, v in saved.items() if k != "enabled"}
     sd["scale"] = np.asarray(sd["scale"], dtype=np.float32).reshape(-1)
     if sd["scale"].size != 1 or not math.isfinite(float(sd["scale"][0])):
         raise RestoreError(f"grad_scaler: the saved loss scale {sd['scale'].tolist()} is not one finite number")
-    return functools.partial(scaler.load_state_dict, sd)
+    plan.then(functools.partial(scaler.load_state_dict, sd))
+
+
+# ----------------------------------------------------------------------------- accumulator names and step counts
+
+
+def split_accumulator_key(rest: str) -> tuple[str, str | None, bool]:
+    """Parse what follows ``<param runtime name>_`` in an optimizer key.
+
+    Returns ``(slot, optimizer_name, on_master_weight)``: ``"moment1_0"`` gives ``("moment1", None,
+    False)``; ``"adam_moment1_1"`` (an optimizer built with ``name="adam"``) gives ``("moment1",
+    "adam", False)``; ``"fp32_master_0_moment1_0"`` gives ``("moment1", None, True)``.
+    """
+    on_master = False
+    m = _MASTER.match(rest)
+    if m:
+        on_master, rest = True, rest[m.end():]
+    acc = _COUNTER.sub("", rest)
+    for slot in KNOWN_SLOTS:
+        if acc == slot:
+            return slot, None, on_master
+        if acc.endswith("_" + slot):
+            return slot, acc[: -len(slot) - 1], on_master
+    return acc, None, on_master
+
+
+def step_from_pow(pow_value: float, beta: float, *, limit: int = 1 << 22) -> int | None:
+    """The number of updates ``t`` after which Adam's ``beta_pow_acc`` holds ``pow_value``.
+
+    Paddle starts the accumulator at ``beta`` and multiplies it by ``float32(beta)`` once per update,
+    in float32, so after ``t`` updates it holds the ``t``-th element of
+    ``np.multiply.accumulate([beta] * n)``: we look it up there, which stays exact long after a
+    logarithm would round wrongly.  ``None`` if the value is ambiguous (it underflowed and got stuck,
+    about 960 updates for 0.9) or further than ``limit`` updates away.
+    """
+    b, p = np.float32(beta), np.float32(pow_value)
+    if not (0.0 < b < 1.0) or not (0.0 < p <= b):
+        return None
+    estimate = math.log(float(p)) / math.log(float(b))
+    if not math.isfinite(estimate) or estimate > limit:
+        return None
+    n = min(limit, int(estimate * 1.01) + 64)
+    seq = np.multiply.accumulate(np.full(n, b, dtype=np.float32))
+    hits = np.flatnonzero(seq == p)
+    if hits.size != 1 or hits[0] + 1 >= n:
+        return None
+    return int(hits[0])
+
+
+def infer_optimizer_kind(slot_names: set[str]) -> str:
+    """Guess Paddle's optimizer class from the accumulators a ``.pdopt`` holds (Adam and AdamW look alike)."""
+    slot_names = slot_names - {MASTER_SLOT}
+    if {"moment1", "moment2"} <= slot_names:
+        return "adam"
+    if slot_names == {"velocity"}:
+        return "momentum"
+    if {"mean_square", "mean_grad"} <= slot_names:
+        return "rmsprop"
+    if slot_names == {"moment"}:
+        return "adagrad"
+    if {"moment", "inf_norm"} <= slot_names:
+        return "adamax"
+    return "unknown"
+
+
+def adam_step(slots: dict[str, dict[str, np.ndarray]], beta1: float, beta2: float) -> int | None:
+    """The update count of an Adam-family optimizer from its ``beta{2,1}_pow_acc`` slots (beta2 first)."""
+    for slot, beta in (("beta2_pow_acc", beta2), ("beta1_pow_acc", beta1)):
+        steps = [step_from_pow(float(np.asarray(s[slot]).reshape(-1)[0]), beta)
+                 for s in slots.values() if slot in s and np.asarray(s[slot]).size]
+        if steps and all(t is not None for t in steps):
+            return max(steps)  # type: ignore[type-var]
+    return None

@@ -1,5 +1,4 @@
-"""In-process checks of ResumableBatchSampler with real DataLoaders and of the hapi Checkpoint
-callback (run by ``_scenarios.run_all``; each records pass or its traceback).
+"""ResumableBatchSampler with real DataLoaders, and the hapi Checkpoint callback.
 
 A "resume" here restores, in the same process, into a model built from another seed: the callback
 restores the RNGs, so only the checkpoint can make the runs agree.
@@ -12,11 +11,13 @@ import shutil
 import time
 
 import numpy as np
-import paddle
+import pytest
 
-import ckptcore
-import ckptcore_paddle as cp
-from _models import snapshot
+paddle = pytest.importorskip("paddle", reason="paddlepaddle is not installed")
+
+import ckptcore  # noqa: E402
+import ckptcore_paddle as cp  # noqa: E402
+from _models import snapshot  # noqa: E402
 
 N, BS, EPOCHS = 90, 8, 3  # 12 batches an epoch, the last of 2
 
@@ -39,7 +40,7 @@ def _equal(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)), k
 
 
-def scenario_loader_prefetch_and_workers(d: str) -> None:
+def test_loader_prefetch_and_workers(tmp_path) -> None:
     """A prefetching DataLoader (buffer thread; 2 worker processes) fetches ahead of training; the
     saved position is the batches trained, and resuming from it yields exactly the rest."""
     reference = [b.tolist() for b in ckptcore.DataCursor(N, BS, seed=3).iter_epoch()]
@@ -106,11 +107,11 @@ def _copy_step(src: str, dst: str, step: int) -> None:
     shutil.copytree(os.path.join(src, name), os.path.join(dst, name))
 
 
-def scenario_fit_accumulate_resume(d: str) -> None:
+def test_fit_accumulate_resume(tmp_path) -> None:
     """hapi's accumulate_grad_batches counts windows from the start of each loop pass, so due saves
     wait for a window boundary; a resumed pass then updates on the same batches, including the
     forced update at the end of the epoch (12 batches, windows of 5)."""
-    src, dst = os.path.join(d, "acc_src"), os.path.join(d, "acc_dst")
+    src, dst = os.path.join(tmp_path, "acc_src"), os.path.join(tmp_path, "acc_dst")
     _, net, opt, _ = _fit(src, 1, accumulate=5, save_freq=3)
     final = snapshot(net, opt)
     steps = _steps(src)
@@ -126,8 +127,8 @@ def scenario_fit_accumulate_resume(d: str) -> None:
     assert model.stop_training is False  # reset after the callback ended hapi's loop early
 
 
-def scenario_fit_finished_run_trains_nothing(d: str) -> None:
-    root = os.path.join(d, "done")
+def test_fit_finished_run_trains_nothing(tmp_path) -> None:
+    root = os.path.join(tmp_path, "done")
     _, net, opt, _ = _fit(root, 1, save_freq=4)
     before, steps = snapshot(net, opt), _steps(root)
     assert steps[-1] == EPOCHS * 12, steps
@@ -137,25 +138,37 @@ def scenario_fit_finished_run_trains_nothing(d: str) -> None:
     assert model.stop_training is False
 
 
-def scenario_fit_epoch_checkpoints_without_cursor(d: str) -> None:
+def test_fit_epoch_checkpoints_without_cursor(tmp_path) -> None:
     """Without a cursor only epoch ends are exact: DataLoader(shuffle=True) draws each epoch's order
     from numpy's global RNG when the epoch starts, and the checkpoint restores that RNG."""
-    src, dst = os.path.join(d, "ep_src"), os.path.join(d, "ep_dst")
+    src, dst = os.path.join(tmp_path, "ep_src"), os.path.join(tmp_path, "ep_dst")
     _, net, opt, _ = _fit(src, 1, use_cursor=False)
     assert _steps(src) == [12, 24, 36]
     _copy_step(src, dst, 12)
     _, net2, opt2, ckpt = _fit(dst, 2, use_cursor=False)
     assert ckpt.initial_epoch == 1
     _equal(snapshot(net2, opt2), snapshot(net, opt))
-    try:
+    with pytest.raises(ValueError, match="cursor"):
         cp.Checkpoint(dst, save_freq=5)
-    except ValueError as e:
-        assert "cursor" in str(e)
-    else:
-        raise AssertionError("save_freq=5 without a cursor was accepted")
-    try:
+    with pytest.raises(ValueError, match="already completed"):
         _fit(dst, 2, use_cursor=False, epochs=2)  # the checkpoint has 3 epochs already
-    except ValueError as e:
-        assert "already completed" in str(e)
-    else:
-        raise AssertionError("a finished run without a cursor trained again")
+
+
+def test_checkpoint_defaults_and_persisted_progress(tmp_path):
+    """The callback keeps ckptcore.adapter.CALLBACK_KEEP checkpoints unless told, and records its
+    progress under extra["paddle"]["fit"]."""
+    from ckptcore.adapter import CALLBACK_KEEP
+    assert cp.Checkpoint(str(tmp_path / "k")).keep == CALLBACK_KEEP
+    root = str(tmp_path / "fit")
+    _fit(root, 1, save_freq=4)
+    state = ckptcore.load_state(os.path.join(root, f"step-{_steps(root)[-1]:012d}"))
+    assert state.extra["paddle"]["fit"] == {"batches": EPOCHS * 12, "epoch": EPOCHS}
+
+
+def test_two_samplers_over_one_cursor_is_a_value_error(tmp_path):
+    cursor = ckptcore.DataCursor(N, BS, seed=3)
+    a, b = cp.ResumableBatchSampler(cursor), cp.ResumableBatchSampler(cursor)
+    next(iter(a)), next(iter(b))
+    ckpt = cp.Checkpoint(str(tmp_path), cursor=cursor)
+    with pytest.raises(ValueError, match="2 ResumableBatchSamplers"):
+        ckpt._advance()

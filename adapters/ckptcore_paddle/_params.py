@@ -1,15 +1,15 @@
 """Framework-neutral :class:`~ckptcore.state.ParamInfo` for each parameter of a Paddle layer tree.
 
-Layers are recognised by class name, so this module needs no Paddle import.  The vocabulary is the
-one the Keras adapter uses (kinds ``dense``, ``conv1d``, ``conv2d``, ``depthwise_conv2d``,
-``conv2d_transpose``, ``batch_norm``, ``layer_norm``, ``embedding``, ``lstm``, ``gru``; roles
-``kernel``, ``bias``, ``gamma``, ``beta``, ``moving_mean``, ``moving_variance``,
-``recurrent_kernel``, ``recurrent_bias``, ``embeddings``), so migration can match two models by
-order, kind and shape.  Layouts name the axes of Paddle's arrays: ``io`` for Linear, ``oik`` /
-``oihw`` / ``oidhw`` for convolutions (a depthwise one is a grouped ``oihw``: ``(in*M, 1, h, w)``),
-``iok`` / ``iohw`` for transposed ones, ``o`` for biases, ``vd`` for embeddings.  Recurrent weights
-are ``(gates*hidden, in)`` (``attrs["axes"] == "oi"``) and their layout is the gate order:
-``ifco`` for LSTM, ``rzc`` for GRU.
+Layers are recognised by class name, so this module needs no Paddle import.  Kinds and roles are
+the shared vocabulary of :mod:`ckptcore.vocab`, so migration can match a Paddle model with another
+framework's by order, kind and shape.  Layouts name the axes of Paddle's arrays: ``io`` for Linear,
+``oik`` / ``oihw`` / ``oidhw`` for convolutions (a depthwise one is a grouped ``oihw``:
+``(in*M, 1, h, w)``), ``iok`` / ``iohw`` for transposed ones, ``o`` for biases, ``vd`` for
+embeddings.  Recurrent weights are ``(gates*hidden, in)`` (``attrs["axes"] == "oi"``) and their
+layout is the gate order: ``ifco`` for LSTM, ``rzc`` for GRU.
+
+A layer family the vocabulary has no word for keeps its class name in snake case as its kind
+(``instance_norm`` for Paddle's InstanceNorm layers), so two Paddle models still match each other.
 """
 
 from __future__ import annotations
@@ -19,19 +19,23 @@ import re
 from typing import Any, Iterable
 
 from ckptcore.state import ParamInfo
+from ckptcore.vocab import Kind, Role, plain
 
-_CONV = {"Conv1D": ("conv1d", "oik"), "Conv2D": ("conv2d", "oihw"), "Conv3D": ("conv3d", "oidhw"),
-         "Conv1DTranspose": ("conv1d_transpose", "iok"), "Conv2DTranspose": ("conv2d_transpose", "iohw"),
-         "Conv3DTranspose": ("conv3d_transpose", "iodhw")}
+_CONV = {"Conv1D": (Kind.CONV1D, "oik"), "Conv2D": (Kind.CONV2D, "oihw"), "Conv3D": (Kind.CONV3D, "oidhw"),
+         "Conv1DTranspose": (Kind.CONV1D_TRANSPOSE, "iok"), "Conv2DTranspose": (Kind.CONV2D_TRANSPOSE, "iohw"),
+         "Conv3DTranspose": (Kind.CONV3D_TRANSPOSE, "iodhw")}
 _BATCH_NORM = {"BatchNorm", "BatchNorm1D", "BatchNorm2D", "BatchNorm3D", "SyncBatchNorm"}
-_NORM_ROLES = {"weight": "gamma", "scale": "gamma", "bias": "beta",
-               "_mean": "moving_mean", "_variance": "moving_variance"}
-_RNN = {"LSTM": ("lstm", "ifco"), "GRU": ("gru", "rzc"), "SimpleRNN": ("simple_rnn", None),
-        "LSTMCell": ("lstm", "ifco"), "GRUCell": ("gru", "rzc"), "SimpleRNNCell": ("simple_rnn", None)}
-_RNN_ROLES = {"weight_ih": "kernel", "weight_hh": "recurrent_kernel",
-              "bias_ih": "bias", "bias_hh": "recurrent_bias"}
+_NORM_ROLES = {"weight": Role.GAMMA, "scale": Role.GAMMA, "bias": Role.BETA,
+               "_mean": Role.MOVING_MEAN, "_variance": Role.MOVING_VARIANCE}
+_RNN = {"LSTM": (Kind.LSTM, "ifco"), "GRU": (Kind.GRU, "rzc"), "SimpleRNN": (Kind.SIMPLE_RNN, None),
+        "LSTMCell": (Kind.LSTM, "ifco"), "GRUCell": (Kind.GRU, "rzc"), "SimpleRNNCell": (Kind.SIMPLE_RNN, None)}
+_RNN_ROLES = {"weight_ih": Role.KERNEL, "weight_hh": Role.RECURRENT_KERNEL,
+              "bias_ih": Role.BIAS, "bias_hh": Role.RECURRENT_BIAS}
 _RNN_NAME = re.compile(r"^(weight_ih|weight_hh|bias_ih|bias_hh)(?:_l(\d+))?(_reverse)?$")
 # Layers that keep a feature map's channel count: a Linear after them still reads that map.
+# Paddle's InstanceNorm layers: a family the shared vocabulary has no word for (see the docstring).
+_INSTANCE_NORM = "instance_norm"
+_NORMS = (Kind.BATCH_NORM, Kind.LAYER_NORM, Kind.GROUP_NORM, _INSTANCE_NORM)
 _PASS_THROUGH = {"MaxPool2D", "AvgPool2D", "AdaptiveAvgPool2D", "AdaptiveMaxPool2D", "ReLU", "ReLU6",
                  "LeakyReLU", "Sigmoid", "Tanh", "GELU", "Swish", "Silu", "Hardswish", "ELU",
                  "Dropout", "Dropout2D", "Flatten", "Identity"}
@@ -41,7 +45,7 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
 
 
-def describe(model: Any, canonical: Iterable[str]) -> dict[str, ParamInfo]:
+def describe_params(model: Any, canonical: Iterable[str]) -> dict[str, ParamInfo]:
     """ParamInfo for every name in ``canonical`` (structured names), walking ``model`` in layer order.
 
     ``index`` counts only layers that own at least one described parameter.
@@ -72,26 +76,26 @@ def _layer_facts(layer: Any, cls: str, spatial: tuple[int, str] | None) -> tuple
         attrs: dict[str, Any] = {"in_features": in_f, "out_features": out_f}
         if spatial is not None:
             attrs.update(_flatten_facts(in_f, *spatial))
-        return "dense", "io", attrs
+        return Kind.DENSE, "io", attrs
     if cls in _CONV:
         kind, layout = _CONV[cls]
         cin, cout, groups = int(layer._in_channels), int(layer._out_channels), int(layer._groups)
         attrs = {"in_channels": cin, "out_channels": cout, "groups": groups,
                  "kernel_size": [int(k) for k in layer._kernel_size], "data_format": layer._data_format}
-        if kind == "conv2d" and groups == cin and groups > 1 and cout % cin == 0:
-            kind, attrs["depth_multiplier"] = "depthwise_conv2d", cout // cin
+        if kind == Kind.CONV2D and groups == cin and groups > 1 and cout % cin == 0:
+            kind, attrs["depth_multiplier"] = Kind.DEPTHWISE_CONV2D, cout // cin
         return kind, layout, attrs
     if cls in _BATCH_NORM:
-        return "batch_norm", None, {"momentum": float(layer._momentum), "epsilon": float(layer._epsilon),
+        return Kind.BATCH_NORM, None, {"momentum": float(layer._momentum), "epsilon": float(layer._epsilon),
                                     "data_format": getattr(layer, "_data_format", "NCHW")}
     if cls == "LayerNorm":
-        return "layer_norm", None, {"epsilon": float(layer._epsilon),
+        return Kind.LAYER_NORM, None, {"epsilon": float(layer._epsilon),
                                     "normalized_shape": [int(d) for d in layer._normalized_shape]}
     if cls in ("GroupNorm", "InstanceNorm1D", "InstanceNorm2D", "InstanceNorm3D"):
-        kind = "instance_norm" if cls.startswith("InstanceNorm") else "group_norm"
+        kind = _INSTANCE_NORM if cls.startswith("InstanceNorm") else Kind.GROUP_NORM
         return kind, None, {"epsilon": float(layer._epsilon)}
     if cls == "Embedding":
-        return "embedding", None, {"num_embeddings": int(layer._num_embeddings),
+        return Kind.EMBEDDING, None, {"num_embeddings": int(layer._num_embeddings),
                                    "embedding_dim": int(layer._embedding_dim),
                                    "padding_idx": None if layer._padding_idx is None else int(layer._padding_idx)}
     if cls in _RNN:
@@ -106,13 +110,13 @@ def _layer_facts(layer: Any, cls: str, spatial: tuple[int, str] | None) -> tuple
 
 def _param(index: int, path: str, kind: str, layout: str | None, attrs: dict, short: str,
            layer: Any) -> ParamInfo:
-    attrs = dict(attrs)
-    if kind in ("batch_norm", "layer_norm", "group_norm", "instance_norm"):
+    attrs = plain(attrs)  # a fresh dict of plain values (layer attributes may be numpy scalars)
+    if kind in _NORMS:
         return ParamInfo(index, path, kind, _NORM_ROLES.get(short, short), None, attrs)
-    if kind == "embedding":
-        return ParamInfo(index, path, kind, "embeddings" if short == "weight" else short,
+    if kind == Kind.EMBEDDING:
+        return ParamInfo(index, path, kind, Role.EMBEDDINGS if short == "weight" else short,
                          "vd" if short == "weight" else None, attrs)
-    if kind in ("lstm", "gru", "simple_rnn"):
+    if kind in (Kind.LSTM, Kind.GRU, Kind.SIMPLE_RNN):
         m = _RNN_NAME.match(short)
         if m:
             attrs["layer_index"] = int(m.group(2) or 0)
@@ -120,9 +124,9 @@ def _param(index: int, path: str, kind: str, layout: str | None, attrs: dict, sh
             return ParamInfo(index, path, kind, _RNN_ROLES[m.group(1)], layout, attrs)
         return ParamInfo(index, path, kind, short, layout, attrs)
     if short == "weight":
-        return ParamInfo(index, path, kind, "kernel", layout, attrs)
+        return ParamInfo(index, path, kind, Role.KERNEL, layout, attrs)
     if short == "bias":
-        return ParamInfo(index, path, kind, "bias", "o", attrs)
+        return ParamInfo(index, path, kind, Role.BIAS, "o", attrs)
     return ParamInfo(index, path, kind, short.lstrip("_"), None, attrs)
 
 

@@ -108,7 +108,7 @@ class ResumableBatchSampler:
         prev = self._pass
         if prev is not None and prev.done and prev.yielded and not prev.advanced \
                 and prev.epoch == self.cursor.epoch:
-            raise RuntimeError(
+            raise ValueError(
                 "ResumableBatchSampler: the previous epoch's batches were all handed out but advance() "
                 "was never called, so this epoch would repeat it; call sampler.advance() after training "
                 "on each batch (ckptcore_paddle.Checkpoint does it in paddle.Model.fit)")

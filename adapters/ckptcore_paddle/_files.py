@@ -1,4 +1,5 @@
-"""``.pdparams`` / ``.pdopt`` interop without Paddle and without running code.
+"""``.pdparams`` / ``.pdopt`` interop without Paddle and without running code; :data:`FORMATS`
+declares them to ``ckpt import`` / ``ckpt export``.
 
 ``paddle.save`` of a state dict pickles a plain ``dict`` of numpy arrays.  We
 read it with a pure-Python unpickler restricted to what such files contain (numpy arrays, dtypes
@@ -34,14 +35,20 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ckptcore.adapter import FileFormat
 from ckptcore.errors import CheckpointError, SchemaError
 from ckptcore.state import OptimizerState, ScheduleState, TrainingState
+from ckptcore.vocab import plain
 
-from ._common import (BIG_PARAM_INFO, MASTER_SLOT, NAME_TABLE, SCHEDULER_EXTRA_ATTRS, adam_step,
-                      infer_optimizer_kind, plain, split_accumulator_key)
+from ._optimizer import MASTER_SLOT, SCHEDULER_EXTRA_ATTRS, adam_step, infer_optimizer_kind, split_accumulator_key
 from ._safe_pickle import brief, brief_error, load_paddle_pickle
 
-__all__ = ["import_paddle_files", "export_paddle_files", "load_paddle_pickle"]
+__all__ = ["FORMATS", "import_paddle_files", "export_paddle_files", "load_paddle_pickle"]
+
+# Paddle's own keys in a state dict file that are not parameters: the structured-name table, and
+# the table of big arrays that protocol-2 saves split into slices.
+NAME_TABLE = "StructuredToParameterName@@"
+BIG_PARAM_INFO = "UnpackBigParamInfor@@"  # sic: Paddle's spelling
 
 _NUMERIC_KINDS = "biufc"
 # Runtime names longer than this are not matched against .pdopt keys: Paddle's are short
@@ -239,6 +246,7 @@ def _import_optimizer(state: TrainingState, raw: dict[str, Any], source: str,
 
 def _schedule(saved: dict[Any, Any], source: str) -> ScheduleState:
     try:
+        _check_numbers(saved)
         saved = plain(saved)
     except (TypeError, ValueError) as e:  # a complex number; an int key too long to be written as a str
         raise SchemaError(f"{source}: 'LR_Scheduler' holds a value that is not plain ({brief_error(e)})") from e
@@ -250,6 +258,20 @@ def _schedule(saved: dict[Any, Any], source: str) -> ScheduleState:
     if last_lr is not None and type(last_lr) not in (int, float):
         raise SchemaError(f"{source}: 'LR_Scheduler' has last_lr {brief(last_lr)}, not a number")
     return ScheduleState(kind="LRScheduler", step=epoch, last_lr=last_lr, state=saved)
+
+
+def _check_numbers(value: Any) -> None:
+    """Refuse what a scheduler's state_dict never holds and ``plain`` would turn into text."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_numbers(k)
+            _check_numbers(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_numbers(v)
+    elif isinstance(value, (complex, np.complexfloating)) or (
+            isinstance(value, np.ndarray) and value.dtype.kind not in _NUMERIC_KINDS.replace("c", "")):
+        raise TypeError(f"{type(value).__name__} {brief(value)} is not a plain number")
 
 
 def _param_prefix(key: str, runtime_to_struct: dict[str, str], lengths: list[int]) -> str | None:
@@ -349,3 +371,54 @@ def _optimizer_dict(state: TrainingState, names: dict[str, str], extra: dict[str
         out["LR_Scheduler"] = saved or {"last_epoch": int(state.schedule.step), "last_lr": state.schedule.last_lr}
     out[NAME_TABLE] = table
     return out
+
+
+# ----------------------------------------------------------------------------- ckpt import / export
+
+_PDOPT_HELP = "the .pdopt file that goes with the .pdparams (default: beside it)"
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    if options:
+        raise TypeError(f"the pdparams format takes no option {', '.join(sorted(options))} "
+                        f"(it takes: pdopt)")
+
+
+def _read(src: str | os.PathLike, model: Any = None, optimizer: Any = None, *, pdopt: Any = None,
+          **options: Any) -> TrainingState:
+    """``ckpt import``: the ``.pdparams`` file ``src`` and its ``.pdopt`` (given, else beside it if present)."""
+    _check_options(options)
+    src = os.fspath(src)
+    if pdopt is None:
+        beside = (src[: -len(".pdparams")] if src.endswith(".pdparams") else src) + ".pdopt"
+        pdopt = beside if os.path.isfile(beside) else None
+    return import_paddle_files(src, pdopt)
+
+
+def _write(state: TrainingState, dst: str | os.PathLike, model: Any = None, optimizer: Any = None, *,
+           pdopt: Any = None, **options: Any) -> str:
+    """``ckpt export``: ``dst`` (a ``.pdparams`` path or a prefix) and its ``.pdopt``.
+
+    A live ``model`` supplies the runtime parameter names the ``.pdopt`` keys need where the state
+    does not know them.  Returns the paths written, comma-separated.
+    """
+    _check_options(options)
+    dst = os.fspath(dst)
+    prefix = dst[: -len(".pdparams")] if dst.endswith(".pdparams") else dst
+    names = None
+    if model is not None:
+        from ._tensors import named_tensors, unwrap
+        names = {s: t.name for s, t in named_tensors(unwrap(model)[0])[0].items()}
+    params_path, opt_path = export_paddle_files(state, prefix, param_names=names)
+    if opt_path is not None and pdopt is not None and os.fspath(pdopt) != opt_path:
+        os.replace(opt_path, os.fspath(pdopt))
+        opt_path = os.fspath(pdopt)
+    return ", ".join(p for p in (params_path, opt_path) if p)
+
+
+FORMATS = (
+    FileFormat(name="pdparams", framework="paddle",
+               description="paddle.save files: a layer's .pdparams and its optimizer's .pdopt",
+               detect=lambda p: os.fspath(p).endswith(".pdparams"), read=_read, write=_write,
+               options={"pdopt": _PDOPT_HELP}),
+)
