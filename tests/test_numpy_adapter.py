@@ -10,7 +10,8 @@ import ckptcore
 import ckptcore_numpy as cn
 from ckptcore.adapter import DemoProgram, qualified
 from ckptcore.errors import RestoreError, SchemaError
-from ckptcore.testing import AdapterTests, assert_bitwise
+pytest.register_assert_rewrite("ckptcore.testing")  # before the import: its asserts explain themselves
+from ckptcore.testing import AdapterTests, assert_bitwise  # noqa: E402
 
 X = np.random.default_rng(42).standard_normal((16, 4)).astype(np.float32)
 Y = np.random.default_rng(43).integers(0, 3, 16)

@@ -11,7 +11,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from ckptcore.testing import AdapterTests
+pytest.register_assert_rewrite("ckptcore.testing")  # before the import: its asserts explain themselves
+from ckptcore.testing import AdapterTests  # noqa: E402
 
 if importlib.util.find_spec("paddle") is None:  # not installed: skip; installed but broken: fail
     pytest.skip("paddlepaddle is not installed", allow_module_level=True)
