@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from ckptcore.rng import capture_rng, restore_rng
 
-__all__ = ["capture_framework_rng", "restore_framework_rng", "GENERATORS"]
+__all__ = ["capture_framework_rng", "restore_framework_rng", "plan_rng", "GENERATORS"]
 
 GENERATORS = "numpy_generators"  # where ckptcore.capture_rng puts named generators
 
