@@ -134,7 +134,11 @@ def qualified(section: str, *parts: str) -> str:
     """The one naming scheme of :class:`~ckptcore.RestoreReport` entries.
 
     Model tensors are reported by their own name; everything else as ``section/part/...``:
-    ``optimizer/dense/kernel/m`` (a slot), ``schedule``, ``data``, ``accumulation/dense/kernel``.
+    ``optimizer/dense/kernel/m`` (a slot), ``schedule``, ``data``, ``accumulation/dense/kernel``,
+    ``rng/aug`` (a named generator).
+
+    >>> qualified("model", "dense/kernel"), qualified("optimizer", "dense/kernel", "m")
+    ('dense/kernel', 'optimizer/dense/kernel/m')
     """
     if section == "model":
         return "/".join(parts)

@@ -29,14 +29,16 @@ _HINTS = {
     "paddle": "pip install 'ckptcore[paddle]'",
 }
 
-_MEMBERS = ("name", "capture_views", "handles", "capture", "restore", "dialect", "formats", "demo")
+CONTRACT = ("name", "capture_views", "handles", "capture", "restore", "dialect", "formats", "demo")
+"""The members every adapter declares (see :class:`ckptcore.adapter.Adapter`)."""
 _log = logging.getLogger("ckptcore")
 _lock = threading.Lock()
 _loaded: dict[str, Adapter] | None = None
 _broken: dict[str, str] = {}  # adapters whose entry point failed to load: name -> why
 
 
-def _declares(obj: object, member: str) -> bool:
+def declares(obj: object, member: str) -> bool:
+    """Whether ``obj`` has ``member`` (one of :data:`CONTRACT`), without running a property."""
     # getattr_static: looking must not run a property (an adapter's dialect imports a module).
     try:
         inspect.getattr_static(obj, member)
@@ -53,7 +55,7 @@ def _load() -> dict[str, Adapter]:
             for ep in entry_points(group=GROUP):
                 try:
                     adapter = ep.load()
-                    missing = [m for m in _MEMBERS if not _declares(adapter, m)]
+                    missing = [m for m in CONTRACT if not declares(adapter, m)]
                     if missing:
                         raise TypeError(f"{ep.value} lacks {', '.join(missing)} of the adapter contract")
                     found[ep.name] = adapter

@@ -11,6 +11,10 @@ run() {  # pytest exit 5 means "no tests collected": not a failure for an option
   .venv/bin/python -m pytest "$@" || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
 }
 run tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter "${@}"
+# Docstring examples of the core and the framework-free NumPy adapter, in a run of their own:
+# --doctest-modules over tests/ would import the framework test helpers (Keras and Paddle in one
+# process).  ckptcore/testing.py is the conformance suite that adapters' tests subclass, not docs.
+run ckptcore adapters/ckptcore_numpy --doctest-modules --ignore=ckptcore/testing.py "${@}"
 [ -d tests/paddle_adapter ] && run tests/paddle_adapter "${@}"
 [ -d tests/keras_adapter ] && run tests/keras_adapter "${@}"
 exit $status

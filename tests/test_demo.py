@@ -38,3 +38,47 @@ def test_framework_demo_resumes_bit_exactly(tmp_path, framework):
     out = run_demo(tmp_path, "--framework", framework)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "RESULT: the resumed run equals the uninterrupted run" in out.stdout
+
+
+CRASHING = '''
+class CrashingAdapter:
+    name = "crashfw"
+    capture_views = False
+    def handles(self, obj):
+        return False
+    def capture(self, **objects): ...
+    def restore(self, state, **objects): ...
+    dialect = None
+    formats = ()
+    def demo(self, *, seed, features, classes):
+        raise RuntimeError("the crashfw demo model cannot be built")
+
+ADAPTER = CrashingAdapter()
+'''
+
+
+def test_crashing_worker_fails_clearly(tmp_path):
+    # An adapter whose demo program cannot be built: the worker exits 1 at once.  The demo must
+    # say so (exit code, the worker's own error), not stumble on the missing steps later.
+    site = tmp_path / "site"
+    (site / "crashfw_ckpt-0.1.dist-info").mkdir(parents=True)
+    (site / "crashfw_ckpt.py").write_text(CRASHING)
+    (site / "crashfw_ckpt-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: crashfw_ckpt\nVersion: 0.1\n")
+    (site / "crashfw_ckpt-0.1.dist-info" / "entry_points.txt").write_text(
+        "[ckptcore.adapters]\ncrashfw = crashfw_ckpt:ADAPTER\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    out = subprocess.run([sys.executable, "-m", "ckptcore.demo", "run", "--framework", "crashfw",
+                          "--root", str(tmp_path / "demo")], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "the crashfw training worker exited with code 1 (it reported 0 steps)" in out.stderr
+    assert "RuntimeError: the crashfw demo model cannot be built" in out.stderr
+    assert "non-negative int" not in out.stderr + out.stdout and "RESULT" not in out.stdout
+
+
+def test_demo_names_a_missing_adapter_in_one_line(tmp_path, capsys):
+    from ckptcore.demo import run_demo
+    assert run_demo(str(tmp_path / "demo"), "nosuchfw") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ckpt demo: no ckptcore adapter named 'nosuchfw'") and err.count("\n") == 1
