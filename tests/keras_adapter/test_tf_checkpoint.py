@@ -112,6 +112,33 @@ def test_export_restores_with_assert_consumed(tf_manager_run, tmp_path):
     assert_same_bits([v.numpy() for v in optimizer.variables], [v.numpy() for v in opt.variables])
 
 
+def test_file_format_reads_and_writes_through_the_adapter(tf_manager_run, tmp_path):
+    """What ``ckpt import``/``ckpt export`` call: ``ADAPTER.formats``."""
+    (fmt,) = ckptcore_keras.ADAPTER.formats
+    model, optimizer, log_dir = tf_manager_run
+    assert fmt.detect(log_dir) and not fmt.detect(str(tmp_path))
+    state = fmt.read(log_dir, model=None, optimizer=None, unused=None)  # None: option not given
+    assert_same_bits(list(state.model.values()),
+                     list(ckptcore_keras.import_tf_checkpoint(log_dir).model.values()))
+    dst = str(tmp_path / "out" / "ckpt")
+    with pytest.raises(TypeError, match="model"):
+        fmt.write(state, dst)
+    with pytest.raises(TypeError, match="bogus"):
+        fmt.write(state, dst, model=create_model(), bogus=1)
+    state = ckptcore_keras.capture(model, optimizer, rng=False)  # with its seed generators
+    target = create_model()
+    written = fmt.write(state, dst, model=target,
+                        optimizer=keras.optimizers.SGD(learning_rate=0.001, momentum=0.9))
+    assert fmt.detect(dst) and written == dst
+    again = fmt.read(dst, model=target)
+    now = ckptcore_keras.capture(target, rng=False)  # the target holds the state, under its names
+    assert_same_bits(list(now.model.values()), list(state.model.values()))
+    assert again.model.keys() <= now.model.keys()
+    assert_same_bits([again.model[n] for n in again.model], [now.model[n] for n in again.model])
+    assert_same_bits([s["momentum"] for s in again.optimizer.slots.values()],
+                     [s["momentum"] for s in state.optimizer.slots.values()])
+
+
 def _adam_bn_model():
     x = inp = keras.Input((5,))
     x = keras.layers.Dense(6)(x)
