@@ -42,11 +42,17 @@ def _optimizer_of(model: Any, optimizer: Any) -> Any:
     return optimizer if optimizer is not None else getattr(model, "optimizer", None)
 
 
-def refuse_unknown(objects: dict[str, Any], verb: str) -> None:
-    """A ``TypeError`` naming keyword objects this adapter does not know (never ignored)."""
+def check_arguments(model: Any, objects: dict[str, Any], verb: str) -> None:
+    """A ``TypeError`` for a model that is not a Keras one, or keyword objects this adapter does
+    not know (never ignored)."""
     if objects:
         raise TypeError(f"ckptcore_keras.{verb}() got objects it does not know: {sorted(objects)}; "
                         "it takes model, optimizer and cursor")
+    from . import ADAPTER
+
+    if not ADAPTER.handles(model):
+        raise TypeError(f"ckptcore_keras.{verb}() needs a Keras model, got "
+                        f"{type(model).__module__}.{type(model).__qualname__}")
 
 
 def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True,
@@ -69,7 +75,8 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
             is False.
 
     Raises:
-        TypeError: an object other than model, optimizer and cursor is passed.
+        TypeError: ``model`` is not a Keras model, or an object other than model,
+            optimizer and cursor is passed.
         ValueError: the model has no variables yet (build it first).
 
     Example:
@@ -77,7 +84,7 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
         >>> state.optimizer.slots["dense/kernel"]["momentum"].shape  # doctest: +SKIP
         (10, 1)
     """
-    refuse_unknown(objects, "capture")
+    check_arguments(model, objects, "capture")
     import keras
     import tensorflow as tf
 
@@ -141,12 +148,13 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
         saved names nothing in the target took (``unexpected``).
 
     Raises:
-        TypeError: an object other than model, optimizer and cursor is passed.
+        TypeError: ``model`` is not a Keras model, or an object other than model,
+            optimizer and cursor is passed.
         RestoreError: A shape or dtype differs (names the variable), the optimizer
             kind or gradient accumulation differs, the model is not built, or, with
             ``strict``, a name is missing or unexpected (lists them).
     """
-    refuse_unknown(objects, "restore")
+    check_arguments(model, objects, "restore")
     from ckptcore.api import convert_for
 
     opt = _optimizer_of(model, optimizer)

@@ -116,6 +116,10 @@ def test_unknown_objects_are_a_type_error_naming_them(tmp_path):
     with pytest.raises(TypeError, match="scheduler"):
         ckptcore.save_state(str(tmp_path / "ck"), model=model, scheduler=object())
     assert not (tmp_path / "ck").exists()
+    with pytest.raises(TypeError, match="needs a Keras model, got builtins.dict"):
+        ckptcore_keras.capture({"w": np.zeros(2)})
+    with pytest.raises(TypeError, match="needs a Keras model"):
+        ckptcore_keras.restore(state, [model])
 
 
 # --- RestoreReport names -------------------------------------------------------------------
