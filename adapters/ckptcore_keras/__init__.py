@@ -4,9 +4,12 @@ Importing this package imports neither TensorFlow nor Keras; they load on the
 first call that needs them.  The registry finds :data:`ADAPTER` through the
 ``ckptcore.adapters`` entry point (``keras = "ckptcore_keras:ADAPTER"``).
 
-Modules: ``_capture`` (capture/restore), ``callbacks`` (``BackupAndRestore``: exact
-resume in ``model.fit``), ``data`` (``dataset``: ``tf.data`` input that follows a
-``DataCursor``), ``tf_checkpoint`` (``tf.train.Checkpoint`` files).
+The package namespace is the public API; the modules behind it are private:
+``_capture`` (capture/restore), ``_tensors`` (variables under stable names, bytes in
+and out), ``_params`` (ParamInfo), ``_optimizer`` (slots, schedule, accumulation),
+``_rng`` (TensorFlow's and Keras' RNGs), ``_callback`` (``BackupAndRestore``: exact
+resume in ``model.fit``), ``_data`` (``dataset``: ``tf.data`` input that follows a
+``DataCursor``), ``_files`` and ``_tf_bundle`` (``tf.train.Checkpoint`` files).
 
 Example:
     >>> import ckptcore_keras                                           # doctest: +SKIP
@@ -30,52 +33,55 @@ __all__ = ["ADAPTER", "capture", "restore", "import_tf_checkpoint", "export_tf_c
 _MODULES = ("keras", "tensorflow", "tf_keras")
 
 
-def capture(model: Any, optimizer: Any = None, *, cursor: Any = None,
-            rng: bool = True) -> TrainingState:
+def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True,
+            copy: bool = True, **objects: Any) -> TrainingState:
     """Snapshot a Keras model, its optimizer, RNG states and a data cursor (see ``_capture.py``)."""
     from ._capture import capture as _capture
-    return _capture(model, optimizer, cursor=cursor, rng=rng)
+    return _capture(model, optimizer, cursor=cursor, rng=rng, copy=copy, **objects)
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
-            strict: bool = True) -> RestoreReport:
+            strict: bool = True, rng: bool = True, **objects: Any) -> RestoreReport:
     """Put a captured state back into a Keras model and optimizer (see ``_capture.py``)."""
     from ._capture import restore as _restore
-    return _restore(state, model, optimizer, cursor=cursor, strict=strict)
+    return _restore(state, model, optimizer, cursor=cursor, strict=strict, rng=rng, **objects)
 
 
 def import_tf_checkpoint(prefix_or_dir: Any, *, model: Any = None,
                          optimizer: Any = None) -> TrainingState:
-    """Read a ``tf.train.Checkpoint`` file as a state (see ``tf_checkpoint.py``)."""
-    from .tf_checkpoint import import_tf_checkpoint as _import
+    """Read a ``tf.train.Checkpoint`` file as a state (see ``_files.py``)."""
+    from ._files import import_tf_checkpoint as _import
     return _import(prefix_or_dir, model=model, optimizer=optimizer)
 
 
 def export_tf_checkpoint(state: TrainingState, prefix: Any, model: Any,
-                         optimizer: Any = None) -> str:
-    """Write a state as a ``tf.train.Checkpoint`` file (see ``tf_checkpoint.py``)."""
-    from .tf_checkpoint import export_tf_checkpoint as _export
-    return _export(state, prefix, model, optimizer)
+                         optimizer: Any = None, *, strict: bool = True) -> str:
+    """Write a state as a ``tf.train.Checkpoint`` file (see ``_files.py``)."""
+    from ._files import export_tf_checkpoint as _export
+    return _export(state, prefix, model, optimizer, strict=strict)
 
 
 def dataset(cursor: Any, *arrays: Any, map_fn: Any = None, prefetch: bool = True) -> Any:
-    """A ``tf.data.Dataset`` of a ``DataCursor``'s batches, resumable mid-epoch (see ``data.py``)."""
-    from .data import dataset as _dataset
+    """A ``tf.data.Dataset`` of a ``DataCursor``'s batches, resumable mid-epoch (see ``_data.py``)."""
+    from ._data import dataset as _dataset
     return _dataset(cursor, *arrays, map_fn=map_fn, prefetch=prefetch)
 
 
 def __getattr__(name: str) -> Any:
     # BackupAndRestore subclasses keras.callbacks.Callback: defining it imports Keras.
     if name == "BackupAndRestore":
-        from .callbacks import BackupAndRestore
+        from ._callback import BackupAndRestore
         return BackupAndRestore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class KerasAdapter:
-    """The registry's view of this package: ``name``, ``handles``, ``capture``, ``restore``."""
+    """The registry's view of this package (the ``ckptcore.adapter.Adapter`` protocol)."""
 
     name = "keras"
+    # capture() never returns views of *live* buffers: its read-only arrays share TensorFlow's
+    # copy-on-write buffers, which training replaces rather than changes, so they are snapshots an
+    # asynchronous save may keep without copying them first.
     capture_views = False
 
     def handles(self, obj: object) -> bool:

@@ -9,33 +9,54 @@ What lands where:
 * ``state.optimizer`` / ``state.schedule`` / ``state.accumulation``: see ``_optimizer.py``.
 * ``state.rng``: ckptcore's ``"python"``/``"numpy"`` plus ``"tensorflow"``/``"keras"`` (``_rng.py``).
 * ``state.data``: ``cursor.state_dict()``.
-* ``state.extra["keras"]["variables"]``: the names of ``state.model`` in model order.
+* ``state.extra["keras"]``: this adapter's section: ``"variables"``, the names of
+  ``state.model`` in model order (``BackupAndRestore`` adds ``"fit"``, its progress).
 
-Restore checks everything before it assigns anything, so a failed restore leaves
-the model and optimizer untouched.
+Restore plans everything in one :class:`ckptcore.adapter.RestorePlan` before it
+assigns anything, so a failed restore leaves the model, optimizer, RNGs and
+cursor untouched.  Report names are :func:`ckptcore.adapter.qualified`: model
+variables by their own name, ``optimizer/<param>/<slot>`` and the rest (see
+``_optimizer.py``), ``data`` for a cursor the state does not position.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ckptcore.adapter import RestorePlan, qualified
 from ckptcore.errors import RestoreError
 from ckptcore.state import RestoreReport, TrainingState
 
-from ._optimizer import capture_optimizer, ensure_built, plan_optimizer
+from ._optimizer import (capture_optimizer, capture_schedule, ensure_built, plan_optimizer,
+                         plan_schedule)
 from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
-from ._variables import check_value, match_names, named_variables, read
+from ._tensors import assign, match_names, named_tensors, np_dtype, to_numpy
 
-__all__ = ["capture", "restore", "restore_objects"]
+__all__ = ["capture", "restore"]
+
+_NAME = "keras"
 
 
 def _optimizer_of(model: Any, optimizer: Any) -> Any:
     return optimizer if optimizer is not None else getattr(model, "optimizer", None)
 
 
-def capture(model: Any, optimizer: Any = None, *, cursor: Any = None,
-            rng: bool = True) -> TrainingState:
+def check_arguments(model: Any, objects: dict[str, Any], verb: str) -> None:
+    """A ``TypeError`` for a model that is not a Keras one, or keyword objects this adapter does
+    not know (never ignored)."""
+    if objects:
+        raise TypeError(f"ckptcore_keras.{verb}() got objects it does not know: {sorted(objects)}; "
+                        "it takes model, optimizer and cursor")
+    from . import ADAPTER
+
+    if not ADAPTER.handles(model):
+        raise TypeError(f"ckptcore_keras.{verb}() needs a Keras model, got "
+                        f"{type(model).__module__}.{type(model).__qualname__}")
+
+
+def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True,
+            copy: bool = True, **objects: Any) -> TrainingState:
     """Snapshot everything needed to continue training ``model`` exactly.
 
     Args:
@@ -44,32 +65,42 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None,
         optimizer: The optimizer; defaults to ``model.optimizer`` when compiled.  An
             optimizer that has not taken a step yet is built first (zero slots).
         cursor: A ``ckptcore.DataCursor`` (anything with ``state_dict()``).
-        rng: Include Python, numpy, TensorFlow and Keras global RNG states.
+        rng: Include Python, numpy, TensorFlow and Keras global RNG states
+            (``False``: ``state.rng`` stays empty).
+        copy: Accepted for the adapter contract; ``True`` and ``False`` behave alike.
+            The arrays are always read-only views of TensorFlow's copy-on-write
+            buffers: training on writes new buffers and never changes them, so they
+            are snapshots (safe for an asynchronous save) that cost no copy
+            (``np.array(a)`` for a writable one).  Hence ``ADAPTER.capture_views``
+            is False.
 
-    Variables are captured without copying: the arrays are read-only views of
-    TensorFlow's copy-on-write buffers, so training on never changes them
-    (``np.array(a)`` for a writable copy).
+    Raises:
+        TypeError: ``model`` is not a Keras model, or an object other than model,
+            optimizer and cursor is passed.
+        ValueError: the model has no variables yet (build it first).
 
     Example:
         >>> state = ckptcore_keras.capture(model, cursor=cursor)   # doctest: +SKIP
         >>> state.optimizer.slots["dense/kernel"]["momentum"].shape  # doctest: +SKIP
         (10, 1)
     """
+    check_arguments(model, objects, "capture")
     import keras
     import tensorflow as tf
 
-    named = named_variables(model)
+    named = named_tensors(model)
     if not named:
         raise ValueError("the model has no variables yet: build it first "
                          "(call it on a batch, or model.build(input_shape))")
     names = {id(var): name for name, var in named}
-    state = TrainingState(framework="keras",
-                          model={name: read(var) for name, var in named},
+    state = TrainingState(framework=_NAME,
+                          model={name: to_numpy(var, copy=copy) for name, var in named},
                           params=describe_params(model, names))
     opt = _optimizer_of(model, optimizer)
     if opt is not None:
         ensure_built(opt, model)
-        state.optimizer, state.schedule, state.accumulation = capture_optimizer(opt, names)
+        state.optimizer, state.accumulation = capture_optimizer(opt, names)
+        state.schedule = capture_schedule(opt)
         state.step = state.optimizer.step
     if rng:
         from ckptcore.rng import capture_rng
@@ -82,25 +113,26 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None,
         "model_class": type(model).__name__,
         "optimizer_class": None if opt is None else type(opt).__name__,
     }
-    state.extra = {"keras": {"variables": [name for name, _ in named]}}
+    state.extra = {_NAME: {"variables": [name for name, _ in named]}}
     return state
 
 
 def _saved_order(state: TrainingState) -> list[str]:
-    order = ((state.extra or {}).get("keras") or {}).get("variables")
+    order = ((state.extra or {}).get(_NAME) or {}).get("variables")
     if isinstance(order, (list, tuple)) and set(order) == set(state.model):
         return list(order)
     return list(state.model)
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
-            strict: bool = True) -> RestoreReport:
+            strict: bool = True, rng: bool = True, **objects: Any) -> RestoreReport:
     """Put ``state`` back into ``model``, its optimizer, the RNGs and ``cursor``.
 
     Works into a freshly built model whose optimizer has not been built (it is
     built here), into the same architecture built in another process, and into a
     second copy built in the same process (auto-generated names such as
     ``dense_1`` are then matched in model order).  Values are assigned bit for bit.
+    A state of another framework is converted first (``ckptcore.api.convert_for``).
 
     Args:
         state: A state captured by :func:`capture` (or imported from a TF checkpoint).
@@ -108,79 +140,60 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
         optimizer: Defaults to ``model.optimizer`` when compiled.
         cursor: A ``DataCursor`` to position, if the state has data.
         strict: Raise on missing or unexpected names instead of reporting them.
+        rng: Restore the global RNG states saved in the state (``False``: every RNG
+            is left as it is).
 
     Returns:
         The names in the target that the state did not cover (``missing``) and the
         saved names nothing in the target took (``unexpected``).
 
     Raises:
+        TypeError: ``model`` is not a Keras model, or an object other than model,
+            optimizer and cursor is passed.
         RestoreError: A shape or dtype differs (names the variable), the optimizer
-            kind or gradient accumulation differs, or, with ``strict``, a name is
-            missing or unexpected (lists them).
+            kind or gradient accumulation differs, the model is not built, or, with
+            ``strict``, a name is missing or unexpected (lists them).
     """
-    if state.framework not in (None, "keras"):  # another framework's state: migrate it first
-        from ckptcore.api import convert
-        state = convert(state, "keras", model, _optimizer_of(model, optimizer))
-    missing, unexpected = restore_objects(state, model, optimizer, strict=strict,
-                                          expect_data=cursor is not None)
-    if state.rng:
-        restore_framework_rng(state.rng)  # before Python's: it may draw from Python's random
-        from ckptcore.rng import restore_rng
-        restore_rng(state.rng)
-    if cursor is not None and state.data:
-        cursor.load_state_dict(state.data)
-    return RestoreReport(missing=tuple(missing), unexpected=tuple(unexpected))
+    check_arguments(model, objects, "restore")
+    from ckptcore.api import convert_for
 
-
-def restore_objects(state: TrainingState, model: Any, optimizer: Any = None, *,
-                    strict: bool = True, expect_data: bool = False) -> tuple[list[str], list[str]]:
-    """:func:`restore` for the model and optimizer only (no RNG, no cursor)."""
-    if state.framework not in (None, "keras"):
-        raise RestoreError(f"the state comes from {state.framework!r}; convert it first "
-                           "(ckptcore.load_state migrates when given Keras objects)")
-    named = named_variables(model)
+    opt = _optimizer_of(model, optimizer)
+    state = convert_for(state, _NAME, {"model": model, "optimizer": opt})
+    named = named_tensors(model)
     if not named:
         raise RestoreError("the model has no variables yet: build it first "
                            "(call it on a batch, or model.build(input_shape))")
+    plan = RestorePlan()
     target = dict(named)
     order = _saved_order(state)
     mapping = match_names(order, [n for n, _ in named])
     taken = set(mapping.values())
-    missing = [n for n in target if n not in taken]
-    unexpected = [n for n in order if n not in mapping]
-    plan = [(t, target[t], check_value(t, target[t], state.model[n]))
-            for n, t in mapping.items()]
-    opt = _optimizer_of(model, optimizer)
+    plan.missing(*(qualified("model", n) for n in target if n not in taken))
+    plan.unexpected_from(order, mapping)
+    for saved, name in mapping.items():
+        var, value = target[name], state.model[saved]
+        plan.assign(qualified("model", name), value, shape=var.shape, dtype=np_dtype(var),
+                    put=lambda var=var, value=value: assign(var, value))
     if state.optimizer is not None and opt is not None:
         ensure_built(opt, model)
-        plan += plan_optimizer(state.optimizer, state.accumulation, opt,
-                               lambda n: target.get(mapping.get(n, "")), strict=strict,
-                               missing=missing, unexpected=unexpected)
+        plan_optimizer(plan, state.optimizer, state.accumulation, opt,
+                       lambda n: target.get(mapping.get(n, "")), strict=strict)
+        plan_schedule(plan, state.schedule, opt)
     elif state.optimizer is not None:
-        unexpected.append("optimizer")
+        plan.unexpected(qualified("optimizer"))
     elif opt is not None:
-        missing.append("optimizer")
-    if expect_data and not state.data:
-        missing.append("data")
-    if strict and (missing or unexpected):
-        raise RestoreError(_mismatch_message(missing, unexpected))
-    # Each assign copies the array into a new TensorFlow buffer (conversion never aliases numpy
-    # memory), then swaps it in.  Converting on several threads was measured slower: each
-    # thread's allocations take fresh pages instead of the buffers the swaps just freed.
-    for _, var, value in plan:
-        var.assign(value)
-    return missing, unexpected
+        plan.missing(qualified("optimizer"))
+    if rng and state.rng:
+        plan.then(lambda: _restore_rng(state.rng))
+    if cursor is not None:
+        if state.data:
+            plan.then(lambda: cursor.load_state_dict(state.data))
+        else:
+            plan.missing(qualified("data"))
+    return plan.apply(strict)
 
 
-def _mismatch_message(missing: list[str], unexpected: list[str]) -> str:
-    def show(names: list[str]) -> str:
-        head = ", ".join(names[:20])
-        return head + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
-    parts = []
-    if missing:
-        parts.append(f"missing from the state: {show(missing)}")
-    if unexpected:
-        parts.append(f"not in the target: {show(unexpected)}")
-    return ("the state does not fit the model: " + "; ".join(parts)
-            + ". Pass strict=False to restore what matches and get a RestoreReport.")
-
+def _restore_rng(rng: dict[str, Any]) -> None:
+    restore_framework_rng(rng)  # before Python's: creating Keras' generator draws from Python's random
+    from ckptcore.rng import restore_rng
+    restore_rng(rng)

@@ -16,6 +16,13 @@ The slot name is the variable name with the parameter's prefix removed
 * ``extra["loss_scale"]``: a ``LossScaleOptimizer``'s own variables and config; the
   wrapped optimizer is described by the other fields.  ``extra["variables"]``: any
   other optimizer variable, by name (e.g. Nadam's ``u_product``).
+* A ``LearningRateSchedule`` is a function of the iteration counter, so its state is that
+  counter: restoring the optimizer positions the schedule; :func:`plan_schedule` only checks
+  that the target has the same schedule.
+
+Restore reports name entries with :func:`ckptcore.adapter.qualified`: ``optimizer/<param>/<slot>``,
+``optimizer/iterations``, ``optimizer/learning_rate``, ``optimizer/<extra variable>``,
+``optimizer/loss_scale/<variable>``, ``accumulation/<param>`` and ``schedule``.
 """
 
 from __future__ import annotations
@@ -25,28 +32,17 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ckptcore.adapter import RestorePlan, qualified
 from ckptcore.errors import RestoreError
 from ckptcore.state import AccumulationState, OptimizerState, ScheduleState
+from ckptcore.vocab import plain
 
-from ._variables import check_value, read
+from ._tensors import assign, np_dtype, to_numpy
+
+__all__ = ["capture_optimizer", "plan_optimizer", "capture_schedule", "plan_schedule",
+           "ensure_built", "unwrap", "variable_roles"]
 
 _NOT_SLOTS = ("_variables", "_trainable_variables", "_accumulated_gradients")
-_DROP = object()
-
-
-def plain(value: Any) -> Any:
-    """``value`` with only msgpack-able plain values kept (numpy scalars become Python ones)."""
-    if isinstance(value, dict):
-        out = {str(k): plain(v) for k, v in value.items()}
-        return {k: v for k, v in out.items() if v is not _DROP}
-    if isinstance(value, (list, tuple)):
-        items = [plain(v) for v in value]
-        return _DROP if any(v is _DROP for v in items) else items
-    if isinstance(value, np.generic):
-        return value.item()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return _DROP
 
 
 def unwrap(optimizer: Any) -> tuple[Any, Any]:
@@ -127,11 +123,16 @@ def _lr_variable(inner: Any) -> Any:
     return inner._learning_rate if _is_variable(inner._learning_rate) else None
 
 
-def capture_optimizer(optimizer: Any, names: dict[int, str]) -> tuple[
-        OptimizerState, ScheduleState | None, AccumulationState | None]:
-    """The optimizer's state; ``names`` maps ``id(model variable)`` to its state name."""
+def _schedule_of(inner: Any) -> Any:
     from keras.optimizers.schedules import LearningRateSchedule
 
+    sched = inner._learning_rate
+    return sched if isinstance(sched, LearningRateSchedule) else None
+
+
+def capture_optimizer(optimizer: Any, names: dict[int, str]) -> tuple[
+        OptimizerState, AccumulationState | None]:
+    """The optimizer's state; ``names`` maps ``id(model variable)`` to its state name."""
     inner, wrapper = unwrap(optimizer)
     slots, acc = _slot_table(inner)
     pnames = _param_names(inner, names)
@@ -141,41 +142,74 @@ def capture_optimizer(optimizer: Any, names: dict[int, str]) -> tuple[
     hyper = plain(inner.get_config())
     hyper["learning_rate"] = float(np.asarray(inner.learning_rate))
     extra: dict[str, Any] = {}
-    others = {name: read(v) for name, v in _other_variables(inner, slots, acc, lr_var).items()}
+    others = {name: to_numpy(v) for name, v in _other_variables(inner, slots, acc, lr_var).items()}
     if others:
         extra["variables"] = others
     if wrapper is not None:
         extra["loss_scale"] = {
-            "variables": {v.name: read(v) for v in wrapper._variables},
+            "variables": {v.name: to_numpy(v) for v in wrapper._variables},
             "config": {"initial_scale": float(wrapper.initial_scale),
                        "dynamic_growth_steps": int(wrapper.dynamic_growth_steps)}}
     state = OptimizerState(
         kind=type(inner).__name__.lower(), step=raw // every if every else raw,
         hyperparams=hyper, extra=extra,
-        slots={pnames[i]: {k: read(v) for k, v in d.items()} for i, d in sorted(slots.items())})
-    schedule = None
-    if isinstance(inner._learning_rate, LearningRateSchedule):
-        schedule = ScheduleState(kind=type(inner._learning_rate).__name__,
-                                 config=plain(inner._learning_rate.get_config()),
-                                 step=raw, last_lr=hyper["learning_rate"])
+        slots={pnames[i]: {k: to_numpy(v) for k, v in d.items()} for i, d in sorted(slots.items())})
     accumulation = None
     if every:
         accumulation = AccumulationState(every=every, count=raw % every,
-                                         buffers={pnames[i]: read(v) for i, v in sorted(acc.items())})
-    return state, schedule, accumulation
+                                         buffers={pnames[i]: to_numpy(v) for i, v in sorted(acc.items())})
+    return state, accumulation
 
 
-Assignment = tuple[str, Any, np.ndarray]
+def capture_schedule(optimizer: Any) -> ScheduleState | None:
+    """The learning-rate schedule, if the optimizer has one: its config and position."""
+    inner, _ = unwrap(optimizer)
+    sched = _schedule_of(inner)
+    if sched is None:
+        return None
+    return ScheduleState(kind=type(sched).__name__, config=plain(sched.get_config()),
+                         step=int(inner._iterations.numpy()),
+                         last_lr=float(np.asarray(inner.learning_rate)))
 
 
-def plan_optimizer(state: OptimizerState, accumulation: AccumulationState | None,
-                   optimizer: Any, to_target: Callable[[str], Any | None], *, strict: bool,
-                   missing: list[str], unexpected: list[str]) -> list[Assignment]:
-    """Check ``state`` against a built ``optimizer``; list the assignments that restore it.
+def plan_schedule(plan: RestorePlan, schedule: ScheduleState | None, optimizer: Any) -> None:
+    """Check a saved schedule against the target optimizer's; there is nothing to assign.
+
+    The schedule's position is the optimizer's iteration counter, which :func:`plan_optimizer`
+    restores.  A saved schedule the target does not have is ``unexpected`` (the run would go on
+    at a constant rate); a state without one restores into an optimizer with one (the counter
+    positions it).
+
+    Raises:
+        RestoreError: the target's schedule is of another class than the saved one.
+    """
+    if schedule is None:
+        return
+    sched = _schedule_of(unwrap(optimizer)[0])
+    if sched is None:
+        plan.unexpected(qualified("schedule"))
+    elif type(sched).__name__ != schedule.kind:
+        raise RestoreError(f"the state holds a {schedule.kind} learning-rate schedule but the target "
+                           f"optimizer's is a {type(sched).__name__}")
+
+
+def _put(plan: RestorePlan, name: str, var: Any, value: Any) -> None:
+    value = np.asarray(value)
+    plan.assign(name, value, shape=var.shape, dtype=np_dtype(var),
+                put=lambda: assign(var, value))
+
+
+def plan_optimizer(plan: RestorePlan, state: OptimizerState, accumulation: AccumulationState | None,
+                   optimizer: Any, to_target: Callable[[str], Any | None], *, strict: bool) -> None:
+    """Plan restoring ``state`` (and ``accumulation``) into a built ``optimizer``.
 
     ``to_target`` maps a saved parameter name to the live model variable (or None).
-    Names that do not fit are appended to ``missing`` / ``unexpected``; shape and
-    dtype mismatches raise :class:`RestoreError`.
+    Names that do not fit go to the plan's missing / unexpected lists; shape and dtype
+    mismatches raise :class:`RestoreError` (through ``plan.assign``).
+
+    Raises:
+        RestoreError: the optimizer class differs (with ``strict``; otherwise the whole
+            optimizer is reported missing and unexpected), or gradient accumulation differs.
     """
     inner, wrapper = unwrap(optimizer)
     slots, acc = _slot_table(inner)
@@ -185,9 +219,9 @@ def plan_optimizer(state: OptimizerState, accumulation: AccumulationState | None
             raise RestoreError(f"the state holds {state.kind!r} optimizer state but the target "
                                f"optimizer is {kind!r}; use a {state.kind} optimizer, or "
                                "strict=False to restore the model alone")
-        unexpected.append(f"optimizer:{state.kind}")
-        missing.append(f"optimizer:{kind}")
-        return []
+        plan.unexpected(qualified("optimizer"))
+        plan.missing(qualified("optimizer"))
+        return
     index = {inner._var_key(p): i for i, p in enumerate(inner._trainable_variables)}
     paths = [p.path for p in inner._trainable_variables]
 
@@ -195,17 +229,16 @@ def plan_optimizer(state: OptimizerState, accumulation: AccumulationState | None
         var = to_target(pname)
         return index.get(inner._var_key(var)) if var is not None else None
 
-    plan: list[Assignment] = []
     done: set[int] = set()
     for pname, saved in state.slots.items():
         i = position(pname)
         if i is None:
-            unexpected.extend(f"optimizer:{pname}:{s}" for s in saved)
+            plan.unexpected(*(qualified("optimizer", pname, s) for s in saved))
             continue
         done.add(i)
-        plan += _plan_named(saved, slots.get(i, {}), f"optimizer:{pname}:", missing, unexpected)
+        _plan_named(plan, saved, slots.get(i, {}), ("optimizer", pname))
     for i in sorted(set(slots) - done):
-        missing.extend(f"optimizer:{paths[i]}:{s}" for s in slots[i])
+        plan.missing(*(qualified("optimizer", paths[i], s) for s in slots[i]))
 
     every = inner.gradient_accumulation_steps or 0
     if every != (accumulation.every if accumulation is not None else 0):
@@ -213,43 +246,36 @@ def plan_optimizer(state: OptimizerState, accumulation: AccumulationState | None
                            f"{accumulation.every if accumulation else None} but the target "
                            f"optimizer has {every or None}")
     raw = state.step * every + accumulation.count if every else state.step
-    plan.append(("optimizer:iteration", inner._iterations,
-                 check_value("optimizer:iteration", inner._iterations, np.int64(raw))))
+    _put(plan, qualified("optimizer", "iterations"), inner._iterations, np.int64(raw))
     if every:
         done = set()
         for pname, value in accumulation.buffers.items():
             i = position(pname)
             if i is None or i not in acc:
-                unexpected.append(f"accumulation:{pname}")
+                plan.unexpected(qualified("accumulation", pname))
                 continue
             done.add(i)
-            plan.append((f"accumulation:{pname}", acc[i],
-                         check_value(f"accumulation:{pname}", acc[i], value)))
-        missing.extend(f"accumulation:{paths[i]}" for i in sorted(set(acc) - done))
+            _put(plan, qualified("accumulation", pname), acc[i], value)
+        plan.missing(*(qualified("accumulation", paths[i]) for i in sorted(set(acc) - done)))
 
     lr_var = _lr_variable(inner)
     if lr_var is not None and "learning_rate" in state.hyperparams:
-        value = np.asarray(state.hyperparams["learning_rate"], dtype=lr_var.dtype)
-        plan.append(("optimizer:learning_rate", lr_var,
-                     check_value("optimizer:learning_rate", lr_var, value)))
+        value = np.asarray(state.hyperparams["learning_rate"], dtype=np_dtype(lr_var))
+        _put(plan, qualified("optimizer", "learning_rate"), lr_var, value)
     elif lr_var is not None:
-        missing.append("optimizer:learning_rate")
+        plan.missing(qualified("optimizer", "learning_rate"))
     others = _other_variables(inner, slots, acc, lr_var)
-    plan += _plan_named(state.extra.get("variables", {}), others, "optimizer.extra:",
-                        missing, unexpected)
+    _plan_named(plan, state.extra.get("variables", {}), others, ("optimizer",))
     saved_ls = (state.extra.get("loss_scale") or {}).get("variables", {})
     target_ls = {v.name: v for v in wrapper._variables} if wrapper is not None else {}
-    plan += _plan_named(saved_ls, target_ls, "optimizer.loss_scale:", missing, unexpected)
-    return plan
+    _plan_named(plan, saved_ls, target_ls, ("optimizer", "loss_scale"))
 
 
-def _plan_named(saved: dict[str, Any], targets: dict[str, Any], label: str,
-                missing: list[str], unexpected: list[str]) -> list[Assignment]:
-    plan = []
+def _plan_named(plan: RestorePlan, saved: dict[str, Any], targets: dict[str, Any],
+                prefix: tuple[str, ...]) -> None:
     for name, value in saved.items():
         if name in targets:
-            plan.append((label + name, targets[name], check_value(label + name, targets[name], value)))
+            _put(plan, qualified(*prefix, name), targets[name], value)
         else:
-            unexpected.append(label + name)
-    missing.extend(label + n for n in targets if n not in saved)
-    return plan
+            plan.unexpected(qualified(*prefix, name))
+    plan.missing(*(qualified(*prefix, n) for n in targets if n not in saved))

@@ -14,25 +14,30 @@ import re
 from typing import Any
 
 from ckptcore.state import ParamInfo
+from ckptcore.vocab import Kind, Role, plain
 
-from ._variables import layer_path, raw_owners, walk_layers
+from ._tensors import layer_path, raw_owners, walk_layers
 
 _KINDS = {
-    "Dense": "dense", "EinsumDense": "einsum_dense", "Embedding": "embedding",
-    "Conv1D": "conv1d", "Conv2D": "conv2d", "Conv3D": "conv3d",
-    "DepthwiseConv1D": "depthwise_conv1d", "DepthwiseConv2D": "depthwise_conv2d",
-    "SeparableConv1D": "separable_conv1d", "SeparableConv2D": "separable_conv2d",
-    "Conv1DTranspose": "conv1d_transpose", "Conv2DTranspose": "conv2d_transpose",
-    "Conv3DTranspose": "conv3d_transpose",
-    "BatchNormalization": "batch_norm", "LayerNormalization": "layer_norm",
-    "GroupNormalization": "group_norm", "UnitNormalization": "unit_norm",
-    "LSTM": "lstm", "GRU": "gru", "SimpleRNN": "simple_rnn",
-    "MultiHeadAttention": "multi_head_attention", "PReLU": "prelu",
+    "Dense": Kind.DENSE, "EinsumDense": Kind.EINSUM_DENSE, "Embedding": Kind.EMBEDDING,
+    "Conv1D": Kind.CONV1D, "Conv2D": Kind.CONV2D, "Conv3D": Kind.CONV3D,
+    "DepthwiseConv1D": Kind.DEPTHWISE_CONV1D, "DepthwiseConv2D": Kind.DEPTHWISE_CONV2D,
+    "SeparableConv1D": Kind.SEPARABLE_CONV1D, "SeparableConv2D": Kind.SEPARABLE_CONV2D,
+    "Conv1DTranspose": Kind.CONV1D_TRANSPOSE, "Conv2DTranspose": Kind.CONV2D_TRANSPOSE,
+    "Conv3DTranspose": Kind.CONV3D_TRANSPOSE,
+    "BatchNormalization": Kind.BATCH_NORM, "LayerNormalization": Kind.LAYER_NORM,
+    "GroupNormalization": Kind.GROUP_NORM, "UnitNormalization": Kind.UNIT_NORM,
+    "LSTM": Kind.LSTM, "GRU": Kind.GRU, "SimpleRNN": Kind.SIMPLE_RNN,
+    "MultiHeadAttention": Kind.MULTI_HEAD_ATTENTION, "PReLU": Kind.PRELU,
 }
-_CONV = {"conv1d": "kio", "conv2d": "hwio", "conv3d": "dhwio",
-         "conv1d_transpose": "koi", "conv2d_transpose": "hwoi", "conv3d_transpose": "dhwoi",
-         "depthwise_conv1d": "kim", "depthwise_conv2d": "hwim"}
-_GATES = {"lstm": "ifco", "gru": "zrh", "simple_rnn": None}
+# Keras' kernel layouts, one letter per axis (see ckptcore.vocab for the letters).
+_CONV = {Kind.CONV1D: "kio", Kind.CONV2D: "hwio", Kind.CONV3D: "dhwio",
+         Kind.CONV1D_TRANSPOSE: "koi", Kind.CONV2D_TRANSPOSE: "hwoi", Kind.CONV3D_TRANSPOSE: "dhwoi",
+         Kind.DEPTHWISE_CONV1D: "kim", Kind.DEPTHWISE_CONV2D: "hwim"}
+_SEPARABLE = (Kind.SEPARABLE_CONV1D, Kind.SEPARABLE_CONV2D)
+# Keras' gate orders: LSTM i, f, c, o; GRU z, r, h.
+_GATES = {Kind.LSTM: "ifco", Kind.GRU: "zrh", Kind.SIMPLE_RNN: None}
+_NORMS = (Kind.BATCH_NORM, Kind.LAYER_NORM, Kind.GROUP_NORM)
 _CONV_ATTRS = ("kernel_size", "strides", "padding", "dilation_rate", "data_format", "groups",
                "depth_multiplier", "output_padding")
 _NORM_ATTRS = ("axis", "epsilon", "momentum", "center", "scale", "groups")
@@ -43,14 +48,6 @@ _PASSTHROUGH = {"Dropout", "Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", 
 
 def _snake(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 def _reporting_layer(owner: Any, ancestors: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
@@ -64,43 +61,43 @@ def _reporting_layer(owner: Any, ancestors: tuple[Any, ...]) -> tuple[Any, dict[
                 else "forward"
         for key in ("units", "reset_after", "go_backwards", "return_sequences"):
             if hasattr(owner, key):
-                attrs[key] = _plain(getattr(owner, key))
+                attrs[key] = plain(getattr(owner, key))
     elif parent is not None and type(parent).__name__ == "MultiHeadAttention":
         attrs["projection"] = owner.name
         for key in ("num_heads", "key_dim", "value_dim"):
-            attrs[key] = _plain(getattr(parent, f"_{key}", None))
+            attrs[key] = plain(getattr(parent, f"_{key}", None))
         owner = parent
     return owner, attrs
 
 
 def _describe(kind: str, role: str, layer: Any, attrs: dict[str, Any]) -> str | None:
-    if kind in _CONV or kind.startswith("separable"):
+    if kind in _CONV or kind in _SEPARABLE:
         for key in _CONV_ATTRS:
             if hasattr(layer, key):
-                attrs[key] = _plain(getattr(layer, key))
-    elif kind in ("batch_norm", "layer_norm", "group_norm"):
+                attrs[key] = plain(getattr(layer, key))
+    elif kind in _NORMS:
         for key in _NORM_ATTRS:
             if hasattr(layer, key):
-                attrs[key] = _plain(getattr(layer, key))
-    if role == "bias" and kind not in _GATES and kind != "multi_head_attention":
+                attrs[key] = plain(getattr(layer, key))
+    if role == Role.BIAS and kind not in _GATES and kind != Kind.MULTI_HEAD_ATTENTION:
         return "o"
-    if kind == "dense" and role == "kernel":
+    if kind == Kind.DENSE and role == Role.KERNEL:
         return "io"
-    if kind in _CONV and role == "kernel":
+    if kind in _CONV and role == Role.KERNEL:
         return _CONV[kind]
-    if kind.startswith("separable"):
-        spatial = "k" if kind.endswith("1d") else "hw"
-        return {"depthwise_kernel": spatial + "im", "pointwise_kernel": spatial + "io"}.get(role)
-    if kind == "embedding" and role == "embeddings":
+    if kind in _SEPARABLE:
+        spatial = "k" if kind == Kind.SEPARABLE_CONV1D else "hw"
+        return {Role.DEPTHWISE_KERNEL: spatial + "im", Role.POINTWISE_KERNEL: spatial + "io"}.get(role)
+    if kind == Kind.EMBEDDING and role == Role.EMBEDDINGS:
         return "vd"
     if kind in _GATES:
-        if role in ("kernel", "recurrent_kernel"):
+        if role in (Role.KERNEL, Role.RECURRENT_KERNEL):
             attrs["axes"] = "io"
         return _GATES[kind]
-    if kind == "multi_head_attention":
+    if kind == Kind.MULTI_HEAD_ATTENTION:
         out = attrs.get("projection") == "attention_output"
-        return {("kernel", False): "ehd", ("bias", False): "hd",
-                ("kernel", True): "hde", ("bias", True): "e"}.get((role, out))
+        return {(Role.KERNEL, False): "ehd", (Role.BIAS, False): "hd",
+                (Role.KERNEL, True): "hde", (Role.BIAS, True): "e"}.get((role, out))
     return None
 
 
@@ -141,7 +138,7 @@ def describe_params(model: Any, names: dict[int, str]) -> dict[str, ParamInfo]:
         kind = _KINDS.get(type(rep).__name__, _snake(type(rep).__name__))
         if any(not seed for _, seed in own):
             index += 1
-        if kind == "dense":
+        if kind == Kind.DENSE:
             shape = _flatten_input(rep)
             if shape is not None:
                 attrs.update(input_shape=shape, input_order="channels_last")
@@ -149,7 +146,7 @@ def describe_params(model: Any, names: dict[int, str]) -> dict[str, ParamInfo]:
             a = dict(attrs)
             if seed:
                 out[names[id(var)]] = ParamInfo(index=-1, layer=layer_path(rep), kind=kind,
-                                                role="seed_state", attrs=a)
+                                                role=Role.SEED_STATE, attrs=a)
                 continue
             role = var.name
             if "projection" in a:
@@ -160,6 +157,6 @@ def describe_params(model: Any, names: dict[int, str]) -> dict[str, ParamInfo]:
                                             role=role, layout=layout, attrs=a)
     for vid, name in names.items():
         if name not in out and vid in raw:
-            out[name] = ParamInfo(index=-1, layer=layer_path(raw[vid]), kind="custom",
+            out[name] = ParamInfo(index=-1, layer=layer_path(raw[vid]), kind=Kind.CUSTOM,
                                   role=name[len(layer_path(raw[vid])) + 1:])
     return out

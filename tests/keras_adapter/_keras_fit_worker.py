@@ -42,16 +42,16 @@ SEEN: list[list[float]] = []  # labels of the batches trained since the last on_
 
 
 def record_labels(y_true):
-    # Seed 000's trick (it tf.print-ed y_true in the loss): see which samples each step trains.
+    # Logging y_true from inside the loss shows which samples each step really trains.
     tf.py_function(lambda t: SEEN.append(t.numpy().reshape(-1).tolist()), [y_true], [])
 
 
-def my_mse(y_true, y_pred):  # seed 000's loss
+def my_mse(y_true, y_pred):  # a per-sample sum of squares that logs its labels
     record_labels(y_true)
     return keras.ops.sum(keras.ops.square(y_pred - y_true), axis=1)
 
 
-def seed000():
+def dense_mse():
     x = np.random.RandomState(0).randn(15, 10).astype("float32")
     y = np.arange(15).astype("float32").reshape(15, 1)
     inputs = keras.Input(shape=(10,))
@@ -77,7 +77,7 @@ def _onehot_data():
     return rs.rand(20, 4, 4).astype("float32"), np.eye(3, dtype="float32")[rs.randint(0, 3, 20)]
 
 
-def train_step_accumulation():  # seed 002: accumulate 4 batches in train_step, then apply
+def train_step_accumulation():  # accumulate 4 batches in train_step, then apply
     inp = keras.Input(shape=(4, 4))
     x = keras.layers.Dense(8, activation="relu")(keras.layers.Flatten()(inp))
     out = keras.layers.Dense(3, activation="softmax", name="primary")(x)
@@ -95,7 +95,7 @@ def keras_accumulation():  # Keras 3's own gradient_accumulation_steps=4
     return model, _onehot_data(), 4, 3
 
 
-SCENARIOS = {"seed000": seed000, "bn_dropout_decay": bn_dropout_decay,
+SCENARIOS = {"dense_mse": dense_mse, "bn_dropout_decay": bn_dropout_decay,
              "train_step_accumulation": train_step_accumulation,
              "keras_accumulation": keras_accumulation}
 EPOCHS = 3

@@ -72,7 +72,8 @@ def loss_scale() -> keras.Model:
 
 
 class CustomTrainStep(keras.Model):
-    """Seed 002's gradient accumulation in ``train_step``, as the answer wrote it."""
+    """Gradient accumulation in a custom ``train_step``: a step counter and one accumulator per
+    weight, raw ``tf.Variable`` attributes that Keras does not track."""
 
     def __init__(self, n_gradients, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -103,7 +104,7 @@ class CustomTrainStep(keras.Model):
         return [self.n_acum_step, *self.gradient_accumulation]
 
 
-def seed002() -> keras.Model:
+def accumulating_train_step() -> keras.Model:
     inp = keras.Input(shape=(4, 4))
     x = keras.layers.Flatten()(inp)
     x = keras.layers.Dense(8, activation="relu")(x)
@@ -120,7 +121,7 @@ SCENARIOS = {
     "subclassed_rmsprop_gru": (subclassed_rmsprop, "tokens", 4, 3),
     "keras_accumulation_4": (accum4, "reg5", 6, 6),
     "loss_scale_optimizer": (loss_scale, "reg5", 5, 4),
-    "seed002_train_step_accumulation": (seed002, "onehot16", 6, 6),
+    "train_step_accumulation": (accumulating_train_step, "onehot16", 6, 6),
 }
 
 

@@ -1,4 +1,4 @@
-"""Subprocess worker for test_mirrored.py (seed 003: a MirroredStrategy custom loop).
+"""Subprocess worker for test_mirrored.py (a MirroredStrategy custom loop).
 
 ``strategy <dir>``: two logical CPUs, train a small CNN with ``strategy.run`` on
 ``ckptcore_keras.dataset(cursor, ...)`` distributed by the strategy, saving every 3
@@ -94,7 +94,7 @@ def make_step(strategy, model, optimizer):
 
 
 def train(strategy, model, optimizer, cursor, x, y, mgr=None) -> None:
-    """Seed 003's loop over the cursor's batches, saving every SAVE_EVERY steps."""
+    """The strategy loop over the cursor's batches, saving every SAVE_EVERY steps."""
     step_fn = make_step(strategy, model, optimizer)
     while cursor.epoch < EPOCHS:
         for batch in strategy.experimental_distribute_dataset(ckptcore_keras.dataset(cursor, x, y)):

@@ -12,7 +12,7 @@ keras = pytest.importorskip("keras")
 
 import ckptcore_keras  # noqa: E402
 from _keras_helpers import (accum4, assert_plain, assert_same_bits, batches, functional_sgd,  # noqa: E402
-                            loss_scale, same_bits, seed002, seq_bn_dropout, snapshot,
+                            loss_scale, same_bits, accumulating_train_step, seq_bn_dropout, snapshot,
                             subclassed_rmsprop)
 from ckptcore.errors import RestoreError  # noqa: E402
 
@@ -128,9 +128,9 @@ def test_restore_into_second_copy_in_same_process(build, kind):
     assert_same_bits(snapshot(model), snapshot(fresh), build.__name__ + " after training")
 
 
-def test_seed002_raw_tf_variables_are_captured():
+def test_train_step_raw_tf_variables_are_captured():
     keras.utils.set_random_seed(1)
-    model = seed002()
+    model = accumulating_train_step()
     _train(model, "onehot16", 6)
     state = ckptcore_keras.capture(model)
     base = model.name
@@ -139,7 +139,7 @@ def test_seed002_raw_tf_variables_are_captured():
     assert all(same_bits(a, v.numpy()) for a, v in zip(acc, model.gradient_accumulation))
     assert np.any(acc[0] != 0)
     assert state.params[f"{base}/n_acum_step"].kind == "custom"
-    fresh = seed002()
+    fresh = accumulating_train_step()
     ckptcore_keras.restore(state, fresh)
     assert_same_bits(snapshot(model), snapshot(fresh))
 
@@ -213,7 +213,7 @@ def test_shape_and_dtype_mismatch_raise_naming_the_variable():
     b = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, name="d")], name="m")
     state = ckptcore_keras.capture(a, rng=False)
     before = b.layers[0].bias.numpy()
-    with pytest.raises(RestoreError, match=r"m/d/kernel.*\(5, 3\).*\(5, 4\)"):
+    with pytest.raises(RestoreError, match=r"m/d/kernel.*\[5, 3\].*\[5, 4\]"):
         ckptcore_keras.restore(state, b, strict=False)
     assert same_bits(b.layers[0].bias.numpy(), before)  # nothing assigned on failure
     state.model["m/d/bias"] = state.model["m/d/bias"].astype("float64")
@@ -230,7 +230,7 @@ def test_optimizer_kind_mismatch():
     with pytest.raises(RestoreError, match="'sgd'.*'adam'"):
         ckptcore_keras.restore(state, other, keras.optimizers.Adam())
     report = ckptcore_keras.restore(state, other, keras.optimizers.Adam(), strict=False)
-    assert report.unexpected == ("optimizer:sgd",)
+    assert report.unexpected == ("optimizer",) and report.missing == ("optimizer",)
     assert_same_bits([v.numpy() for v in model.variables], [v.numpy() for v in other.variables])
 
 
@@ -284,8 +284,8 @@ def test_adapter_object():
 
 
 @pytest.mark.parametrize("build,kind", [(seq_bn_dropout, "image3"), (loss_scale, "reg5"),
-                                        (accum4, "reg5"), (seed002, "onehot16")],
-                         ids=["schedule", "loss_scale", "accumulation", "seed002"])
+                                        (accum4, "reg5"), (accumulating_train_step, "onehot16")],
+                         ids=["schedule", "loss_scale", "accumulation", "accumulating_train_step"])
 def test_state_survives_ckptcore_save_and_load(tmp_path, build, kind):
     api = pytest.importorskip("ckptcore.api")
     keras.utils.set_random_seed(1)

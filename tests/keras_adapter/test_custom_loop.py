@@ -1,4 +1,5 @@
-"""Custom training loops with ``ckptcore.CheckpointManager`` (seed 001's loop, minus tf.train).
+"""Custom training loops with ``ckptcore.CheckpointManager`` (a loop that would otherwise
+use tf.train.Checkpoint).
 
 The loop saves with ``mgr.save(step, model=..., optimizer=..., cursor=...)``, "crashes"
 after a step that was not saved, and a fresh model with an unbuilt optimizer resumes
@@ -25,7 +26,7 @@ rs = np.random.RandomState(0)
 X, Y = rs.rand(40, 8, 8).astype("float32"), rs.randint(0, 10, 40).astype("int64")
 
 
-def create_model():  # seed 001's model, smaller
+def create_model():  # a small CNN classifier
     return keras.models.Sequential([keras.Input((8, 8)), keras.layers.Flatten(),
                                     keras.layers.Dense(16, activation="relu"),
                                     keras.layers.Dropout(0.2), keras.layers.Dense(10)])
@@ -65,7 +66,7 @@ def train(model, optimizer, cursor, until, source, mgr=None, seen=None):
 
 
 @pytest.mark.parametrize("source", ["cursor", "dataset"])
-def test_seed001_loop_resumes_bitwise(tmp_path, source):
+def test_custom_loop_resumes_bitwise(tmp_path, source):
     seed_everything(0)
     ref_model, ref_opt = create_model(), keras.optimizers.SGD(0.05, momentum=0.9)
     ref_cursor, ref_seen = ckptcore.DataCursor(40, 8, seed=1), []

@@ -134,9 +134,32 @@ def test_epoch_mode_async_resume_in_place(tmp_path, reference):
     assert history.history["loss"] == reference[1]["loss"][1:]
     assert model._initial_epoch is None  # reset, so a later fit of this model starts normally
     state = ckptcore.load_state(str(root / "step-000000000012"))
-    assert state.extra["keras_fit"] == {**state.extra["keras_fit"], "epoch": 2, "batch": 4,
-                                        "epoch_done": True, "batches": 12}
+    progress = state.extra["keras"]["fit"]
+    assert progress == {**progress, "epoch": 2, "batch": 4, "epoch_done": True, "batches": 12}
+    assert "keras_fit" not in state.extra
     assert state.epoch == 3 and state.data["epoch"] == 3
+
+
+def test_progress_under_the_old_key_is_still_read(tmp_path, reference, caplog):
+    """Checkpoints written before the progress moved to extra["keras"]["fit"] resume the same."""
+    root = tmp_path / "ckpt"
+    _fit(root, crash=6)  # dies in epoch 1, after a mid-epoch save
+    newest = str(sorted(root.glob("step-*"))[-1])
+    state = ckptcore.load_state(newest)
+    state.extra["keras_fit"] = state.extra["keras"].pop("fit")
+    ckptcore.save_state(newest, state, overwrite=True)
+    with caplog.at_level("INFO", logger="ckptcore"):
+        model, cursor, cb, history = _fit(root)
+    assert "keras_fit" in caplog.text
+    assert history.epoch == [1, 2] and cursor.epoch == 3
+    assert_same_bits(reference[0], _values(model))
+    assert history.history["loss"] == reference[1]["loss"][1:]
+
+
+def test_default_retention_is_the_shared_one(tmp_path):
+    from ckptcore.adapter import CALLBACK_KEEP
+
+    assert ckptcore_keras.BackupAndRestore(tmp_path).keep == CALLBACK_KEEP
 
 
 def test_steps_per_execution_and_a_second_fit(tmp_path, reference):

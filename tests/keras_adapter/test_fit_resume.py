@@ -4,11 +4,11 @@ One chain of worker processes kills itself at chosen global batches and resumes
 in a fresh process; one more process trains every scenario without interruption,
 in parallel.  See ``_keras_fit_worker.py`` for the scenarios:
 
-* ``seed000``: seed 000's 15 samples, Dense model, batch 4, shuffled, 3 epochs,
+* ``dense_mse``: 15 samples, a Dense model, batch 4, shuffled, 3 epochs,
   ``save_freq=2``; killed after batches 3, 9 (its checkpoint is an epoch's end) and 11.
 * ``bn_dropout_decay``: Dropout, BatchNormalization, Adam with ExponentialDecay;
   killed in the middle of epoch 2.
-* ``train_step_accumulation`` (seed 002) and ``keras_accumulation``
+* ``train_step_accumulation`` (gradients summed in a custom ``train_step``) and ``keras_accumulation``
   (``gradient_accumulation_steps=4``): interrupted in the middle of an accumulation
   window (the first by an exception out of ``fit``, the second by SIGKILL of the same
   process), both resumed in a fresh process.
@@ -24,17 +24,17 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-KILLS = {"seed000": [3, 9, 11], "bn_dropout_decay": [8], "train_step_accumulation": [8],
+KILLS = {"dense_mse": [3, 9, 11], "bn_dropout_decay": [8], "train_step_accumulation": [8],
          "keras_accumulation": [8]}
-SAVE_FREQ = {"seed000": 2, "bn_dropout_decay": 3, "train_step_accumulation": 3,
+SAVE_FREQ = {"dense_mse": 2, "bn_dropout_decay": 3, "train_step_accumulation": 3,
              "keras_accumulation": 3}
-BATCHES = {"seed000": 4, "bn_dropout_decay": 5, "train_step_accumulation": 5, "keras_accumulation": 5}
+BATCHES = {"dense_mse": 4, "bn_dropout_decay": 5, "train_step_accumulation": 5, "keras_accumulation": 5}
 
 
 # Worker processes in order.  ``n``: SIGKILL after global batch n; ``xn``: an exception
 # out of fit after batch n (the process goes on); ``-1``: resume and finish.
-CHAIN = [["seed000:3"], ["seed000:9"], ["seed000:11"],
-         ["seed000:-1", "bn_dropout_decay:8"],
+CHAIN = [["dense_mse:3"], ["dense_mse:9"], ["dense_mse:11"],
+         ["dense_mse:-1", "bn_dropout_decay:8"],
          ["bn_dropout_decay:-1", "train_step_accumulation:x8", "keras_accumulation:8"],
          ["train_step_accumulation:-1", "keras_accumulation:-1"]]
 
@@ -85,9 +85,9 @@ def _npz(path) -> list[np.ndarray]:
         return [z[f"arr_{i}"] for i in range(len(z.files))]
 
 
-def test_seed000_label_sequence_equals_uninterrupted_run(runs):
-    ref = _log(runs / "seed000" / "ref.jsonl")
-    stitched, starts = _stitch(_log(runs / "seed000" / "ckpt.jsonl"))
+def test_dense_mse_label_sequence_equals_uninterrupted_run(runs):
+    ref = _log(runs / "dense_mse" / "ref.jsonl")
+    stitched, starts = _stitch(_log(runs / "dense_mse" / "ckpt.jsonl"))
     assert starts == [2, 8, 10]  # the last save_freq=2 checkpoint before each kill (3, 9, 11)
     assert [x["g"] for x in ref] == list(range(1, 13))
     assert [x["g"] for x in stitched] == list(range(1, 13))

@@ -1,4 +1,4 @@
-"""Seed 003: a MirroredStrategy custom loop on two logical CPUs, saved with ckptcore.CheckpointManager.
+"""A MirroredStrategy custom loop on two logical CPUs, saved with ckptcore.CheckpointManager.
 
 The logical devices must be configured before TensorFlow initializes, so the
 strategy side runs in its own process; the strategy-free restore runs in another.

@@ -2,8 +2,8 @@
 
 Covers Sequential (Conv/BatchNorm/Dropout, Adam with ExponentialDecay), functional
 (SGD Nesterov momentum, LayerNorm, Dropout), subclassed (Embedding/GRU, centered
-RMSprop with momentum), Keras' ``gradient_accumulation_steps=4`` and seed 002's
-``train_step`` accumulation (both interrupted mid-window), and a LossScaleOptimizer
+RMSprop with momentum), Keras' ``gradient_accumulation_steps=4`` and a custom
+``train_step``'s accumulation (both interrupted mid-window), and a LossScaleOptimizer
 whose scale grows during the run.  The fresh process builds its models from other
 seeds, so every value must come from the state; the RNG draws after the run
 (Python, numpy, Keras' and TensorFlow's global generators) must match too.
@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 SCENARIOS = ["seq_adam_decay_bn_dropout", "functional_sgd_nesterov", "subclassed_rmsprop_gru",
-             "keras_accumulation_4", "loss_scale_optimizer", "seed002_train_step_accumulation"]
+             "keras_accumulation_4", "loss_scale_optimizer", "train_step_accumulation"]
 
 
 @pytest.fixture(scope="module")

@@ -9,23 +9,23 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import ckptcore_keras  # noqa: E402
-from _keras_helpers import assert_same_bits, batches, same_bits, seed002, snapshot  # noqa: E402
+from _keras_helpers import assert_same_bits, batches, same_bits, accumulating_train_step, snapshot  # noqa: E402
 from ckptcore.errors import CheckpointNotFoundError, SchemaError  # noqa: E402
 
 SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 
 
-def create_model():  # seed 001's model, smaller
+def create_model():  # a small CNN classifier
     return keras.models.Sequential([keras.Input((8, 8)), keras.layers.Flatten(),
                                     keras.layers.Dense(16, activation="relu"),
                                     keras.layers.Dropout(0.2), keras.layers.Dense(10)])
 
 
 @pytest.fixture(scope="module")
-def seed001(tmp_path_factory):
-    """Seed 001's custom loop: tf.train.Checkpoint + CheckpointManager(max_to_keep=2), 3 steps."""
+def tf_manager_run(tmp_path_factory):
+    """A custom loop saving with tf.train.Checkpoint + CheckpointManager(max_to_keep=2), 3 steps."""
     keras.utils.set_random_seed(0)
-    log_dir = str(tmp_path_factory.mktemp("seed001"))
+    log_dir = str(tmp_path_factory.mktemp("tf_manager_run"))
     rs = np.random.RandomState(0)
     x_train, y_train = rs.rand(32, 8, 8).astype("float32"), rs.randint(0, 10, 32)
     model = create_model()
@@ -42,8 +42,8 @@ def seed001(tmp_path_factory):
     return model, optimizer, log_dir
 
 
-def test_import_equals_tf_reader(seed001):
-    model, optimizer, log_dir = seed001
+def test_import_equals_tf_reader(tf_manager_run):
+    model, optimizer, log_dir = tf_manager_run
     state = ckptcore_keras.import_tf_checkpoint(log_dir)  # the manager's latest: ckpt-3
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(log_dir))
     keys = {k for k, _ in tf.train.list_variables(tf.train.latest_checkpoint(log_dir))}
@@ -66,8 +66,8 @@ def test_import_equals_tf_reader(seed001):
     assert set(state.model) == {v.path for v in model.trainable_variables}  # no seed state in TF files
 
 
-def test_import_older_prefix_and_missing(seed001, tmp_path):
-    _, _, log_dir = seed001
+def test_import_older_prefix_and_missing(tf_manager_run, tmp_path):
+    _, _, log_dir = tf_manager_run
     older = ckptcore_keras.import_tf_checkpoint(f"{log_dir}/ckpt-2")
     assert older.step == 2
     with pytest.raises(CheckpointNotFoundError):
@@ -76,8 +76,8 @@ def test_import_older_prefix_and_missing(seed001, tmp_path):
         ckptcore_keras.import_tf_checkpoint(tmp_path)
 
 
-def test_imported_state_restores_into_fresh_model(seed001):
-    model, optimizer, log_dir = seed001
+def test_imported_state_restores_into_fresh_model(tf_manager_run):
+    model, optimizer, log_dir = tf_manager_run
     state = ckptcore_keras.import_tf_checkpoint(log_dir)
     fresh, opt = create_model(), keras.optimizers.SGD(learning_rate=0.001, momentum=0.9)
     report = ckptcore_keras.restore(state, fresh, opt, strict=False)
@@ -88,8 +88,8 @@ def test_imported_state_restores_into_fresh_model(seed001):
     assert_same_bits([v.numpy() for v in optimizer.variables], [v.numpy() for v in opt.variables])
 
 
-def test_import_with_model_uses_capture_names(seed001):
-    model, optimizer, log_dir = seed001
+def test_import_with_model_uses_capture_names(tf_manager_run):
+    model, optimizer, log_dir = tf_manager_run
     state = ckptcore_keras.import_tf_checkpoint(log_dir, model=model, optimizer=optimizer)
     captured = ckptcore_keras.capture(model, optimizer, rng=False)
     assert set(state.model) == {n for n in captured.model if "seed_generator" not in n}
@@ -99,8 +99,8 @@ def test_import_with_model_uses_capture_names(seed001):
     assert state.optimizer.hyperparams == captured.optimizer.hyperparams
 
 
-def test_export_restores_with_assert_consumed(seed001, tmp_path):
-    model, optimizer, _ = seed001
+def test_export_restores_with_assert_consumed(tf_manager_run, tmp_path):
+    model, optimizer, _ = tf_manager_run
     state = ckptcore_keras.capture(model, optimizer, rng=False)
     path = ckptcore_keras.export_tf_checkpoint(state, tmp_path / "out" / "ckpt", create_model(),
                                                keras.optimizers.SGD(learning_rate=0.001, momentum=0.9))
@@ -110,6 +110,33 @@ def test_export_restores_with_assert_consumed(seed001, tmp_path):
     keep = [i for i, v in enumerate(model.variables) if "seed_generator" not in v.path]
     assert_same_bits([model.variables[i].numpy() for i in keep], [target.variables[i].numpy() for i in keep])
     assert_same_bits([v.numpy() for v in optimizer.variables], [v.numpy() for v in opt.variables])
+
+
+def test_file_format_reads_and_writes_through_the_adapter(tf_manager_run, tmp_path):
+    """What ``ckpt import``/``ckpt export`` call: ``ADAPTER.formats``."""
+    (fmt,) = ckptcore_keras.ADAPTER.formats
+    model, optimizer, log_dir = tf_manager_run
+    assert fmt.detect(log_dir) and not fmt.detect(str(tmp_path))
+    state = fmt.read(log_dir, model=None, optimizer=None, unused=None)  # None: option not given
+    assert_same_bits(list(state.model.values()),
+                     list(ckptcore_keras.import_tf_checkpoint(log_dir).model.values()))
+    dst = str(tmp_path / "out" / "ckpt")
+    with pytest.raises(TypeError, match="model"):
+        fmt.write(state, dst)
+    with pytest.raises(TypeError, match="bogus"):
+        fmt.write(state, dst, model=create_model(), bogus=1)
+    state = ckptcore_keras.capture(model, optimizer, rng=False)  # with its seed generators
+    target = create_model()
+    written = fmt.write(state, dst, model=target,
+                        optimizer=keras.optimizers.SGD(learning_rate=0.001, momentum=0.9))
+    assert fmt.detect(dst) and written == dst
+    again = fmt.read(dst, model=target)
+    now = ckptcore_keras.capture(target, rng=False)  # the target holds the state, under its names
+    assert_same_bits(list(now.model.values()), list(state.model.values()))
+    assert again.model.keys() <= now.model.keys()
+    assert_same_bits([again.model[n] for n in again.model], [now.model[n] for n in again.model])
+    assert_same_bits([s["momentum"] for s in again.optimizer.slots.values()],
+                     [s["momentum"] for s in state.optimizer.slots.values()])
 
 
 def _adam_bn_model():
@@ -171,19 +198,19 @@ def test_import_without_optimizer_names_kind_and_slots(tmp_path):
         assert_same_bits(list(slots.values()), list(state.optimizer.slots[p].values()), p)
 
 
-def test_seed002_model_attribute_variables(tmp_path):
+def test_train_step_model_attribute_variables(tmp_path):
     keras.utils.set_random_seed(4)
-    model = seed002()
+    model = accumulating_train_step()
     for x, y in batches("onehot16", 5):
         model.train_on_batch(x, y)
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(tmp_path / "s"))
     state = ckptcore_keras.import_tf_checkpoint(path, model=model)
     name = f"{model.name}/n_acum_step"
     assert int(state.model[name]) == 1
-    fresh = seed002()
+    fresh = accumulating_train_step()
     report = ckptcore_keras.restore(state, fresh, strict=False)
     assert report.unexpected == ()
-    # TF does not write variables held in Python lists: seed 002's accumulators are missing.
+    # TF does not write variables held in Python lists: the custom train_step's accumulators are missing.
     assert sorted(n.split("/", 1)[1] for n in report.missing) == \
         [f"gradient_accumulation/{i}" for i in range(4)]
     assert same_bits(fresh.n_acum_step.numpy(), model.n_acum_step.numpy())

@@ -19,7 +19,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -37,7 +36,6 @@ import ckptcore_keras  # noqa: E402
 from ckptcore.errors import (CheckpointError, CheckpointNotFoundError,  # noqa: E402
                              CorruptCheckpointError, IncompleteCheckpointError, SchemaError,
                              UnsafeCheckpointError, UnsupportedCheckpointError)
-from conftest import subprocess_env  # noqa: E402
 
 GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 KERNEL = "optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE"  # first Dense kernel, (4, 3)
@@ -742,18 +740,20 @@ for name, arg in json.loads(sys.argv[1]):
 
 
 @pytest.fixture(scope="module")
-def dying_cases(real, tmp_path_factory) -> dict[str, Any]:
+def dying_cases(real, tmp_path_factory, spawn_python) -> dict[str, Any]:
     """Run every ``tf_dies`` case in one child process; ``{name: (error type, message, names)}``."""
     built, names = [], {}
     for name in sorted(n for n, c in CASES.items() if c.tf_dies):
         arg, names[name] = CASES[name].build(Copy(real, tmp_path_factory.mktemp(name)))
         built.append((name, str(arg)))
+    proc = spawn_python("-c", _WORKER, json.dumps(built))  # may die: its exit status is reported
     try:
-        proc = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(built)], env=subprocess_env(),
-                              capture_output=True, text=True, timeout=180)
-        out, why = proc.stdout, f"exit status {proc.returncode}"
-    except subprocess.TimeoutExpired as e:
-        out, why = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "hung"
+        out, _ = proc.communicate(timeout=180)
+        why = f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        why = "hung"
     results = {}
     for line in out.splitlines():
         if line.startswith("RESULT "):

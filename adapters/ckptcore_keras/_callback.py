@@ -50,6 +50,7 @@ distinct object.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Mapping
 
@@ -57,15 +58,19 @@ import keras
 import numpy as np
 
 from ckptcore._storage import check_url
+from ckptcore.adapter import CALLBACK_KEEP
 from ckptcore.errors import RestoreError
 from ckptcore.manager import CheckpointManager
 
 from ._capture import capture, restore
-from .data import advance
+from ._data import advance
 
 __all__ = ["BackupAndRestore"]
 
-_PROGRESS = "keras_fit"
+log = logging.getLogger("ckptcore")
+
+_SECTION, _PROGRESS = "keras", "fit"   # state.extra["keras"]["fit"]
+_OLD_PROGRESS = "keras_fit"             # where checkpoints written before it moved keep it
 # root URL -> the manager a BackupAndRestore of this process opened on it.  fit does not call
 # on_train_end when it raises, so an interrupted fit (Ctrl-C in a notebook) leaves its
 # manager holding the root's writer lock; the next callback on that root closes it.
@@ -95,7 +100,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         cursor: The :class:`ckptcore.DataCursor` that ``ckptcore_keras.dataset``
             reads; the callback advances it and resumes it mid-epoch.
         keep: Retention, as for :class:`ckptcore.CheckpointManager` (an int keeps the
-            last n; the older one is the fallback if the newest is damaged).
+            last n; the older ones are the fallback if the newest is damaged).  The
+            default, ``ckptcore.adapter.CALLBACK_KEEP``, is every adapter's callback's.
         async_save: Write checkpoints in a background thread (the state is still
             captured in the training thread, between steps).
         storage_options: Passed to fsspec.
@@ -109,7 +115,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, root: Any, *, save_freq: str | int = "epoch", cursor: Any = None,
-                 keep: Any = 2, async_save: bool = False,
+                 keep: Any = CALLBACK_KEEP, async_save: bool = False,
                  storage_options: Mapping[str, Any] | None = None):
         # Checked before anything else: str("") is "/" to the manager and str(None) a folder "None".
         root = check_url(root, "root")
@@ -159,8 +165,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._restore(self.manager.restore())
 
     def _restore(self, state: Any) -> None:
-        progress = (state.extra or {}).get(_PROGRESS)
-        if not isinstance(progress, dict):
+        progress = _progress(state)
+        if progress is None:
             raise RestoreError(f"{self.root}: the newest checkpoint was not written by "
                                "ckptcore_keras.BackupAndRestore (it has no fit progress); "
                                "use another root, or restore it with ckptcore.load_state")
@@ -235,11 +241,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         state = capture(self.model, cursor=self.cursor)
         state.epoch = self._epoch + int(self._epoch_done)
-        state.extra[_PROGRESS] = {
+        state.extra.setdefault(_SECTION, {})[_PROGRESS] = {
             "epoch": self._epoch, "batch": self._in_epoch, "epoch_done": self._epoch_done,
             "batches": self._batches, "metrics": _metric_values(self.model)}
         self.manager.save(self._batches, state)
         self._last_step, self._since_save = self._batches, 0
+
+
+def _progress(state: Any) -> dict | None:
+    """The fit progress a checkpoint holds, or None if ``BackupAndRestore`` did not write it."""
+    extra = state.extra or {}
+    progress = (extra.get(_SECTION) or {}).get(_PROGRESS)
+    if progress is None and isinstance(extra.get(_OLD_PROGRESS), dict):
+        log.info("fit progress read from extra[%r], where checkpoints written by older versions "
+                 "keep it (now extra[%r][%r])", _OLD_PROGRESS, _SECTION, _PROGRESS)
+        progress = extra[_OLD_PROGRESS]
+    return progress if isinstance(progress, dict) else None
 
 
 # -- metrics --------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
-"""Model variables under stable names, and matching saved names to a live model.
+"""Model variables under stable names, matching saved names to a live model, and moving bytes.
 
 A model's state is every variable in ``model.variables`` (weights, batch-norm
 statistics, seed-generator states, ``keras.Variable`` held in lists) under its
 Keras path, plus raw ``tf.Variable`` objects a custom ``train_step`` keeps as
-attributes (seed 002's counter and accumulators).  Keras does not track the
-latter; they are named ``<owner path>/<attribute>[/<index or key>]``.
+attributes (e.g. a step counter and gradient accumulators of a ``train_step``
+that applies every few batches).  Keras does not track the latter; they are
+named ``<owner path>/<attribute>[/<index or key>]``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Iterator
 
 import numpy as np
-
-from ckptcore.errors import RestoreError
 
 _AUTO_SUFFIX = re.compile(r"_\d+(?=/|#|$)")
 
@@ -63,7 +62,7 @@ def _raw_variables(model: Any, known: set[int]) -> Iterator[tuple[str, Any, Any]
                     yield name, var, layer
 
 
-def named_variables(model: Any) -> list[tuple[str, Any]]:
+def named_tensors(model: Any) -> list[tuple[str, Any]]:
     """Every variable of ``model`` as ``(name, variable)`` in a stable order.
 
     Names are Keras variable paths; a path that occurs twice gets ``#1``, ``#2``...
@@ -90,7 +89,7 @@ def named_variables(model: Any) -> list[tuple[str, Any]]:
 
 
 def raw_owners(model: Any) -> dict[int, Any]:
-    """``id(tf.Variable) -> owning layer`` for the untracked variables of :func:`named_variables`."""
+    """``id(tf.Variable) -> owning layer`` for the untracked variables of :func:`named_tensors`."""
     known = {id(v) for v in model.variables} | {id(getattr(v, "value", v)) for v in model.variables}
     return {id(var): owner for _, var, owner in _raw_variables(model, known)}
 
@@ -134,16 +133,19 @@ def np_dtype(var: Any) -> np.dtype:
     return np.dtype(keras.backend.standardize_dtype(dtype))
 
 
-def read(var: Any) -> np.ndarray:
+def to_numpy(var: Any, copy: bool = True) -> np.ndarray:
     """The variable's value now, as a read-only numpy array that later updates never change.
 
-    No copy is made: the array views the tensor a read of the variable returns,
-    which shares the variable's buffer.  TensorFlow variables are copy-on-write:
-    while that tensor lives, an update (``assign*``, an optimizer step) writes a
-    new buffer, so the array stays a snapshot.  An asynchronous save therefore
-    costs one copy only if training updates the variable before the write ends.
-    Mirrored variables give the first replica's value.
+    No copy is made, whatever ``copy`` says: the array views the tensor a read of
+    the variable returns, which shares the variable's buffer.  TensorFlow
+    variables are copy-on-write: while that tensor lives, an update (``assign*``,
+    an optimizer step) writes a new buffer, so the array stays a snapshot; a copy
+    would only cost time and memory.  ``copy`` is accepted so that every adapter
+    has the same signature (``copy=False`` elsewhere means "may view live
+    buffers"; here both give the same immutable snapshot).  Mirrored variables
+    give the first replica's value.
     """
+    del copy  # a snapshot either way, see above
     import tensorflow as tf
 
     tf_var = var if isinstance(var, tf.Variable) else getattr(var, "value", None)  # keras.Variable
@@ -153,15 +155,12 @@ def read(var: Any) -> np.ndarray:
     return arr
 
 
-def check_value(name: str, var: Any, value: Any) -> np.ndarray:
-    """``value`` as an array of exactly ``var``'s shape and dtype, or a :class:`RestoreError`."""
-    arr = np.asarray(value)
-    want_shape = tuple(int(d) for d in var.shape)
-    want_dtype = np_dtype(var)
-    if arr.shape != want_shape:
-        raise RestoreError(f"{name}: saved shape {arr.shape} does not match the target's "
-                           f"{want_shape}; the model architecture differs")
-    if arr.dtype != want_dtype:
-        raise RestoreError(f"{name}: saved dtype {arr.dtype} does not match the target's "
-                           f"{want_dtype}; values are restored exactly, never cast")
-    return arr
+def assign(target: Any, value: np.ndarray) -> None:
+    """Write ``value`` (already checked to fit, see ``RestorePlan.assign``) into ``target``.
+
+    The assign copies the array into a new TensorFlow buffer (conversion never
+    aliases numpy memory), then swaps it in.  Converting on several threads was
+    measured slower: each thread's allocations take fresh pages instead of the
+    buffers the swaps just freed.
+    """
+    target.assign(value)
