@@ -27,6 +27,7 @@ Restoring goes in two phases, so a failed restore leaves every target untouched:
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -35,7 +36,7 @@ import numpy as np
 from .errors import RestoreError
 from .state import RestoreReport, TrainingState
 
-__all__ = ["Adapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified", "mismatch_message",
+__all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified", "mismatch_message",
            "CALLBACK_KEEP"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
@@ -84,6 +85,37 @@ class Adapter(Protocol):
 
     def demo(self, *, seed: int, features: int, classes: int) -> DemoProgram:
         """A tiny model for ``ckpt demo``, built deterministically from ``seed``."""
+
+
+class PackageAdapter:
+    """A base for an adapter laid out by the adapter module map (docs/ARCHITECTURE.md): the dialect,
+    file formats and demo live in the package's ``_dialect``, ``_files`` and ``_demo`` modules,
+    imported on first use (they may import the framework; the package itself must not).
+
+    A subclass sets ``name`` and ``capture_views`` and defines ``handles``, ``capture`` and
+    ``restore``.
+    """
+
+    name: str
+    capture_views: bool = False
+
+    def _module(self, name: str) -> Any:
+        package = type(self).__module__
+        return importlib.import_module(f"{package}.{name}")
+
+    @property
+    def dialect(self) -> Any:
+        return self._module("_dialect").DIALECT
+
+    @property
+    def formats(self) -> Sequence[FileFormat]:
+        return tuple(self._module("_files").FORMATS)
+
+    def demo(self, *, seed: int, features: int, classes: int) -> DemoProgram:
+        return self._module("_demo").demo(seed=seed, features=features, classes=classes)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__module__}.ADAPTER>"
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ class Kind(str, enum.Enum):
     BATCH_NORM = "batch_norm"
     LAYER_NORM = "layer_norm"
     GROUP_NORM = "group_norm"
+    INSTANCE_NORM = "instance_norm"
     UNIT_NORM = "unit_norm"
     LSTM = "lstm"
     GRU = "gru"

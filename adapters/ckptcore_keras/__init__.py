@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ckptcore.adapter import PackageAdapter
+
 if TYPE_CHECKING:  # pragma: no cover
     from ckptcore.state import RestoreReport, TrainingState
 
@@ -75,7 +77,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class KerasAdapter:
+class KerasAdapter(PackageAdapter):
     """The registry's view of this package (the ``ckptcore.adapter.Adapter`` protocol)."""
 
     name = "keras"
@@ -94,23 +96,6 @@ class KerasAdapter:
 
     def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
         return restore(state, **objects)
-
-    @property
-    def dialect(self) -> Any:
-        from ._dialect import DIALECT
-        return DIALECT
-
-    @property
-    def formats(self) -> Any:
-        from ._files import FORMATS
-        return FORMATS
-
-    def demo(self, *, seed: int, features: int, classes: int) -> Any:
-        from ._demo import demo
-        return demo(seed=seed, features=features, classes=classes)
-
-    def __repr__(self) -> str:
-        return "<ckptcore_keras.ADAPTER>"
 
 
 ADAPTER = KerasAdapter()

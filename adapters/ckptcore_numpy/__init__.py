@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ckptcore.adapter import FileFormat
+from ckptcore.adapter import FileFormat, PackageAdapter
 from ckptcore.state import RestoreReport, TrainingState
 
 from ._capture import capture, restore
@@ -51,7 +51,7 @@ def _known(objects: Mapping[str, Any], verb: str) -> None:
                         f"{', '.join(_KEYWORDS)}")
 
 
-class NumpyAdapter:
+class NumpyAdapter(PackageAdapter):
     """The registry's view of this package (the :class:`ckptcore.adapter.Adapter` contract)."""
 
     name = "numpy"
@@ -71,20 +71,8 @@ class NumpyAdapter:
         return restore(state, model, optimizer, cursor=cursor, strict=strict, rng=rng, **objects)
 
     @property
-    def dialect(self) -> Any:
-        from ._dialect import DIALECT
-        return DIALECT
-
-    @property
     def formats(self) -> tuple[FileFormat, ...]:
-        return ()
-
-    def demo(self, *, seed: int, features: int, classes: int) -> Any:
-        from ._demo import demo
-        return demo(seed=seed, features=features, classes=classes)
-
-    def __repr__(self) -> str:
-        return "<ckptcore_numpy.ADAPTER>"
+        return ()  # no native file format: ckptcore's own stores the same arrays, with checksums
 
 
 ADAPTER = NumpyAdapter()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ckptcore.adapter import PackageAdapter
+
 if TYPE_CHECKING:  # pragma: no cover
     import os
 
@@ -93,7 +95,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-class PaddleAdapter:
+class PaddleAdapter(PackageAdapter):
     """The registry's view of this package (the :class:`ckptcore.adapter.Adapter` protocol)."""
 
     name = "paddle"
@@ -111,23 +113,6 @@ class PaddleAdapter:
     def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
         _check_keywords("restore", objects, _RESTORE_KEYWORDS)
         return restore(state, **objects)
-
-    @property
-    def dialect(self) -> Any:
-        from ._dialect import DIALECT
-        return DIALECT
-
-    @property
-    def formats(self) -> Any:
-        from ._files import FORMATS
-        return FORMATS
-
-    def demo(self, *, seed: int, features: int, classes: int) -> Any:
-        from ._demo import demo
-        return demo(seed=seed, features=features, classes=classes)
-
-    def __repr__(self) -> str:
-        return "<ckptcore_paddle.ADAPTER>"
 
 
 ADAPTER = PaddleAdapter()

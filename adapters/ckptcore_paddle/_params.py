@@ -34,8 +34,7 @@ _RNN_ROLES = {"weight_ih": Role.KERNEL, "weight_hh": Role.RECURRENT_KERNEL,
 _RNN_NAME = re.compile(r"^(weight_ih|weight_hh|bias_ih|bias_hh)(?:_l(\d+))?(_reverse)?$")
 # Layers that keep a feature map's channel count: a Linear after them still reads that map.
 # Paddle's InstanceNorm layers: a family the shared vocabulary has no word for (see the docstring).
-_INSTANCE_NORM = "instance_norm"
-_NORMS = (Kind.BATCH_NORM, Kind.LAYER_NORM, Kind.GROUP_NORM, _INSTANCE_NORM)
+_NORMS = (Kind.BATCH_NORM, Kind.LAYER_NORM, Kind.GROUP_NORM, Kind.INSTANCE_NORM)
 _PASS_THROUGH = {"MaxPool2D", "AvgPool2D", "AdaptiveAvgPool2D", "AdaptiveMaxPool2D", "ReLU", "ReLU6",
                  "LeakyReLU", "Sigmoid", "Tanh", "GELU", "Swish", "Silu", "Hardswish", "ELU",
                  "Dropout", "Dropout2D", "Flatten", "Identity"}
@@ -92,7 +91,7 @@ def _layer_facts(layer: Any, cls: str, spatial: tuple[int, str] | None) -> tuple
         return Kind.LAYER_NORM, None, {"epsilon": float(layer._epsilon),
                                     "normalized_shape": [int(d) for d in layer._normalized_shape]}
     if cls in ("GroupNorm", "InstanceNorm1D", "InstanceNorm2D", "InstanceNorm3D"):
-        kind = _INSTANCE_NORM if cls.startswith("InstanceNorm") else Kind.GROUP_NORM
+        kind = Kind.INSTANCE_NORM if cls.startswith("InstanceNorm") else Kind.GROUP_NORM
         return kind, None, {"epsilon": float(layer._epsilon)}
     if cls == "Embedding":
         return Kind.EMBEDDING, None, {"num_embeddings": int(layer._num_embeddings),
