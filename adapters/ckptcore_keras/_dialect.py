@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ckptcore.errors import MigrationError
-from ckptcore.migrate.dialect import BaseDialect, Canon, Neutral, number, slots_by_table
+from ckptcore.migrate.dialect import BaseDialect, Canon, Neutral, number, read_hyperparams, slots_by_table
 from ckptcore.state import OptimizerState, ScheduleState, TrainingState
 
 __all__ = ["DIALECT", "KerasDialect"]
@@ -55,13 +55,20 @@ _ALL = {"adam": {"momentum": "m", "velocity": "v", "velocity_hat": "vmax"},
         "adagrad": {"accumulator": "acc"}}
 
 
+# Neutral hyperparameter -> (Keras' name, Keras' default), for the families read by table alone.
+_HYPERPARAMS = {
+    "rmsprop": {"rho": ("rho", 0.9), "momentum": ("momentum", 0.0), "epsilon": ("epsilon", 1e-7),
+                "centered": ("centered", False)},
+    "adagrad": {"epsilon": ("epsilon", 1e-7), "initial_accumulator_value": ("initial_accumulator_value", 0.1)},
+}
+
+
 class KerasDialect(BaseDialect):
     name = "keras"
-    default_flatten_order = None          # the adapter records every Flatten's map
-    cosine_past_end = "hold"
+    # The adapter records every Flatten's map (no default order), cosine schedules hold their floor
+    # past the end, and accumulated gradients are sums: BaseDialect's defaults.
     schedule_follows_optimizer = True
     accumulation_in_optimizer = True
-    accumulation_form = "sum"
 
     # ------------------------------------------------------------------ optimizer
 
@@ -78,12 +85,10 @@ class KerasDialect(BaseDialect):
             out.family = "momentum"
             out.hp = {"momentum": number(hp.get("momentum"), 0.0), "nesterov": bool(hp.get("nesterov", False)),
                       "momentum_form": "update"}
-        elif kind == "rmsprop":
-            out.hp = {"rho": number(hp.get("rho"), 0.9), "momentum": number(hp.get("momentum"), 0.0),
-                      "epsilon": number(hp.get("epsilon"), 1e-7), "centered": bool(hp.get("centered", False))}
-        elif kind == "adagrad":
-            out.hp = {"epsilon": number(hp.get("epsilon"), 1e-7), "eps_mode": "inside_sqrt",
-                      "initial_accumulator_value": number(hp.get("initial_accumulator_value"), 0.1)}
+        elif kind in _HYPERPARAMS:
+            out.hp = read_hyperparams(hp, _HYPERPARAMS[kind])
+            if kind == "adagrad":
+                out.hp["eps_mode"] = "inside_sqrt"
         else:
             out.unsupported.append(f"the Keras optimizer {kind!r} cannot be migrated "
                                    "(supported: Adam, AdamW, SGD, RMSprop, Adagrad)")

@@ -37,12 +37,7 @@ _EPS_MODES = ("corrected", "uncorrected")
 
 
 class NumpyDialect(BaseDialect):
-    name = "numpy"
-    default_flatten_order = None
-    cosine_past_end = "hold"
-    schedule_follows_optimizer = False
-    accumulation_in_optimizer = False
-    accumulation_form = "sum"
+    name = "numpy"  # every convention is BaseDialect's default
 
     def optimizer_to_neutral(self, opt: OptimizerState, schedule: ScheduleState | None) -> Neutral:
         hp, kind = opt.hyperparams or {}, opt.kind

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ckptcore.migrate.dialect import BaseDialect, Canon, Neutral, number, slots_by_table
+from ckptcore.migrate.dialect import BaseDialect, Canon, Neutral, number, read_hyperparams, slots_by_table
 from ckptcore.migrate.rng import mt19937_64_text
 from ckptcore.migrate.schedules import sgdr_position, value
 from ckptcore.state import OptimizerState, ScheduleState, TrainingState
@@ -58,12 +58,16 @@ def _slot_table(n: Neutral) -> dict[str, str]:
     return {}
 
 
+# Neutral hyperparameter -> (Paddle's name, Paddle's default).
+_RMSPROP = {"rho": ("rho", 0.95), "momentum": ("momentum", 0.0), "epsilon": ("epsilon", 1e-6),
+            "centered": ("centered", False)}
+_ADAGRAD = {"epsilon": ("epsilon", 1e-6), "initial_accumulator_value": ("initial_accumulator_value", 0.0)}
+
+
 class PaddleDialect(BaseDialect):
     name = "paddle"
     default_flatten_order = "channels_first"
     cosine_past_end = "rise"
-    schedule_follows_optimizer = False
-    accumulation_in_optimizer = False
     accumulation_form = "mean"
 
     # ------------------------------------------------------------------ optimizer
@@ -101,11 +105,9 @@ class PaddleDialect(BaseDialect):
             out.hp = {"momentum": number(hp.get("momentum"), 0.0) if kind == "momentum" else 0.0,
                       "nesterov": bool(hp.get("use_nesterov", False)), "momentum_form": "gradient"}
         elif kind == "rmsprop":
-            out.hp = {"rho": number(hp.get("rho"), 0.95), "momentum": number(hp.get("momentum"), 0.0),
-                      "epsilon": number(hp.get("epsilon"), 1e-6), "centered": bool(hp.get("centered", False))}
+            out.hp = read_hyperparams(hp, _RMSPROP)
         elif kind == "adagrad":
-            out.hp = {"epsilon": number(hp.get("epsilon"), 1e-6), "eps_mode": "outside_sqrt",
-                      "initial_accumulator_value": number(hp.get("initial_accumulator_value"), 0.0)}
+            out.hp = {**read_hyperparams(hp, _ADAGRAD), "eps_mode": "outside_sqrt"}
         else:
             out.unsupported.append(f"the Paddle optimizer {kind!r} cannot be migrated "
                                    "(supported: Adam, AdamW, Momentum, SGD, RMSProp, Adagrad)")

@@ -8,8 +8,8 @@ framework's by order, kind and shape.  Layouts name the axes of Paddle's arrays:
 embeddings.  Recurrent weights are ``(gates*hidden, in)`` (``attrs["axes"] == "oi"``) and their
 layout is the gate order: ``ifco`` for LSTM, ``rzc`` for GRU.
 
-A layer family the vocabulary has no word for keeps its class name in snake case as its kind
-(``instance_norm`` for Paddle's InstanceNorm layers), so two Paddle models still match each other.
+A layer family the vocabulary has no word for keeps its class name in snake case as its kind, so two
+Paddle models still match each other.
 """
 
 from __future__ import annotations

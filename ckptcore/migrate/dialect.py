@@ -65,7 +65,7 @@ from ..errors import MigrationError
 from ..state import OptimizerState, ScheduleState, TrainingState
 
 __all__ = ["Dialect", "BaseDialect", "Neutral", "Canon", "NEUTRAL_SLOTS", "FAMILIES", "cast_like",
-           "number", "pick", "slots_by_table"]
+           "number", "pick", "read_hyperparams", "slots_by_table"]
 
 _log = logging.getLogger("ckptcore")
 
@@ -210,6 +210,13 @@ def slots_by_table(table: Mapping[str, str], neutral: Mapping[str, np.ndarray], 
         else:
             out[native] = cast_like(convert(name, value) if convert else value, like)
     return out
+
+
+def read_hyperparams(hp: Mapping[str, Any], table: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
+    """Neutral hyperparameters from a framework's: ``table`` maps each neutral name to the
+    framework's key and its default (a bool default reads a flag, anything else a number)."""
+    return {neutral: bool(hp.get(key, default)) if isinstance(default, bool) else number(hp.get(key), default)
+            for neutral, (key, default) in table.items()}
 
 
 def number(x: Any, default: float | None = None) -> float | None:
