@@ -228,6 +228,9 @@ FAKE_ADAPTER = textwrap.dedent("""
         def handles(self, obj):
             return isinstance(obj, dict) and obj.get("kind") == "fake-model"
         def capture(self, *, model, optimizer=None, cursor=None, rng=True, copy=True, **objects):
+            if model.get("record"):  # tells the test which target objects a conversion passed
+                got = {"optimizer": optimizer, "cursor": cursor, "rng": rng, **objects}
+                raise RuntimeError("capture got " + json.dumps(got, sort_keys=True))
             return TrainingState(model={}, framework="fake")
         def restore(self, state, *, model, optimizer=None, cursor=None, strict=True, rng=True, **objects):
             raise NotImplementedError
@@ -377,3 +380,33 @@ def test_install_hints_come_from_the_registry():
     from ckptcore.registry import install_hint
     assert install_hint("paddle") == "pip install 'ckptcore[paddle]'"
     assert "ckptcore.adapters" in install_hint("someframework")
+
+
+CONVERT_PROBE = """
+import ckptcore, numpy as np
+from ckptcore import api
+state = ckptcore.TrainingState(model={"w": np.zeros(2)}, framework="elsewhere")
+model = {"kind": "fake-model", "record": True}
+for call in (lambda: api.convert(state, "fake", model, "opt", scheduler="sched", scaler="scal",
+                                 unused=None),
+             lambda: api.convert_for(state, "fake", {"model": model, "optimizer": "opt",
+                                     "cursor": "cur", "strict": False, "rng": True,
+                                     "scheduler": "sched"})):
+    try:
+        call()
+    except RuntimeError as e:
+        print(e)
+"""
+
+
+def test_convert_passes_every_target_object_to_the_adapter(fake_env):
+    """``api.convert(**objects)`` hands framework-specific targets to the target adapter's capture;
+    ``convert_for`` (a restore's conversion) passes all of a restore's objects but the cursor,
+    ``strict`` and ``rng``."""
+    out = subprocess.run([sys.executable, "-c", CONVERT_PROBE], env=fake_env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = [json.loads(ln.removeprefix("capture got ")) for ln in out.stdout.splitlines()]
+    assert first == {"optimizer": "opt", "cursor": None, "rng": False, "scheduler": "sched",
+                     "scaler": "scal"}
+    assert second == {"optimizer": "opt", "cursor": None, "rng": False, "scheduler": "sched"}
