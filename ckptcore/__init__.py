@@ -6,7 +6,7 @@ an atomic commit that works the same on local disk and in buckets.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from . import errors
 from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
@@ -14,7 +14,12 @@ from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundE
                      CorruptCheckpointError, IncompleteCheckpointError, SchemaError,
                      LockedError, MigrationError, UnsafeCheckpointError)
 from .cursor import DataCursor
-from .migrate import MigrationWarning
+try:  # MigrationWarning's home is errors.py; importing migrate/ for one warning class was heavy
+    from .errors import MigrationWarning
+except ImportError:  # an errors.py from before the move
+    from .migrate import MigrationWarning
+from ._diff import CheckpointDiff, TensorDiff, diff
+from .layout import CheckpointListing, gc, list_checkpoints
 from .manager import CheckpointFallbackWarning, CheckpointManager, SaveHandle
 from .policies import KeepAll, KeepAny, KeepBest, KeepEvery, KeepEveryDuration, KeepLast
 from .rng import capture_rng, restore_rng
@@ -27,6 +32,7 @@ __all__ = [
     "save_state", "load_state", "inspect", "verify", "convert", "MigrationWarning",
     "CheckpointInfo", "TensorInfo",
     "CheckpointManager", "SaveHandle", "CheckpointFallbackWarning",
+    "gc", "list_checkpoints", "CheckpointListing", "diff", "CheckpointDiff", "TensorDiff",
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
     "DataCursor", "capture_rng", "restore_rng",
     "TrainingState", "OptimizerState", "ScheduleState", "AccumulationState", "ParamInfo",

@@ -13,7 +13,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from . import __version__, _codec, _io, _knobs
+from . import _codec, _io, _knobs
+from ._version import __version__
 from ._commit import commit
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from ._storage import Store
@@ -93,7 +94,7 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
         TypeError: the state holds a value that cannot be stored (the message names it).
     """
-    state, _ = _capture(state, objects)  # borrowed arrays are fine: written before we return
+    state, _ = capture_state(state, objects)  # borrowed arrays are fine: written before we return
     enc = _codec.encode_state(state)
     arrays = [_codec.to_little_endian(a) for a in enc.arrays]
     store = Store(os.fspath(url), dict(storage_options or {}))
@@ -187,8 +188,11 @@ def _replaced(store: Store, manifest: Manifest) -> bool:
         return False
 
 
-def _capture(state: TrainingState | None, objects: dict[str, Any]) -> tuple[TrainingState, bool]:
+def capture_state(state: TrainingState | None, objects: dict[str, Any]) -> tuple[TrainingState, bool]:
     """The state to save, and whether its arrays are borrowed from the caller.
+
+    Internal to the package (``save_state`` and ``CheckpointManager.save`` share it), not
+    re-exported by ``ckptcore``.
 
     That is ``state`` itself (plus a ``cursor``'s position), or an adapter's capture.  An adapter
     that can (``capture_views = True``) returns views of the live framework buffers rather than
@@ -233,24 +237,32 @@ def restore_objects(state: TrainingState, objects: Mapping[str, Any]) -> None:
         raise TypeError(f"restoring into {sorted(objects)} needs model=... as well")
 
 
+# Keywords of a restore that are not target objects: conversion never needs them (the cursor's
+# position is carried over from the state as it is, and the RNG is reseeded by the migration).
+_NOT_TARGETS = frozenset({"model", "optimizer", "cursor", "strict", "rng"})
+
+
 def convert_for(state: TrainingState, framework: str, objects: Mapping[str, Any], *,
                 name_map: Mapping[str, str | None] | None = None, approximate: bool = False) -> TrainingState:
     """``state`` itself when it is ``framework``'s (or neutral), else converted for the target
-    ``objects`` (``model=``, ``optimizer=``, ``scheduler=``...).  The one place a restore converts
-    between frameworks: adapters' own ``restore`` functions call it first."""
+    ``objects`` (``model=``, ``optimizer=`` and every framework-specific one, e.g. ``scheduler=``).
+    The one place a restore converts between frameworks: adapters' own ``restore`` functions
+    call it first."""
     if state.framework in (None, framework):
         return state
+    targets = {k: v for k, v in objects.items() if k not in _NOT_TARGETS}
     return convert(state, framework, objects["model"], objects.get("optimizer"),
-                   scheduler=objects.get("scheduler"), name_map=name_map, approximate=approximate)
+                   name_map=name_map, approximate=approximate, **targets)
 
 
 def convert(state: TrainingState | str | os.PathLike, to: str, model: Any, optimizer: Any = None, *,
-            scheduler: Any = None, name_map: Mapping[str, str | None] | None = None,
-            approximate: bool = False, storage_options: Mapping[str, Any] | None = None) -> TrainingState:
+            name_map: Mapping[str, str | None] | None = None, approximate: bool = False,
+            storage_options: Mapping[str, Any] | None = None, **objects: Any) -> TrainingState:
     """Convert a state captured in one framework into another's layout, without restoring it.
 
-    The target's structure comes from live target objects: ``model`` (and ``optimizer``, and for
-    Paddle ``scheduler``), which are only read (a Keras optimizer that never stepped is built).
+    The target's structure comes from live target objects: ``model``, ``optimizer`` and any
+    framework-specific ones the target adapter's ``capture`` takes (``scheduler=``...), which are
+    only read (an optimizer that never stepped may be built).
     Parameters are paired by layer order, kind and shape; ``name_map`` pins pairs
     (``{source name or layer: target name or layer}``, ``None`` drops a source layer).  Weights
     and optimizer slots get the same layout transforms; step counters, the schedule position, the
@@ -258,19 +270,21 @@ def convert(state: TrainingState | str | os.PathLike, to: str, model: Any, optim
     deterministically.  See docs/MIGRATION.md.
 
     Example:
-        >>> state = ckptcore.load_state("s3://runs/keras/step-100")                # doctest: +SKIP
-        >>> pd_state = ckptcore.convert(state, "paddle", net, opt)                  # doctest: +SKIP
-        >>> ckptcore.save_state("s3://runs/paddle/step-100", pd_state)              # doctest: +SKIP
+        >>> state = ckptcore.load_state("s3://runs/a/step-100")                     # doctest: +SKIP
+        >>> converted = ckptcore.convert(state, "other", net, opt)                  # doctest: +SKIP
+        >>> ckptcore.save_state("s3://runs/b/step-100", converted)                  # doctest: +SKIP
 
     Args:
         state: A :class:`TrainingState`, or the URL of a checkpoint to load.
-        to: ``"paddle"`` or ``"keras"``.
+        to: The target adapter's name (see ``ckptcore.registry.available_adapters()``).
         approximate: Convert schedules (and a few optimizer settings) that cannot continue exactly,
-            with a :class:`~ckptcore.migrate.MigrationWarning` saying how far off, instead of raising.
+            with a :class:`~ckptcore.MigrationWarning` saying how far off, instead of raising.
+        objects: Further target objects for the adapter's ``capture``; ``None`` values are left out.
 
     Raises:
         MigrationError: something cannot be placed or continued; the message lists every problem.
         AdapterNotFoundError: no adapter for ``to`` is installed.
+        TypeError: ``model`` is not the target adapter's, or an object the adapter does not take.
     """
     from .migrate import convert_state
 
@@ -282,12 +296,14 @@ def convert(state: TrainingState | str | os.PathLike, to: str, model: Any, optim
     if not adapter.handles(model):
         raise TypeError(f"convert(to={to!r}) needs a {to} model as the target; got "
                         f"{type(model).__module__}.{type(model).__qualname__}")
-    objects: dict[str, Any] = {"model": model, "rng": False}
+    reserved = sorted(_NOT_TARGETS & set(objects))
+    if reserved:
+        raise TypeError(f"convert() does not take {reserved} as target objects")
+    targets: dict[str, Any] = {"model": model, "rng": False}
     if optimizer is not None:
-        objects["optimizer"] = optimizer
-    if scheduler is not None:
-        objects["scheduler"] = scheduler
-    template = adapter.capture(**objects)
+        targets["optimizer"] = optimizer
+    targets.update((k, v) for k, v in objects.items() if v is not None)
+    template = adapter.capture(**targets)
     return convert_state(state, template, name_map=name_map, approximate=approximate)
 
 

@@ -1,18 +1,27 @@
-"""``ckpt``: thin verbs over the public API.  No logic lives here, and no framework is needed."""
+"""``ckpt``: thin verbs over the public API.  No logic lives here, and no framework is needed.
+
+The verbs that touch other frameworks (``import``, ``export``, ``convert``, ``demo``) take their
+choices from the adapter registry: each adapter declares its native file formats
+(:class:`~ckptcore.adapter.FileFormat`) and its demo model; this module names no framework.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-import numpy as np
-
-from . import api, _io
-from ._storage import Store
+from . import _io, api, registry
+from ._diff import diff
+from .adapter import FileFormat
 from .errors import CheckpointError
+from .layout import gc, list_checkpoints
+
+log = logging.getLogger("ckptcore")
 
 
 def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
@@ -115,48 +124,23 @@ def cmd_verify(args: argparse.Namespace, so: dict) -> int:
     return 0
 
 
-def _flat(state) -> dict[str, np.ndarray]:
-    from . import _codec
-    enc = _codec.encode_state(state)
-    return dict(zip(enc.names, enc.arrays))
-
-
 def cmd_diff(args: argparse.Namespace, so: dict) -> int:
-    a, b = (_flat(api.load_state(u, storage_options=so)) for u in (args.a, args.b))
-    differ = 0
-    for name in sorted(set(a) | set(b)):
-        if name not in b or name not in a:
-            print(f"{'-' if name not in b else '+'} {name}  (only in {'A' if name not in b else 'B'})")
-            differ += 1
-        elif a[name].shape != b[name].shape or a[name].dtype != b[name].dtype:
-            print(f"~ {name}  {a[name].dtype}{list(a[name].shape)} vs {b[name].dtype}{list(b[name].shape)}")
-            differ += 1
-        elif a[name].tobytes() != b[name].tobytes():
-            print(f"~ {name}  max abs diff {_maxdiff(a[name], b[name])}")
-            differ += 1
-    print(f"{differ} of {len(set(a) | set(b))} tensors differ")
-    return 1 if differ else 0
-
-
-def _maxdiff(x: np.ndarray, y: np.ndarray) -> str:
-    try:
-        return f"{float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))):.6g}"
-    except (TypeError, ValueError):
-        return "n/a (non-numeric)"
+    result = diff(args.a, args.b, storage_options=so)
+    for d in result.differences:
+        print(d.describe())
+    print(f"{len(result.differences)} of {result.total} tensors differ "
+          f"({len(result.read)} read, the rest compared by checksum)")
+    return 0 if result.equal else 1
 
 
 def cmd_ls(args: argparse.Namespace, so: dict) -> int:
-    root = Store(args.root, so)
-    found = 0
-    for entry in sorted(root.listdir(), key=lambda e: e.name):
-        if not entry.is_dir or entry.name.startswith("."):
+    found = list_checkpoints(args.root, storage_options=so)
+    for c in found:
+        if c.info is None:
+            print(f"{c.name:<32} step {c.step:<8} unreadable: {c.problem}")
             continue
-        try:
-            info = api.inspect(root.child(entry.name).url, storage_options=so)
-        except CheckpointError:
-            continue
-        found += 1
-        print(f"{entry.name:<32} step {info.step:<8} epoch {info.epoch:<4} "
+        info = c.info
+        print(f"{c.name:<32} step {info.step:<8} epoch {info.epoch:<4} "
               f"{info.framework or '-':<7} {_size(info.nbytes)}")
     if not found:
         print(f"no committed checkpoints under {args.root}")
@@ -164,22 +148,101 @@ def cmd_ls(args: argparse.Namespace, so: dict) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, so: dict) -> int:
-    from .manager import CheckpointManager, _is_root
-
-    if not _is_root(Store(args.root, so)):
-        # A typo or a step folder: refuse before the lock file would be created there.
-        raise FileNotFoundError(f"{args.root}: no checkpoint root here (no step-* folders or "
-                                "leftovers of saves)")
     # Takes the root's writer lock: refused (LockedError, naming the holder) while a run writes.
-    with CheckpointManager(args.root, storage_options=so) as mgr:
-        removed = mgr.gc(grace=args.grace)
+    removed = gc(args.root, grace=args.grace, storage_options=so)
     for url in removed:
         print(f"removed {url}")
     print(f"{len(removed)} leftover(s) removed under {args.root}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# -- the registry's verbs: import, export, convert, demo ----------------------------------------
+# Their choices come from the installed adapters (each declares its native file formats), read
+# only when one of these verbs runs: ``ckpt inspect`` must not import every adapter.
+FORMAT_VERBS = ("import", "export", "convert")
+# Options of the verbs themselves; a format option of the same name would shadow one.
+_OWN_OPTIONS = {"from", "to", "model", "overwrite", "approximate", "help", "h", "root", "framework",
+                "storage-option", "o", "json", "grace"}
+
+
+class _MissingFramework(Exception):
+    """A format or conversion needs a framework that is not installed (one line, exit 2)."""
+
+
+def installed_formats() -> list[FileFormat]:
+    """Every file format the installed adapters declare, in adapter then declaration order.
+
+    An adapter whose ``formats`` cannot be read (its module fails to import) offers none: logged,
+    never fatal, so one broken adapter leaves the others' formats usable.
+    """
+    found: dict[str, FileFormat] = {}
+    for name in registry.available_adapters():
+        try:
+            formats = list(registry.get_adapter(name).formats)
+        except Exception as e:  # noqa: BLE001 - a broken adapter offers nothing; the rest still work
+            log.warning("ckpt: the %r adapter's file formats are unavailable (%s: %s)",
+                        name, type(e).__name__, e)
+            continue
+        for fmt in formats:
+            if not isinstance(fmt, FileFormat):
+                log.warning("ckpt: the %r adapter declares a format that is not a FileFormat: %r",
+                            name, fmt)
+            elif fmt.name in found:
+                log.warning("ckpt: format %r of the %r adapter is already declared by %r; ignored",
+                            fmt.name, name, found[fmt.name].framework)
+            else:
+                found[fmt.name] = fmt
+    return list(found.values())
+
+
+def _verb(argv: Sequence[str]) -> str | None:
+    """The verb of a command line (the first word that is not a global option or its value)."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in ("-o", "--storage-option"):
+            skip = True
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def _dest(option: str) -> str:
+    return "format_option_" + option.replace("-", "_")
+
+
+def _add_format_options(s: argparse.ArgumentParser, formats: Sequence[FileFormat]) -> None:
+    """Each format's extra options (``FileFormat.options``) as ``--NAME VALUE``."""
+    helps: dict[str, list[str]] = {}
+    for fmt in formats:
+        for option, text in fmt.options.items():
+            if option in _OWN_OPTIONS or not option.replace("-", "_").isidentifier():
+                log.warning("ckpt: option %r of format %r is not usable on the command line; "
+                            "ignored", option, fmt.name)
+                continue
+            helps.setdefault(option, []).append(f"{fmt.name}: {text}")
+    for option, texts in helps.items():
+        s.add_argument(f"--{option}", dest=_dest(option), default=None, help="; ".join(texts))
+
+
+def _format_kwargs(args: argparse.Namespace, fmt: FileFormat, formats: Sequence[FileFormat]) -> dict:
+    """The chosen format's options as keywords (None when not given); refuses another format's."""
+    known = {o for f in formats for o in f.options}
+    stray = [o for o in known - set(fmt.options) if getattr(args, _dest(o), None) is not None]
+    if stray:
+        raise ValueError(f"--{', --'.join(sorted(stray))} does not apply to format {fmt.name!r}")
+    return {o.replace("-", "_"): getattr(args, _dest(o), None) for o in fmt.options}
+
+
+def _choices(names: Sequence[str]) -> dict:
+    # argparse refuses every value of an empty choices list with an unhelpful message; the verb
+    # explains instead (no adapter offers anything).
+    return {"choices": list(names)} if names else {}
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser; the registry's choices are filled in only when ``verb`` needs them."""
     p = argparse.ArgumentParser(prog="ckpt", description="Inspect, verify and compare ckptcore checkpoints.")
     p.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option (repeatable; dots nest: client_kwargs.endpoint_url=...)")
@@ -192,11 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
                                       "exit 2 when the checkpoint cannot be read at all")
     s.add_argument("url")
     s.set_defaults(fn=cmd_verify)
-    s = sub.add_parser("diff", help="which tensors differ between two checkpoints, and by how much")
+    s = sub.add_parser("diff", help="which tensors differ between two checkpoints, and by how much "
+                                    "(compares checksums; reads only tensors that differ)")
     s.add_argument("a")
     s.add_argument("b")
     s.set_defaults(fn=cmd_diff)
-    s = sub.add_parser("ls", help="list the committed checkpoints under a folder")
+    s = sub.add_parser("ls", help="list the committed checkpoints under a manager's root")
     s.add_argument("root")
     s.set_defaults(fn=cmd_ls)
     s = sub.add_parser("gc", help="remove leftovers of interrupted saves under a manager's root")
@@ -204,97 +268,180 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                    help="only leftovers untouched this long (default: 900, or CKPTCORE_GC_GRACE)")
     s.set_defaults(fn=cmd_gc)
-    s = sub.add_parser("import", help="turn a tf.train.Checkpoint or .pdparams/.pdopt into a ckptcore checkpoint")
-    s.add_argument("src", help="a tf.train.Checkpoint prefix or directory, or a .pdparams file")
+
+    formats = installed_formats() if verb in FORMAT_VERBS else []
+    adapters = registry.available_adapters() if verb in ("convert", "demo") else []
+    readable = [f.name for f in formats if f.read is not None]
+    writable = [f.name for f in formats if f.write is not None]
+    model_help = ("MODULE:FACTORY; FACTORY() returns a model, (model, optimizer, ...) or a dict of "
+                  "keyword objects; the live objects name or shape the tensors")
+
+    s = sub.add_parser("import", help="turn another framework's native checkpoint files into a "
+                                      "ckptcore checkpoint (formats: see --from)")
+    s.add_argument("src", help="the native checkpoint (its format is detected unless --from says)")
     s.add_argument("dst", help="where the ckptcore checkpoint goes (any fsspec URL)")
-    s.add_argument("--pdopt", help="the .pdopt file that goes with a .pdparams (default: beside it)")
-    s.add_argument("--model", metavar="MODULE:FACTORY",
-                   help="builds the Keras model (and optimizer) whose variable paths name the tensors")
+    s.add_argument("--from", dest="from_format", metavar="FORMAT", **_choices(readable),
+                   help=f"the format of SRC (installed: {', '.join(readable) or 'none'})")
+    s.add_argument("--model", metavar="MODULE:FACTORY", help=model_help)
     s.add_argument("--overwrite", action="store_true")
-    s.set_defaults(fn=cmd_import)
+    _add_format_options(s, [f for f in formats if f.read is not None])
+    s.set_defaults(fn=cmd_import, formats=formats)
+
     s = sub.add_parser("export", help="write a ckptcore checkpoint as another framework's native files")
     s.add_argument("src", help="a ckptcore checkpoint URL")
-    s.add_argument("dst", help="the file prefix to write (PREFIX.pdparams / PREFIX.index ...)")
-    s.add_argument("--to", required=True, choices=["pdparams", "tf-checkpoint"])
-    s.add_argument("--model", metavar="MODULE:FACTORY",
-                   help="builds the Keras model (and optimizer) to export through (tf-checkpoint only)")
-    s.set_defaults(fn=cmd_export)
-    s = sub.add_parser("convert", help="migrate a checkpoint to another framework's layout (Keras <-> Paddle)")
+    s.add_argument("dst", help="the file or prefix to write")
+    s.add_argument("--to", required=True, metavar="FORMAT", **_choices(writable),
+                   help=f"installed: {', '.join(writable) or 'none'}")
+    s.add_argument("--model", metavar="MODULE:FACTORY", help=model_help)
+    _add_format_options(s, [f for f in formats if f.write is not None])
+    s.set_defaults(fn=cmd_export, formats=formats)
+
+    s = sub.add_parser("convert", help="migrate a checkpoint to another framework's layout")
     s.add_argument("src", help="a ckptcore checkpoint URL")
-    s.add_argument("dst", help="a ckptcore checkpoint URL, or a file prefix with --to pdparams/tf-checkpoint")
-    s.add_argument("--to", required=True, choices=["paddle", "keras", "pdparams", "tf-checkpoint"])
+    s.add_argument("dst", help="a ckptcore checkpoint URL, or a native file or prefix with --to FORMAT")
+    s.add_argument("--to", required=True, metavar="ADAPTER|FORMAT", **_choices([*adapters, *writable]),
+                   help=f"an adapter (installed: {', '.join(adapters) or 'none'}) or a file format "
+                        f"(installed: {', '.join(writable) or 'none'})")
     s.add_argument("--model", required=True, metavar="MODULE:FACTORY",
-                   help="builds the target model (and optimizer, and for Paddle a scheduler) that gives the "
-                        "target's structure")
+                   help="builds the target objects (model, optimizer and any others the target "
+                        "adapter captures) that give the target's structure; " + model_help)
     s.add_argument("--approximate", action="store_true",
                    help="convert what cannot continue exactly (schedules...) with a warning instead of failing")
     s.add_argument("--overwrite", action="store_true")
-    s.set_defaults(fn=cmd_convert)
+    _add_format_options(s, [f for f in formats if f.write is not None])
+    s.set_defaults(fn=cmd_convert, formats=formats)
+
     s = sub.add_parser("demo", help="train a tiny model, SIGKILL it mid-epoch, resume, compare")
     s.add_argument("--root", default=None, help="where checkpoints go (any fsspec URL; default: a temp folder)")
-    s.add_argument("--framework", default="numpy", choices=["numpy", "keras", "paddle"])
+    s.add_argument("--framework", default=None, metavar="ADAPTER", **_choices(adapters),
+                   help=f"whose demo model to train (installed: {', '.join(adapters) or 'none'}; "
+                        "default: the reference one)")
     s.set_defaults(fn=cmd_demo)
     return p
 
 
-def load_factory(spec: str | None) -> tuple[Any, ...]:
-    """Call ``module:factory`` and return ``(model, optimizer or None, ...)``."""
+def load_factory(spec: str | None) -> dict[str, Any]:
+    """Call ``module:factory`` (``module`` importable from the current folder) and return its
+    objects as keywords: a model alone is ``{"model": ...}``, a tuple ``(model, optimizer,
+    scheduler)`` (as long as it is), a mapping is taken as it is (it must hold ``model``)."""
     if not spec or ":" not in spec:
-        raise SystemExit("ckpt: --model expects MODULE:FACTORY, e.g. mymodels:build")
+        raise ValueError(f"--model expects MODULE:FACTORY, e.g. mymodels:build; got {spec!r}")
     import importlib
     sys.path.insert(0, os.getcwd())
     module, _, attr = spec.partition(":")
     built = getattr(importlib.import_module(module), attr)()
-    return tuple(built) if isinstance(built, (tuple, list)) else (built, None)  # type: ignore[return-value]
+    if isinstance(built, Mapping):
+        if "model" not in built:
+            raise ValueError(f"--model {spec}: the mapping it returned has no 'model'")
+        return dict(built)
+    if isinstance(built, (tuple, list)):
+        if not 1 <= len(built) <= 3:
+            raise ValueError(f"--model {spec}: returned {len(built)} objects; return (model, "
+                             "optimizer, scheduler) or a dict of keyword objects")
+        return {k: v for k, v in zip(("model", "optimizer", "scheduler"), built) if v is not None}
+    return {"model": built}
+
+
+@contextlib.contextmanager
+def _needs(framework: str, what: str) -> Iterator[None]:
+    """A missing framework module, while ``what`` runs, as one line with the registry's hint."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").split(".")[0]
+        if not missing or missing.startswith("ckptcore"):
+            raise  # one of our own modules is missing: a broken install, not a missing framework
+        raise _MissingFramework(f"{what} needs {missing!r}, which is not installed; "
+                                f"{registry.install_hint(framework)}") from None
+
+
+def _pick(formats: Sequence[FileFormat], name: str | None, src: str) -> FileFormat:
+    readable = [f for f in formats if f.read is not None]
+    if name is not None:
+        for f in readable:
+            if f.name == name:
+                return f
+        raise LookupError(f"no installed ckptcore adapter reads the format {name!r} "
+                          f"(installed: {', '.join(f.name for f in readable) or 'none'})")
+    if not readable:
+        raise LookupError("no installed ckptcore adapter offers a file format to import "
+                          f"(installed adapters: {', '.join(registry.available_adapters()) or 'none'})")
+    hits = []
+    for f in readable:
+        try:
+            if f.detect(src):
+                hits.append(f)
+        except Exception as e:  # noqa: BLE001 - a detector that fails has not recognised the file
+            log.warning("ckpt import: format %r could not examine %s (%s: %s)", f.name, src,
+                        type(e).__name__, e)
+    if len(hits) != 1:
+        why = "matches none" if not hits else f"matches {', '.join(f.name for f in hits)}"
+        raise ValueError(f"{src} {why} of the installed formats; pass --from FORMAT "
+                         f"({', '.join(f.name for f in readable)})")
+    log.info("ckpt import: %s detected as %s", src, hits[0].name)
+    return hits[0]
+
+
+def _shown(written: Any) -> str:
+    if isinstance(written, (tuple, list)):
+        return ", ".join(str(w) for w in written if w is not None)
+    return str(written)
 
 
 def cmd_import(args: argparse.Namespace, so: dict) -> int:
-    if args.src.endswith(".pdparams"):
-        from ckptcore_paddle import import_paddle_files
-        pdopt = args.pdopt or args.src[: -len(".pdparams")] + ".pdopt"
-        state = import_paddle_files(args.src, pdopt if os.path.exists(pdopt) else None)
-    else:
-        from ckptcore_keras import import_tf_checkpoint
-        model, optimizer = load_factory(args.model) if args.model else (None, None)
-        state = import_tf_checkpoint(args.src, model=model, optimizer=optimizer)
+    fmt = _pick(args.formats, args.from_format, args.src)
+    options = _format_kwargs(args, fmt, args.formats)
+    with _needs(fmt.framework, f"format {fmt.name!r} (the {fmt.framework} adapter)"):
+        objects = load_factory(args.model) if args.model else {}
+        state = fmt.read(args.src, model=objects.get("model"), optimizer=objects.get("optimizer"),
+                         **options)
     info = api.save_state(args.dst, state, storage_options=so, overwrite=args.overwrite)
-    print(f"imported {args.src} -> {info.url} ({len(info.tensors)} tensors, {_size(info.nbytes)})")
+    print(f"imported {args.src} ({fmt.name}) -> {info.url} ({len(info.tensors)} tensors, "
+          f"{_size(info.nbytes)})")
     return 0
 
 
+def _writer(formats: Sequence[FileFormat], name: str) -> FileFormat:
+    for f in formats:
+        if f.name == name and f.write is not None:
+            return f
+    raise LookupError(f"no installed ckptcore adapter writes the format {name!r} "
+                      f"(installed: {', '.join(f.name for f in formats if f.write) or 'none'})")
+
+
 def cmd_export(args: argparse.Namespace, so: dict) -> int:
+    fmt = _writer(args.formats, args.to)
+    options = _format_kwargs(args, fmt, args.formats)
+    if fmt.needs_model and not args.model:
+        raise ValueError(f"--to {fmt.name} needs --model MODULE:FACTORY: the live objects name "
+                         "the files' entries")
     state = api.load_state(args.src, storage_options=so)
-    if args.to == "pdparams":
-        from ckptcore_paddle import export_paddle_files
-        written = export_paddle_files(state, args.dst)
-    else:
-        from ckptcore_keras import export_tf_checkpoint
-        model, optimizer = load_factory(args.model)
-        written = export_tf_checkpoint(state, args.dst, model, optimizer)
-    print(f"exported {args.src} -> {written}")
+    with _needs(fmt.framework, f"format {fmt.name!r} (the {fmt.framework} adapter)"):
+        objects = load_factory(args.model) if args.model else {}
+        written = fmt.write(state, args.dst, model=objects.get("model"),
+                            optimizer=objects.get("optimizer"), **options)
+    print(f"exported {args.src} -> {_shown(written)}")
     return 0
 
 
 def cmd_convert(args: argparse.Namespace, so: dict) -> int:
     import warnings
 
-    target = {"pdparams": "paddle", "tf-checkpoint": "keras"}.get(args.to, args.to)
-    built = load_factory(args.model)
-    model, optimizer = built[0], built[1] if len(built) > 1 else None
-    scheduler = built[2] if len(built) > 2 else None
-    with warnings.catch_warnings(record=True) as caught:
+    adapters = registry.available_adapters()
+    fmt = None if args.to in adapters else _writer(args.formats, args.to)
+    target = args.to if fmt is None else fmt.framework
+    options = _format_kwargs(args, fmt, args.formats) if fmt is not None else {}
+    with _needs(target, f"converting to {args.to!r}"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        state = api.convert(args.src, target, model, optimizer, scheduler=scheduler,
-                            approximate=args.approximate, storage_options=so)
+        objects = load_factory(args.model)
+        model, optimizer = objects.pop("model"), objects.pop("optimizer", None)
+        state = api.convert(args.src, target, model, optimizer, approximate=args.approximate,
+                            storage_options=so, **objects)
+        if fmt is not None:
+            written = _shown(fmt.write(state, args.dst, model=model, optimizer=optimizer, **options))
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
-    if args.to == "pdparams":
-        from ckptcore_paddle import export_paddle_files
-        written: Any = export_paddle_files(state, args.dst)
-    elif args.to == "tf-checkpoint":
-        from ckptcore_keras import export_tf_checkpoint
-        written = export_tf_checkpoint(state, args.dst, model, optimizer)
-    else:
+    if fmt is None:
         written = api.save_state(args.dst, state, storage_options=so, overwrite=args.overwrite).url
     print(f"converted {args.src} ({state.metadata.get('migrated_from', {}).get('framework')}) -> "
           f"{written} ({target})")
@@ -303,19 +450,26 @@ def cmd_convert(args: argparse.Namespace, so: dict) -> int:
 
 def cmd_demo(args: argparse.Namespace, so: dict) -> int:
     from .demo import run_demo
+    if args.framework is None:
+        return run_demo(args.root, storage_options=so)
     return run_demo(args.root, args.framework, so)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one verb.  Exit codes: 0 done (``verify``: intact), 1 differences or problems found
-    (``verify``, ``diff``), 2 the input cannot be read or the arguments are wrong, 3 an internal
-    error (a bug: reported in one line, with the traceback only when ``CKPT_TRACEBACK=1``)."""
-    args = build_parser().parse_args(argv)
+    (``verify``, ``diff``), 2 the input cannot be read, the arguments are wrong or a framework is
+    not installed, 3 an internal error (a bug: reported in one line, with the traceback only when
+    ``CKPT_TRACEBACK=1``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_verb(argv)).parse_args(argv)
     # --storage-option may also follow the verb
     try:
         return int(args.fn(args, _options(args.storage_option)) or 0)
     except (CheckpointError, OSError, ValueError, TypeError, LookupError) as e:
         print(f"ckpt {args.verb}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except _MissingFramework as e:
+        print(f"ckpt {args.verb}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

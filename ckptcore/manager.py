@@ -1,9 +1,9 @@
 """CheckpointManager: a run's checkpoints under one root, with retention, async saves and fallback.
 
-Layout: ``<root>/step-000000000042/`` holds the checkpoint of step 42 (zero-padded,
-so names sort in step order), written through :func:`ckptcore.save_state` and
-therefore committed atomically.  Only a step folder with a valid manifest is a
-checkpoint; anything else under the root is a leftover for :meth:`gc`.
+Layout (:mod:`ckptcore.layout`): ``<root>/step-000000000042/`` holds the checkpoint of
+step 42, written through :func:`ckptcore.save_state` and therefore committed
+atomically.  Only a step folder with a manifest is a checkpoint; anything else
+under the root is a leftover for :meth:`gc`.
 
 Async saves: ``save()`` takes a consistent in-memory snapshot (a copy of every
 array; framework captures are copies already) and a single background thread
@@ -22,9 +22,7 @@ import logging
 import math
 import numbers
 import os
-import re
 import threading
-import time
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,9 +30,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import _codec, _knobs, api
-from ._commit import TMP_MARK
-from ._lock import LOCK_NAME, WriterLock
+from . import _codec, _knobs, api, layout
+from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
 from ._storage import Store, check_url
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
@@ -44,7 +41,6 @@ from .state import TrainingState
 
 __all__ = ["CheckpointManager", "SaveHandle", "CheckpointFallbackWarning"]
 
-_STEP = re.compile(r"step-(\d{12,})")  # fullmatch only: "$" would admit a trailing newline
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 log = logging.getLogger("ckptcore")
 
@@ -161,30 +157,11 @@ class CheckpointManager:
     def step_url(self, step: int) -> str:
         return self.root.child(self._name(step)).url
 
-    @staticmethod
-    def _name(step: int) -> str:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        return f"step-{step:012d}"
+    _name = staticmethod(layout.step_name)
 
     def steps(self) -> list[int]:
         """Committed steps (those with a manifest), ascending."""
-        self._forget_listings()
-        found = []
-        for e in self.root.listdir():
-            m = _STEP.fullmatch(e.name)
-            if m and e.is_link:
-                # A link could lead out of the root; retention would then delete through it.
-                log.warning("%s: skipping %s, a symbolic link, not a checkpoint folder",
-                            self.root.url, e.name)
-            elif m and self.root.child(e.name).exists(MANIFEST_NAME):
-                found.append(int(m.group(1)))
-        return sorted(found)
-
-    def _forget_listings(self) -> None:
-        # fsspec's object stores answer exists() from cached folder listings (gc() lists step
-        # folders), which miss other processes' commits and deletions since.
-        self.root.fs.invalidate_cache()
+        return [step for step, _ in layout.committed_steps(self.root)]
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -241,7 +218,7 @@ class CheckpointManager:
             self._delete(step)
 
     def _snapshot(self, step, state, metrics, objects) -> TrainingState:
-        state, borrowed = api._capture(state, dict(objects))
+        state, borrowed = api.capture_state(state, dict(objects))
         if borrowed and self.async_save:
             # The caller keeps training on these buffers; other captures are copies already.
             state = self._copy_state(state)
@@ -347,32 +324,14 @@ class CheckpointManager:
         """Remove leftovers of interrupted saves older than ``grace`` seconds; return what went.
 
         Leftovers are temporary directories, step folders without a manifest, and shard files a
-        committed manifest does not name.  Committed checkpoints are never touched.
+        committed manifest does not name.  Committed checkpoints are never touched.  The same as
+        :func:`ckptcore.gc`, under this manager's writer lock.
         """
-        grace = float(_knobs.get("gc_grace")) if grace is None else float(grace)
-        if not grace >= 0:  # also NaN: a negative grace would take saves still being written
-            raise ValueError(f"gc grace must be >= 0 seconds, got {grace}")
+        grace = layout.check_grace(grace)
         self._check_open()
         self._wait_inflight()
         self._acquire()
-        cutoff = time.time() - grace
-        removed = []
-        self._forget_listings()  # a stale "no manifest" here would delete a committed step
-        for e in self.root.listdir():
-            if e.name == LOCK_NAME:
-                continue
-            if e.is_link:  # never delete through a link, nor the link (it is not ours)
-                log.warning("gc: skipping %s under %s, a symbolic link", e.name, self.root.url)
-                continue
-            child = self.root.child(e.name)
-            if TMP_MARK in e.name or (_STEP.fullmatch(e.name) and not child.exists(MANIFEST_NAME)):
-                if _older(child, e, cutoff):
-                    log.info("gc: removing leftover %s", child.url)
-                    child.delete_tree()
-                    removed.append(child.url)
-            elif _STEP.fullmatch(e.name):
-                removed += _gc_shards(child, cutoff)
-        return removed
+        return layout.remove_leftovers(self.root, grace)
 
     # -- restoring ------------------------------------------------------------------------------
     def restore(self, step: int | None = None, **objects: Any) -> TrainingState:
@@ -438,36 +397,6 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root.url!r}, keep={self.policy!r}, async_save={self.async_save})"
-
-
-def _is_root(store: Store) -> bool:
-    """Whether ``store`` looks like a manager's root: step folders, save leftovers or its lock."""
-    return any(_STEP.fullmatch(e.name) or TMP_MARK in e.name or e.name == LOCK_NAME
-               for e in store.listdir())
-
-
-def _older(store: Store, entry, cutoff: float) -> bool:
-    """Whether ``entry`` (a leftover folder or file) was last touched before ``cutoff``."""
-    times = [entry.mtime] if entry.mtime is not None else []
-    if entry.is_dir:
-        times += [e.mtime for e in store.listdir() if e.mtime is not None]
-    return (max(times) if times else 0.0) <= cutoff
-
-
-def _gc_shards(ckpt: Store, cutoff: float) -> list[str]:
-    """Shards in a committed step folder that its manifest does not name (a losing writer's)."""
-    try:
-        named = {s.path for s in api.read_manifest(ckpt).shards}
-    except CheckpointError:
-        return []
-    removed = []
-    for e in ckpt.listdir():
-        if e.name.startswith("shard-") and e.name not in named and (e.mtime or 0.0) <= cutoff \
-                and not e.is_link:
-            log.info("gc: removing unreferenced shard %s", ckpt.join(e.name))
-            ckpt.delete(e.name)
-            removed.append(ckpt.join(e.name))
-    return removed
 
 
 def _drain() -> None:

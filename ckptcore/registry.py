@@ -94,3 +94,15 @@ def adapter_for(obj: object) -> Adapter:
     raise AdapterNotFoundError(
         f"no installed ckptcore adapter handles objects of type {type(obj).__module__}.{type(obj).__qualname__}"
         + (f"; {hint}" if hint else f"; installed adapters: {sorted(_load()) or 'none'}"))
+
+
+def install_hint(name: str) -> str:
+    """One line saying how to install the adapter (and its framework) called ``name``.
+
+    Example:
+        >>> from ckptcore.registry import install_hint
+        >>> install_hint("paddle")
+        "pip install 'ckptcore[paddle]'"
+    """
+    return _HINTS.get(name, f"install {name} and a package that registers a ckptcore adapter "
+                            f"for it under the {GROUP!r} entry points")

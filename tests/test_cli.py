@@ -2,6 +2,9 @@
 
 Verbs run in-process through ``cli.main`` (the console script calls the same function); one test
 runs the installed entry point in a subprocess, and one goes to the S3 server with ``-o`` options.
+The registry's verbs (import, export, convert, demo) run in subprocesses that see a fake adapter,
+registered through a real entry point (a ``*.dist-info`` folder on ``sys.path``), so they test the
+command line without depending on any real framework or adapter.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -72,6 +77,7 @@ def test_diff_reports_equal_and_differing_tensors(tmp_path, capsys):
     rc, out, _ = _ckpt(capsys, "diff", a, c)
     assert rc == 1
     assert "~ model/dense/kernel  max abs diff 1" in out
+    assert ckptcore.diff(a, c).differences[0].describe() in out  # the CLI prints the library's result
 
 
 def test_ls_lists_a_managers_committed_steps_only(tmp_path, capsys):
@@ -157,3 +163,250 @@ def test_console_script_runs(tmp_path):
     done = subprocess.run(cmd + ["verify", url], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "OK" in done.stdout
+
+
+def test_ls_shows_an_unreadable_step_instead_of_hiding_it(tmp_path, capsys):
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))
+    (root / "step-000000000002" / "manifest.msgpack").write_bytes(b"not a manifest")
+    rc, out, _ = _ckpt(capsys, "ls", str(root))
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].split()[:3] == ["step-000000000001", "step", "1"]
+    assert lines[1].startswith("step-000000000002") and "unreadable" in lines[1]
+
+
+# -- the registry's verbs, through a fake adapter ------------------------------------------------
+
+FAKE_ADAPTER = textwrap.dedent("""
+    import json
+    import numpy as np
+    from ckptcore import TrainingState
+    from ckptcore.adapter import FileFormat
+
+    def _detect(path):
+        return str(path).endswith(".fake.json")
+
+    def _read(src, model=None, optimizer=None, scale=None):
+        with open(src) as f:
+            d = json.load(f)
+        model_arrays = {k: np.frombuffer(bytes.fromhex(v["hex"]), v["dtype"]).reshape(v["shape"])
+                        for k, v in d["model"].items()}
+        if scale is not None:
+            model_arrays = {k: a * np.float32(scale) for k, a in model_arrays.items()}
+        prefix = model["prefix"] if model else ""
+        return TrainingState(model={prefix + k: a for k, a in model_arrays.items()}, step=d["step"],
+                             framework="fake",
+                             metadata={"optimizer_seen": optimizer} if optimizer else {})
+
+    def _write(state, dst, model=None, optimizer=None, scale=None):
+        prefix = model["prefix"] if model else ""
+        d = {"step": state.step,
+             "model": {prefix + k: {"hex": np.ascontiguousarray(a).tobytes().hex(),
+                                    "dtype": str(a.dtype), "shape": list(a.shape)}
+                       for k, a in state.model.items()}}
+        with open(dst, "w") as f:
+            json.dump(d, f)
+        return (dst, None)
+
+    def _needs_framework(*args, **kwargs):
+        import fakeframework_not_installed  # what a format of an absent framework runs into
+
+    FORMATS = [
+        FileFormat("fake-json", "fake", "a JSON file of hex tensors", _detect, _read, _write,
+                   options={"scale": "multiply every value by this on reading"}),
+        FileFormat("fake-named", "fake", "fake-json named through the live model",
+                   lambda p: False, None, _write, needs_model=True),
+        FileFormat("fake-absent", "fake", "needs a framework that is not installed",
+                   lambda p: False, _needs_framework, _needs_framework),
+    ]
+
+    class _Fake:
+        name = "fake"
+        capture_views = False
+        def handles(self, obj):
+            return isinstance(obj, dict) and obj.get("kind") == "fake-model"
+        def capture(self, *, model, optimizer=None, cursor=None, rng=True, copy=True, **objects):
+            if model.get("record"):  # tells the test which target objects a conversion passed
+                got = {"optimizer": optimizer, "cursor": cursor, "rng": rng, **objects}
+                raise RuntimeError("capture got " + json.dumps(got, sort_keys=True))
+            return TrainingState(model={}, framework="fake")
+        def restore(self, state, *, model, optimizer=None, cursor=None, strict=True, rng=True, **objects):
+            raise NotImplementedError
+        @property
+        def dialect(self):
+            return None
+        @property
+        def formats(self):
+            return FORMATS
+        def demo(self, *, seed, features, classes):
+            raise NotImplementedError
+
+    class _Broken(_Fake):
+        name = "fakebroken"
+        @property
+        def formats(self):
+            from fakeckpt_adapter import _files_not_written_yet  # noqa: F401
+            return []
+
+    ADAPTER = _Fake()
+    BROKEN = _Broken()
+
+    def build():
+        return {"kind": "fake-model", "prefix": "net/"}, "the-optimizer"
+""")
+
+
+@pytest.fixture(scope="module")
+def fake_env(tmp_path_factory) -> dict[str, str]:
+    """An environment whose Python sees the ``fake`` and ``fakebroken`` adapters' entry points."""
+    site = tmp_path_factory.mktemp("fake-site")
+    (site / "fakeckpt_adapter.py").write_text(FAKE_ADAPTER)
+    dist = site / "fakeckpt_adapter-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fakeckpt-adapter\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[ckptcore.adapters]\nfake = fakeckpt_adapter:ADAPTER\n"
+                                           "fakebroken = fakeckpt_adapter:BROKEN\n")
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(repo), str(repo / "adapters"),
+                                         env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _run_ckpt(env, *argv: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptcore.cli", *map(str, argv)], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def _fake_file(path: Path, arrays: dict, step: int = 7) -> Path:
+    import numpy as np
+    d = {"step": step, "model": {k: {"hex": np.ascontiguousarray(a).tobytes().hex(),
+                                     "dtype": str(a.dtype), "shape": list(a.shape)}
+                                 for k, a in arrays.items()}}
+    path.write_text(json.dumps(d))
+    return path
+
+
+def _arrays():
+    import numpy as np
+    rng = np.random.default_rng(0)
+    return {"dense/kernel": rng.standard_normal((3, 4)).astype(np.float32),
+            "dense/bias": np.array([np.nan, -0.0, np.inf, 1e-45], np.float32)}
+
+
+def test_verbs_take_their_choices_from_the_registry(fake_env):
+    out = _run_ckpt(fake_env, "export", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "fake-json" in out.stdout and "fake-named" in out.stdout
+    assert "--scale" in out.stdout  # a format's own option became a command-line option
+    out = _run_ckpt(fake_env, "convert", "--help")
+    assert "fake" in out.stdout and "fake-json" in out.stdout
+    out = _run_ckpt(fake_env, "demo", "--help")
+    assert "fake" in out.stdout
+    # An adapter whose formats fail to import offers none, says so, and breaks nothing.
+    out = _run_ckpt(fake_env, "import", "--help")
+    assert out.returncode == 0 and "fake-json" in out.stdout
+    assert "'fakebroken' adapter's file formats are unavailable" in out.stderr
+    out = _run_ckpt(fake_env, "export", "x", "y", "--to", "no-such-format")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_other_verbs_do_not_read_the_formats(fake_env, tmp_path):
+    url = _saved(tmp_path)
+    out = _run_ckpt(fake_env, "verify", url)
+    assert out.returncode == 0, out.stderr
+    assert "file formats are unavailable" not in out.stderr
+
+
+def test_import_export_round_trip_bit_for_bit(fake_env, tmp_path):
+    arrays = _arrays()
+    src = _fake_file(tmp_path / "m.fake.json", arrays)
+    out = _run_ckpt(fake_env, "import", src, tmp_path / "ck")  # detected by its name
+    assert out.returncode == 0, out.stderr
+    assert "(fake-json)" in out.stdout
+    state = ckptcore.load_state(str(tmp_path / "ck"))
+    assert state.step == 7 and state.framework == "fake"
+    for k, a in arrays.items():
+        assert state.model[k].tobytes() == a.tobytes() and state.model[k].dtype == a.dtype
+    out = _run_ckpt(fake_env, "export", tmp_path / "ck", tmp_path / "back.json", "--to", "fake-json")
+    assert out.returncode == 0, out.stderr
+    assert f"-> {tmp_path / 'back.json'}" in out.stdout
+    assert json.loads((tmp_path / "back.json").read_text()) == json.loads(src.read_text())
+
+
+def test_import_from_and_format_options(fake_env, tmp_path):
+    import numpy as np
+    src = _fake_file(tmp_path / "no-suffix", {"w": np.arange(3, dtype=np.float32)})
+    out = _run_ckpt(fake_env, "import", src, tmp_path / "a")
+    assert out.returncode == 2 and "pass --from" in out.stderr and "Traceback" not in out.stderr
+    out = _run_ckpt(fake_env, "import", src, tmp_path / "a", "--from", "fake-json", "--scale", "2")
+    assert out.returncode == 0, out.stderr
+    assert ckptcore.load_state(str(tmp_path / "a")).model["w"].tolist() == [0.0, 2.0, 4.0]
+    out = _run_ckpt(fake_env, "export", tmp_path / "a", tmp_path / "b.json", "--to", "fake-absent",
+                    "--scale", "2")
+    assert out.returncode == 2 and "--scale does not apply to format 'fake-absent'" in out.stderr
+
+
+def test_model_factory_objects_reach_the_format(fake_env, tmp_path):
+    import numpy as np
+    src = _fake_file(tmp_path / "m.fake.json", {"w": np.ones(2, np.float32)})
+    out = _run_ckpt(fake_env, "export", "unused", tmp_path / "n.json", "--to", "fake-named")
+    assert out.returncode == 2 and "needs --model" in out.stderr
+    out = _run_ckpt(fake_env, "import", src, tmp_path / "ck", "--model", "fakeckpt_adapter:build")
+    assert out.returncode == 0, out.stderr
+    state = ckptcore.load_state(str(tmp_path / "ck"))
+    assert list(state.model) == ["net/w"] and state.metadata == {"optimizer_seen": "the-optimizer"}
+    out = _run_ckpt(fake_env, "export", tmp_path / "ck", tmp_path / "n.json", "--to", "fake-named",
+                    "--model", "fakeckpt_adapter:build")
+    assert out.returncode == 0, out.stderr
+    assert list(json.loads((tmp_path / "n.json").read_text())["model"]) == ["net/net/w"]
+
+
+def test_a_missing_framework_is_one_line_with_an_install_hint(fake_env, tmp_path):
+    import numpy as np
+    src = _fake_file(tmp_path / "m.fake.json", {"w": np.ones(2, np.float32)})
+    out = _run_ckpt(fake_env, "import", src, tmp_path / "ck", "--from", "fake-absent")
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    line = [ln for ln in out.stderr.splitlines() if ln.startswith("ckpt import:")]
+    assert len(line) == 1 and "'fakeframework_not_installed', which is not installed" in line[0]
+    assert ckptcore.registry.install_hint("fake") in line[0]
+    assert not (tmp_path / "ck").exists()
+
+
+def test_install_hints_come_from_the_registry():
+    from ckptcore.registry import install_hint
+    assert install_hint("paddle") == "pip install 'ckptcore[paddle]'"
+    assert "ckptcore.adapters" in install_hint("someframework")
+
+
+CONVERT_PROBE = """
+import ckptcore, numpy as np
+from ckptcore import api
+state = ckptcore.TrainingState(model={"w": np.zeros(2)}, framework="elsewhere")
+model = {"kind": "fake-model", "record": True}
+for call in (lambda: api.convert(state, "fake", model, "opt", scheduler="sched", scaler="scal",
+                                 unused=None),
+             lambda: api.convert_for(state, "fake", {"model": model, "optimizer": "opt",
+                                     "cursor": "cur", "strict": False, "rng": True,
+                                     "scheduler": "sched"})):
+    try:
+        call()
+    except RuntimeError as e:
+        print(e)
+"""
+
+
+def test_convert_passes_every_target_object_to_the_adapter(fake_env):
+    """``api.convert(**objects)`` hands framework-specific targets to the target adapter's capture;
+    ``convert_for`` (a restore's conversion) passes all of a restore's objects but the cursor,
+    ``strict`` and ``rng``."""
+    out = subprocess.run([sys.executable, "-c", CONVERT_PROBE], env=fake_env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, second = [json.loads(ln.removeprefix("capture got ")) for ln in out.stdout.splitlines()]
+    assert first == {"optimizer": "opt", "cursor": None, "rng": False, "scheduler": "sched",
+                     "scaler": "scal"}
+    assert second == {"optimizer": "opt", "cursor": None, "rng": False, "scheduler": "sched"}
