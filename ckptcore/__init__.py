@@ -12,12 +12,8 @@ from . import errors
 from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompleteCheckpointError, SchemaError,
-                     LockedError, MigrationError, UnsafeCheckpointError)
+                     LockedError, MigrationError, MigrationWarning, UnsafeCheckpointError)
 from .cursor import DataCursor
-try:  # MigrationWarning's home is errors.py; importing migrate/ for one warning class was heavy
-    from .errors import MigrationWarning
-except ImportError:  # an errors.py from before the move
-    from .migrate import MigrationWarning
 from ._diff import CheckpointDiff, TensorDiff, diff
 from .layout import CheckpointListing, gc, list_checkpoints
 from .manager import CheckpointFallbackWarning, CheckpointManager, SaveHandle

@@ -20,7 +20,7 @@ from importlib.metadata import entry_points
 from .adapter import Adapter
 from .errors import AdapterNotFoundError
 
-__all__ = ["Adapter", "adapter_for", "get_adapter", "available_adapters"]
+__all__ = ["Adapter", "adapter_for", "get_adapter", "available_adapters", "install_hint"]
 
 GROUP = "ckptcore.adapters"
 # Install hints for the adapters this distribution ships, in the spirit of fsspec's registry.

@@ -12,7 +12,7 @@ their framework's generators under their own keys next to these::
 * ``"python"`` is ``random.getstate()``: ``state`` holds its 625 words (the
   Mersenne Twister's 624 plus the position) as a numpy ``uint32`` array.
 * ``"numpy"`` is the global legacy ``RandomState`` behind ``np.random.*``
-  (Paddle's DataLoader shuffles with it): ``np.random.get_state(legacy=False)``.
+  (some frameworks' data loaders shuffle with it): ``np.random.get_state(legacy=False)``.
 * ``"numpy_generators"`` maps each name given to ``capture_rng`` to its
   ``Generator.bit_generator.state``.
 

@@ -50,8 +50,8 @@ class OptimizerState:
 class ScheduleState:
     """A learning-rate schedule and where it is.
 
-    ``config`` is the schedule's own serialized configuration (e.g. Keras'
-    ``get_config()``); ``step`` is the schedule's step counter and ``last_lr``
+    ``config`` is the schedule's own serialized configuration (e.g. what a
+    schedule's ``get_config()`` returns); ``step`` is its step counter and ``last_lr``
     the rate it gave last.  ``state`` holds runtime state a framework keeps
     beyond its config and step (e.g. a recursive scheduler's current values).
     """

@@ -65,14 +65,8 @@ def test_adapter_packages_are_light(adapter):
     assert not loaded & {"tensorflow", "keras", "paddle"}, sorted(loaded & {"tensorflow", "keras", "paddle"})
 
 
-@pytest.mark.xfail(not hasattr(ckptcore.errors, "MigrationWarning"), strict=True,
-                   reason="MigrationWarning still lives in ckptcore.migrate; it moves to errors.py")
 def test_import_ckptcore_leaves_migrate_unloaded():
-    """``import ckptcore`` needs only MigrationWarning of migrate/, which lives in errors.py.
-
-    Holds once errors.py has MigrationWarning (before that, ``ckptcore/__init__`` imports it from
-    migrate/ and this is an expected, strict failure).
-    """
+    """``import ckptcore`` loads none of migrate/ (its MigrationWarning lives in errors.py)."""
     out = subprocess.run([sys.executable, "-c", "import json, sys, ckptcore\n"
                           "print(json.dumps(sorted(m for m in sys.modules if m.startswith('ckptcore'))))"],
                          capture_output=True, text=True, timeout=120)
