@@ -236,7 +236,7 @@ def plan_optimizer(plan: RestorePlan, state: OptimizerState, accumulation: Accum
             plan.unexpected(*(qualified("optimizer", pname, s) for s in saved))
             continue
         done.add(i)
-        _plan_named(plan, saved, slots.get(i, {}), ("optimizer", pname))
+        _plan_named(plan, saved, slots.get(i, {}), ("optimizer", pname), ("optimizer", paths[i]))
     for i in sorted(set(slots) - done):
         plan.missing(*(qualified("optimizer", paths[i], s) for s in slots[i]))
 
@@ -272,10 +272,13 @@ def plan_optimizer(plan: RestorePlan, state: OptimizerState, accumulation: Accum
 
 
 def _plan_named(plan: RestorePlan, saved: dict[str, Any], targets: dict[str, Any],
-                prefix: tuple[str, ...]) -> None:
+                prefix: tuple[str, ...], target_prefix: tuple[str, ...] | None = None) -> None:
+    """Pair ``saved`` and ``targets`` by name; what only the state has is reported under the
+    state's names (``prefix``), what only the target has under the target's (``target_prefix``)."""
     for name, value in saved.items():
         if name in targets:
             _put(plan, qualified(*prefix, name), targets[name], value)
         else:
             plan.unexpected(qualified(*prefix, name))
-    plan.missing(*(qualified(*prefix, n) for n in targets if n not in saved))
+    target_prefix = prefix if target_prefix is None else target_prefix
+    plan.missing(*(qualified(*target_prefix, n) for n in targets if n not in saved))

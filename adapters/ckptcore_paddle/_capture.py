@@ -152,7 +152,7 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     _plan_model(plan, state, extra, tensors, aliases)
     _plan_grads(plan, state, extra, tensors)
     if optimizer is not None:
-        plan_optimizer(plan, optimizer, state.optimizer, tensors)
+        plan_optimizer(plan, optimizer, state.optimizer, tensors, saved_params=set(state.model))
     sch = scheduler if scheduler is not None else (attached_scheduler(optimizer) if optimizer else None)
     if sch is not None:
         plan_schedule(plan, sch, state.schedule, extra.get("scheduler"))

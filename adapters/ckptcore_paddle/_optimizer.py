@@ -182,13 +182,16 @@ def hyperparams(opt: Any, runtime_to_struct: dict[str, str]) -> dict[str, Any]:
 
 
 def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
-                   struct_to_param: dict[str, Any]) -> None:
+                   struct_to_param: dict[str, Any], saved_params: Any = ()) -> None:
     """Plan restoring ``state``'s slots into ``opt``'s accumulators (and its float learning rate).
 
     Accumulators the optimizer has not created yet (it never stepped) are created here: the only
     change made before the plan is applied, and the one its first step would make anyway.
     Accumulators the state does not have are dropped when the plan is applied (they did not exist
-    when it was captured).  Shape and dtype are checked by ``plan.assign``.
+    when it was captured: a parameter without slots in the state had none yet).  They are also
+    reported missing where the state has slots for that parameter but not this one, or does not
+    hold the parameter itself (``saved_params``: the state's model names), since then the state
+    says nothing about them.  Shape and dtype are checked by ``plan.assign``.
     """
     if state is None:
         plan.missing(qualified("optimizer"))
@@ -197,7 +200,8 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
     params = {p.name: p for p in optimizer_params(opt)}
     runtime_struct = {p.name: s for s, p in struct_to_param.items() if p.name in params}
     ours = set(runtime_struct.values())
-    plan.unexpected(*(qualified("optimizer", s) for s in sorted(set(state.slots) - ours)))
+    plan.unexpected(*(qualified("optimizer", s, slot) for s in sorted(set(state.slots) - ours)
+                      for slot in state.slots[s]))
     wanted = [struct_to_param[s] for s in state.slots if s in ours]
     opt._accumulators_holder = {}
     if wanted:
@@ -221,7 +225,7 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
                 continue
             saved = state.slots.get(struct, {})
             if slot not in saved:
-                if struct in state.slots:
+                if struct in state.slots or struct not in saved_params:
                     plan.missing(qualified("optimizer", struct, slot))
                 plan.then(functools.partial(_drop_accumulator, opt, acc, pname, owner.get(pname, pname)))
                 continue
