@@ -359,6 +359,8 @@ ENVELOPE_CASES: dict[str, Callable[[Path, dict], None]] = {
     "version-str": lambda d, b: write_manifest(d, b, version="1"),
     "version-missing": lambda d, b: write_manifest(d, b, version=None),
     "version-huge": lambda d, b: write_manifest(d, b, version=2 ** 64 - 1),
+    "version-true": lambda d, b: write_manifest(d, b, version=True),  # == 1 in Python
+    "version-float": lambda d, b: write_manifest(d, b, version=1.0),
     "format-other": lambda d, b: write_manifest(d, b, fmt="safetensors"),
     "envelope-list": lambda d, b: write_manifest(d, b, outer=[1, 2]),
     "envelope-body-str": lambda d, b: write_manifest(d, b, outer={
