@@ -466,8 +466,75 @@ def nbytes_of(dtype: np.dtype, shape: tuple[int, ...]) -> int:
 
 
 def unpack_plain(data: bytes, source: str) -> Any:
-    """msgpack without extensions, for the manifest's outer envelope."""
+    """msgpack without extensions, for the manifest's outer envelope.
+
+    A flat map of string keys to scalars (what every writer produces) is parsed here without
+    copying: a ``bin`` value comes back as a ``memoryview`` into ``data``, so the body of a large
+    manifest is not held twice (file bytes and a copy) while it is decoded.  Anything else goes
+    through msgpack, which copies.
+    """
+    try:
+        flat = _flat_envelope(memoryview(data))
+    except (IndexError, ValueError, UnicodeDecodeError):
+        flat = None
+    if flat is not None:
+        return flat
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as e:
         raise SchemaError(f"{source}: not a valid manifest ({type(e).__name__}: {e})") from e
+
+
+_MAP_HEADERS = {0xDE: 2, 0xDF: 4}
+_BIN_HEADERS = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+_STR_HEADERS = {0xD9: 1, 0xDA: 2, 0xDB: 4}
+_CONSTANTS = {0xC0: None, 0xC2: False, 0xC3: True}
+_NUM_SIZES = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4,
+              0xD3: 8}
+
+
+def _flat_envelope(buf: memoryview) -> dict | None:
+    """``{str: nil/bool/int/float/str/bin}`` read straight from ``buf`` (bin values as views),
+    or ``None`` when ``buf`` is anything else (msgpack then decodes or rejects it)."""
+    pos, first = 1, buf[0]
+    if 0x80 <= first <= 0x8F:
+        count = first & 0x0F
+    elif first in _MAP_HEADERS:
+        n = _MAP_HEADERS[first]
+        count, pos = int.from_bytes(buf[1:1 + n], "big"), 1 + n
+    else:
+        return None
+    if count > 16:
+        return None
+    items: list[Any] = []
+    for _ in range(2 * count):
+        tag = buf[pos]
+        if tag <= 0x7F or tag >= 0xE0:  # fixint
+            value, pos = (tag if tag <= 0x7F else tag - 0x100), pos + 1
+        elif 0xA0 <= tag <= 0xBF or tag in _STR_HEADERS or tag in _BIN_HEADERS:
+            if 0xA0 <= tag <= 0xBF:
+                n, start = tag & 0x1F, pos + 1
+            else:
+                width = _STR_HEADERS.get(tag) or _BIN_HEADERS[tag]
+                n, start = int.from_bytes(buf[pos + 1:pos + 1 + width], "big"), pos + 1 + width
+            if start + n > len(buf):
+                return None
+            value = buf[start:start + n] if tag in _BIN_HEADERS else str(buf[start:start + n], "utf-8")
+            pos = start + n
+        elif tag in _CONSTANTS:
+            value, pos = _CONSTANTS[tag], pos + 1
+        elif tag in _NUM_SIZES:
+            size = _NUM_SIZES[tag]
+            if pos + 1 + size > len(buf):
+                return None
+            value = msgpack.unpackb(buf[pos:pos + 1 + size])
+            pos += 1 + size
+        else:
+            return None
+        items.append(value)
+    if pos != len(buf):  # trailing bytes: msgpack names the error
+        return None
+    keys, values = items[0::2], items[1::2]
+    if not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
+        return None
+    return dict(zip(keys, values))

@@ -84,11 +84,12 @@ class Manifest:
         if not isinstance(outer, dict) or outer.get("format") != FORMAT_NAME:
             raise SchemaError(f"{source}: not a ckptcore manifest")
         version = outer.get("version")
-        if version != FORMAT_VERSION:
+        if type(version) is not int or version != FORMAT_VERSION:  # not True, not 1.0
             raise UnsupportedCheckpointError(f"{source}: unsupported format version {version!r} "
                               f"(this ckptcore reads version {FORMAT_VERSION}); upgrade ckptcore")
         body, crc = outer.get("body"), outer.get("body_crc32c")
-        if not isinstance(body, bytes) or not isinstance(crc, int):
+        # body: a view into ``data`` (see _codec.unpack_plain), or bytes from msgpack
+        if not isinstance(body, (bytes, memoryview)) or not isinstance(crc, int):
             raise SchemaError(f"{source}: manifest has no body")
         actual = crc32c.crc32c(body)
         if actual != crc:
@@ -227,7 +228,8 @@ def _tensor(t: Any, i: int, shards: list[ShardEntry], source: str) -> TensorEntr
                 and type(offset) is int and type(length) is int and type(crc) is int
                 and 0 <= shard < len(shards) and offset >= 0 and 0 <= crc <= 0xFFFFFFFF
                 and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
-            dtype = _codec._parse_known(dt)
+            # (a long name is never valid; it must not sit in the cache: a hostile one is 48 MB)
+            dtype = _codec._parse_known(dt) if len(dt) <= 64 else None
             if dtype is not None and offset + length <= shards[shard].size:
                 count = math.prod(shape)
                 nonzero = count if count else math.prod(d for d in shape if d)
