@@ -447,3 +447,17 @@ def build(name: str, case_dir: Path, outside: Path) -> Path:
     else:
         FILE_CASES[name](ckpt, outside)
     return ckpt
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, in MiB.
+
+    ``VmHWM`` belongs to the process's own address space, which exec replaces; ``ru_maxrss`` would
+    not do for a child: Linux carries the parent's high-water mark into it across fork and exec,
+    so a child of a large pytest process would report the parent's size.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")

@@ -498,13 +498,20 @@ def run_corpus(directory: Path) -> dict:
             outcome = {"raised": type(e).__name__, "checkpoint_error": isinstance(e, CheckpointError),
                        "names_file": str(path) in str(e), "message": str(e)[:2000], "causes": causes}
         outcome.update(seconds=time.monotonic() - start, canary=sorted(p.name for p in canary_dir.iterdir()),
-                       maxrss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                       maxrss_mb=_peak_rss_mb(),
                        size=path.stat().st_size)
         results[c.name] = outcome
         path.unlink()
     paddle_loaded = sorted(m for m in sys.modules if m == "paddle" or m.startswith("paddle."))
-    return {"cases": results, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    return {"cases": results, "maxrss_mb": _peak_rss_mb(),
             "paddle_loaded": paddle_loaded}
+
+
+def _peak_rss_mb() -> float:
+    # VmHWM, not ru_maxrss: Linux carries a parent's ru_maxrss into a child across fork and exec,
+    # so a child of a large pytest process would report the parent's size.
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def _child_main(directory: str) -> None:
