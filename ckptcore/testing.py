@@ -49,7 +49,7 @@ from . import DataCursor, load_state, registry, save_state
 from .adapter import Adapter, FileFormat, mismatch_message, qualified
 from .errors import RestoreError
 from .registry import adapter_for, get_adapter
-from .state import RestoreReport, TrainingState
+from .state import OptimizerState, RestoreReport, TrainingState
 
 __all__ = ["AdapterTests", "assert_bitwise"]
 
@@ -126,9 +126,41 @@ class AdapterTests:
 
     def check_migration_dialect(self, dialect: Any, objects: Mapping[str, Any],
                                 state: TrainingState) -> None:
-        """Migration to and from the neutral form through ``dialect``.  The hook the migration
-        dialects' conformance plugs into; until then it checks the dialect is there."""
+        """Migration to and from the neutral form through ``dialect`` (``ckptcore.migrate.dialect``).
+
+        The captured optimizer goes to the neutral form and back: its family, learning rate and
+        hyperparameters read back the same from the optimizer the dialect builds, and every slot
+        array comes back with its dtype and values; a schedule the dialect can express goes through
+        its canonical formula and back to the same kind and rate.  An adapter whose optimizer in
+        ``make`` the dialect does not support fails here: pick one it supports.
+        """
+        from ckptcore.migrate.dialect import Dialect
+
         assert dialect is not None, f"{self.adapter_name}: ADAPTER.dialect is None"
+        assert isinstance(dialect, Dialect), f"{type(dialect).__name__} lacks Dialect members"
+        assert dialect.name == self.adapter_name
+        opt = state.optimizer
+        neutral = dialect.optimizer_to_neutral(opt, state.schedule)
+        assert not neutral.unsupported, neutral.unsupported
+        kind, hyper = dialect.optimizer_from_neutral(neutral)
+        again = dialect.optimizer_to_neutral(OptimizerState(kind, opt.step, hyper), state.schedule)
+        assert (again.family, again.lr) == (neutral.family, neutral.lr)
+        assert ({k: v for k, v in again.hp.items() if v is not None}
+                == {k: v for k, v in neutral.hp.items() if v is not None})
+        for param, native in opt.slots.items():
+            common = dialect.slots_to_neutral(neutral, native)
+            back = dialect.slots_from_neutral(neutral, common, source=neutral, like=state.model[param],
+                                              current=None)
+            assert set(back) == set(native), (param, sorted(back), sorted(native))
+            for slot, arr in native.items():
+                assert back[slot].dtype == arr.dtype, (param, slot)
+                np.testing.assert_allclose(back[slot], arr, rtol=1e-6, err_msg=f"{param}/{slot}")
+        if state.schedule is not None:
+            form = dialect.schedule_to_canonical(state.schedule)
+            if form is not None:
+                sched, _ = dialect.schedule_from_canonical(form, state.schedule, state.schedule.step,
+                                                           state.schedule.last_lr)
+                assert sched.kind == state.schedule.kind
 
     # --- helpers --------------------------------------------------------------------------------
     @property

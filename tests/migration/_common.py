@@ -11,7 +11,7 @@ import numpy as np
 
 STEPS = 5                       # steps before the migration, and after it
 BATCH = 8
-IMG = 28                        # seed 004's MNIST CNN: 28x28x1 -> conv 20 5x5 -> pool -> conv 20 -> pool -> 980 -> 10
+IMG = 28                        # the MNIST CNN of the docs: 28x28x1 -> conv 20 5x5 -> pool -> conv 20 -> pool -> 980 -> 10
 
 # Optimizer cases: (Keras constructor, Paddle constructor), both as (name, kwargs) pairs the
 # workers build; "exact" says whether the continued runs must agree to 1e-5.

@@ -107,7 +107,7 @@ def sched_source(d: str, opts: dict) -> dict:
 
 
 def sched_mismatch(d: str, opts: dict) -> dict:
-    """A pair §4 does not find exact raises MigrationError; approximate=True converts with a warning."""
+    """A schedule pair that is not exact (docs/MIGRATION.md) raises MigrationError; approximate=True converts with a warning."""
     net, sch = pm.tiny(), pm.scheduler("StepDecay", {"learning_rate": 0.1, "step_size": 3, "gamma": 0.5})
     opt = paddle.optimizer.SGD(learning_rate=sch, parameters=net.parameters())
     try:

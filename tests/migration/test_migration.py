@@ -23,7 +23,7 @@ def task(results: dict, worker: str, name: str) -> dict:
     return r
 
 
-# ----------------------------------------------------------------------------- 1. seed 004's CNN
+# ----------------------------------------------------------------------------- 1. the MNIST CNN
 
 
 def test_cnn_logits_keras_to_paddle(migration_results):
