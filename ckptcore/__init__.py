@@ -12,7 +12,8 @@ from . import errors
 from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, IncompleteCheckpointError, SchemaError,
-                     LockedError, MigrationError, MigrationWarning, UnsafeCheckpointError)
+                     LockedError, MigrationError, MigrationWarning, UnappliedStateWarning,
+                     UnsafeCheckpointError)
 from .cursor import DataCursor
 from ._diff import CheckpointDiff, TensorDiff, diff
 from .layout import CheckpointListing, gc, list_checkpoints
@@ -35,5 +36,5 @@ __all__ = [
     "RestoreReport",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
     "IncompleteCheckpointError", "CorruptCheckpointError", "SchemaError", "UnsafeCheckpointError",
-    "LockedError", "MigrationError",
+    "LockedError", "MigrationError", "UnappliedStateWarning",
 ]

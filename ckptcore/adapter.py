@@ -28,20 +28,24 @@ Restoring goes in two phases, so a failed restore leaves every target untouched:
 from __future__ import annotations
 
 import importlib
+import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from .errors import RestoreError
+from .errors import RestoreError, UnappliedStateWarning
 from .state import RestoreReport, TrainingState
 
-__all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified", "mismatch_message",
-           "CALLBACK_KEEP"]
+__all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified",
+           "mismatch_message", "warn_unapplied", "CALLBACK_KEEP"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
 # every adapter, so switching frameworks does not change how much disk a run uses.
 CALLBACK_KEEP = 3
+
+_log = logging.getLogger("ckptcore")
 
 
 @runtime_checkable
@@ -175,6 +179,24 @@ def qualified(section: str, *parts: str) -> str:
     if section == "model":
         return "/".join(parts)
     return "/".join((section, *parts))
+
+
+def warn_unapplied(parts: Mapping[str, str], *, stacklevel: int = 3) -> None:
+    """Warn, once per restore, about saved parts of the state that this restore does not apply.
+
+    ``parts`` maps each part (``"data"``: the data cursor, ``"optimizer"``, ``"optimizer slots"``,
+    ``"accumulation"``, ``"schedule"``...) to the fix, e.g. ``{"data": "pass cursor=..."}``.  The
+    one wording of :class:`~ckptcore.errors.UnappliedStateWarning`, used by every adapter and the
+    core alike, and logged on the ``ckptcore`` logger.
+    """
+    if not parts:
+        return
+    listed = "; ".join(f"{part} ({fix})" for part, fix in parts.items())
+    message = (f"the checkpoint holds training state this restore leaves unapplied: {listed}. "
+               "A run resumed this way does not continue where it stopped. To leave a part out on "
+               "purpose, load with keys=[...] without it (e.g. keys=['model']).")
+    _log.warning("%s", message)
+    warnings.warn(message, UnappliedStateWarning, stacklevel=stacklevel)
 
 
 def _show(names: Sequence[str], limit: int = 20) -> str:

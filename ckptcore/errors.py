@@ -24,6 +24,7 @@ __all__ = [
     "MigrationError",
     "AdapterNotFoundError",
     "MigrationWarning",
+    "UnappliedStateWarning",
 ]
 
 
@@ -108,3 +109,10 @@ class MigrationWarning(UserWarning):
 
     A warning, not an error: it lives here so that ``import ckptcore`` need not load the
     migration package to offer it."""
+
+
+class UnappliedStateWarning(UserWarning):
+    """A restore left part of the saved training state unapplied (the data cursor, optimizer slots,
+    accumulation buffers, the schedule...) because no target for it was given: the run would
+    continue, but not where it stopped.  The message names the part and how to apply it; load with
+    ``keys=[...]`` leaving that section out to skip it on purpose."""
