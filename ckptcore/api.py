@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import platform
 import socket
@@ -14,6 +15,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from . import _codec, _io, _knobs
+from .adapter import warn_unapplied
 from ._version import __version__
 from ._commit import commit
 from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
@@ -24,6 +26,8 @@ from .registry import adapter_for, get_adapter
 from .state import TrainingState
 
 __all__ = ["save_state", "load_state", "inspect", "verify", "convert", "CheckpointInfo", "TensorInfo"]
+
+log = logging.getLogger("ckptcore")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +175,8 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
             # its shards: then read the new one; otherwise the shards really are missing.
             if attempt + 1 == _READ_ATTEMPTS or not _replaced(store, manifest):
                 raise
+            log.info("load_state: %s was overwritten while it was read; reading the new one "
+                     "(attempt %d of %d)", store.url, attempt + 2, _READ_ATTEMPTS)
     tree = _codec.substitute(tree, lambda r: arrays[r.index][()] if r.scalar else arrays[r.index])
     state = _codec.decode_state(tree)
     restore_objects(state, objects)
@@ -231,10 +237,22 @@ def restore_objects(state: TrainingState, objects: Mapping[str, Any]) -> None:
         adapter = adapter_for(objects["model"])
         state = convert_for(state, adapter.name, objects, **options)
         adapter.restore(state, **objects)
+        _warn_cursor_unapplied(state, objects)
     elif set(objects) == {"cursor"}:
         objects["cursor"].load_state_dict(state.data)
     else:
         raise TypeError(f"restoring into {sorted(objects)} needs model=... as well")
+
+
+def _warn_cursor_unapplied(state: TrainingState, objects: Mapping[str, Any]) -> None:
+    """The data position is the core's to warn about, once per restore, whatever the framework:
+    a run restored without its cursor restarts the epoch and sees samples again.  Adapters warn
+    (through the same :func:`warn_unapplied`) only for the parts they own: optimizer, slots,
+    accumulation, schedule.  ``keys=[...]`` without ``"data"`` loads no position: no warning."""
+    if state.data and objects.get("cursor") is None:
+        # stacklevel: warn_unapplied <- here <- restore_objects <- load_state/restore <- the caller
+        warn_unapplied({"data": "pass cursor=... (a DataCursor, or anything with load_state_dict) "
+                                "to continue at the saved sample"}, stacklevel=5)
 
 
 # Keywords of a restore that are not target objects: conversion never needs them (the cursor's
@@ -250,6 +268,7 @@ def convert_for(state: TrainingState, framework: str, objects: Mapping[str, Any]
     call it first."""
     if state.framework in (None, framework):
         return state
+    log.info("restore: the state was saved by %s; converting it for %s", state.framework, framework)
     targets = {k: v for k, v in objects.items() if k not in _NOT_TARGETS}
     return convert(state, framework, objects["model"], objects.get("optimizer"),
                    name_map=name_map, approximate=approximate, **targets)

@@ -17,9 +17,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from . import _io, api, registry
 from ._diff import diff
+from ._storage import Store
 from .adapter import FileFormat
-from .errors import CheckpointError
-from .layout import gc, list_checkpoints
+from .errors import CheckpointError, CheckpointNotFoundError
+from .layout import gc, is_root, list_checkpoints
 
 log = logging.getLogger("ckptcore")
 
@@ -76,8 +77,35 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _epoch(info: api.CheckpointInfo) -> int:
+    """The epoch to show: the state's own, or the data cursor's when a custom loop left the state's
+    ``epoch`` at 0 and only its cursor knows how far the run got."""
+    cursor_epoch = info.data.get("epoch") if isinstance(info.data, Mapping) else None
+    if info.epoch == 0 and isinstance(cursor_epoch, int) and cursor_epoch > 0:
+        log.debug("ckpt: %s records epoch 0; showing its data cursor's epoch %d",
+                  info.url, cursor_epoch)
+        return cursor_epoch
+    return info.epoch
+
+
+def _inspect(url: str, so: dict) -> api.CheckpointInfo:
+    """``api.inspect``, with a pointer to ``ckpt ls`` when ``url`` is a manager's root."""
+    try:
+        return api.inspect(url, storage_options=so)
+    except CheckpointNotFoundError as e:
+        try:
+            root = is_root(Store(url, dict(so)))
+        except (OSError, CheckpointError):  # cannot list it either: the original error says enough
+            root = False
+        if root:
+            raise CheckpointNotFoundError(
+                f"{url} is a run's root (a CheckpointManager folder), not a checkpoint: "
+                f"`ckpt ls {url}` lists its checkpoints; inspect one of them") from e
+        raise
+
+
 def cmd_inspect(args: argparse.Namespace, so: dict) -> int:
-    info = api.inspect(args.url, storage_options=so)
+    info = _inspect(args.url, so)
     if args.json:
         d = {k: getattr(info, k) for k in info.__dataclass_fields__ if k != "tensors"}
         d["tensors"] = [dict(t.__dict__) for t in info.tensors]
@@ -85,7 +113,9 @@ def cmd_inspect(args: argparse.Namespace, so: dict) -> int:
         return 0
     print(f"checkpoint  {info.url}")
     print(f"format      v{info.format_version}, written by ckptcore {info.library.get('ckptcore')}")
-    print(f"step        {info.step}    epoch {info.epoch}    framework {info.framework or '-'}")
+    epoch = _epoch(info)
+    shown = f"{epoch} (the data cursor's)" if epoch != info.epoch else str(epoch)
+    print(f"step        {info.step}    epoch {shown}    framework {info.framework or '-'}")
     print(f"sections    {', '.join(info.sections)}")
     if info.data:
         d = info.data
@@ -112,7 +142,7 @@ def _print_tree(tensors) -> None:
 
 
 def cmd_verify(args: argparse.Namespace, so: dict) -> int:
-    info = api.inspect(args.url, storage_options=so)
+    info = _inspect(args.url, so)
     with _Progress(info.nbytes, "verifying"):
         problems = api.verify(args.url, storage_options=so)
     for p in problems:
@@ -134,13 +164,15 @@ def cmd_diff(args: argparse.Namespace, so: dict) -> int:
 
 
 def cmd_ls(args: argparse.Namespace, so: dict) -> int:
+    if not Store(args.root, dict(so)).exists():  # a typo or a missing bucket is not an empty run
+        raise FileNotFoundError(f"{args.root} does not exist (no such folder or bucket)")
     found = list_checkpoints(args.root, storage_options=so)
     for c in found:
         if c.info is None:
             print(f"{c.name:<32} step {c.step:<8} unreadable: {c.problem}")
             continue
         info = c.info
-        print(f"{c.name:<32} step {info.step:<8} epoch {info.epoch:<4} "
+        print(f"{c.name:<32} step {info.step:<8} epoch {_epoch(info):<4} "
               f"{info.framework or '-':<7} {_size(info.nbytes)}")
     if not found:
         print(f"no committed checkpoints under {args.root}")
@@ -162,7 +194,7 @@ def cmd_gc(args: argparse.Namespace, so: dict) -> int:
 FORMAT_VERBS = ("import", "export", "convert")
 # Options of the verbs themselves; a format option of the same name would shadow one.
 _OWN_OPTIONS = {"from", "to", "model", "overwrite", "approximate", "help", "h", "root", "framework",
-                "storage-option", "o", "json", "grace"}
+                "storage-option", "o", "json", "grace", "strict", "no-strict", "verbose", "v"}
 
 
 class _MissingFramework(Exception):
@@ -241,12 +273,42 @@ def _choices(names: Sequence[str]) -> dict:
     return {"choices": list(names)} if names else {}
 
 
+def _add_global_options(p: argparse.ArgumentParser, so_dest: str, verbose_dest: str) -> None:
+    """``-o`` and ``-v``: accepted before the verb and after it.  The verb's parser stores them
+    under other names (a subparser's defaults would otherwise overwrite what came before the verb);
+    :func:`main` merges both."""
+    p.add_argument("--storage-option", "-o", dest=so_dest, action="append", metavar="KEY=VALUE",
+                   default=None if so_dest == "storage_option" else argparse.SUPPRESS,
+                   help="fsspec storage option (repeatable; dots nest: client_kwargs.endpoint_url=...)")
+    p.add_argument("--verbose", "-v", dest=verbose_dest, action="count",
+                   default=0 if verbose_dest == "verbose" else argparse.SUPPRESS,
+                   help="show ckptcore's log on stderr (-vv: debug detail too)")
+
+
+class _GlobalSubparsers:
+    """``add_parser`` that gives every verb the global options too."""
+
+    def __init__(self, sub: Any):
+        self._sub = sub
+
+    def add_parser(self, *args: Any, **kwargs: Any) -> argparse.ArgumentParser:
+        s = self._sub.add_parser(*args, **kwargs)
+        _add_global_options(s, "storage_option_after", "verbose_after")
+        return s
+
+
+def _strict_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--strict", action=argparse.BooleanOptionalAction, default=None,
+                   help="passed to the format's reader/writer (and the conversion) as strict=; "
+                        "--no-strict restores what fits and skips the rest (e.g. a Dropout "
+                        "model's seed generator); default: the format's own")
+
+
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser; the registry's choices are filled in only when ``verb`` needs them."""
     p = argparse.ArgumentParser(prog="ckpt", description="Inspect, verify and compare ckptcore checkpoints.")
-    p.add_argument("--storage-option", "-o", action="append", metavar="KEY=VALUE",
-                   help="fsspec storage option (repeatable; dots nest: client_kwargs.endpoint_url=...)")
-    sub = p.add_subparsers(dest="verb", required=True)
+    _add_global_options(p, "storage_option", "verbose")
+    sub = _GlobalSubparsers(p.add_subparsers(dest="verb", required=True))
     s = sub.add_parser("inspect", help="show a checkpoint's contents from its manifest")
     s.add_argument("url")
     s.add_argument("--json", action="store_true")
@@ -284,6 +346,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
                    help=f"the format of SRC (installed: {', '.join(readable) or 'none'})")
     s.add_argument("--model", metavar="MODULE:FACTORY", help=model_help)
     s.add_argument("--overwrite", action="store_true")
+    _strict_option(s)
     _add_format_options(s, [f for f in formats if f.read is not None])
     s.set_defaults(fn=cmd_import, formats=formats)
 
@@ -293,6 +356,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--to", required=True, metavar="FORMAT", **_choices(writable),
                    help=f"installed: {', '.join(writable) or 'none'}")
     s.add_argument("--model", metavar="MODULE:FACTORY", help=model_help)
+    _strict_option(s)
     _add_format_options(s, [f for f in formats if f.write is not None])
     s.set_defaults(fn=cmd_export, formats=formats)
 
@@ -308,6 +372,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--approximate", action="store_true",
                    help="convert what cannot continue exactly (schedules...) with a warning instead of failing")
     s.add_argument("--overwrite", action="store_true")
+    _strict_option(s)
     _add_format_options(s, [f for f in formats if f.write is not None])
     s.set_defaults(fn=cmd_convert, formats=formats)
 
@@ -388,13 +453,31 @@ def _shown(written: Any) -> str:
     return str(written)
 
 
+def _strict(args: argparse.Namespace) -> dict[str, bool]:
+    """``strict=`` for a format's reader or writer, only when ``--strict/--no-strict`` was given
+    (a format that does not take it then says so, rather than getting an option it never asked for)."""
+    return {} if getattr(args, "strict", None) is None else {"strict": args.strict}
+
+
+def _make_parent(dst: str) -> None:
+    """Create the folder a native file or prefix ``dst`` goes into, when it is missing: format
+    writers write plain files and expect their folder to exist."""
+    path = dst[len("file://"):] if dst.startswith("file://") else dst
+    if "://" in path:
+        return  # a URL: object stores have no folders to create
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        log.info("ckpt: creating the folder %s for %s", parent, dst)
+        os.makedirs(parent, exist_ok=True)
+
+
 def cmd_import(args: argparse.Namespace, so: dict) -> int:
     fmt = _pick(args.formats, args.from_format, args.src)
     options = _format_kwargs(args, fmt, args.formats)
     with _needs(fmt.framework, f"format {fmt.name!r} (the {fmt.framework} adapter)"):
         objects = load_factory(args.model) if args.model else {}
         state = fmt.read(args.src, model=objects.get("model"), optimizer=objects.get("optimizer"),
-                         **options)
+                         **options, **_strict(args))
     info = api.save_state(args.dst, state, storage_options=so, overwrite=args.overwrite)
     print(f"imported {args.src} ({fmt.name}) -> {info.url} ({len(info.tensors)} tensors, "
           f"{_size(info.nbytes)})")
@@ -418,8 +501,9 @@ def cmd_export(args: argparse.Namespace, so: dict) -> int:
     state = api.load_state(args.src, storage_options=so)
     with _needs(fmt.framework, f"format {fmt.name!r} (the {fmt.framework} adapter)"):
         objects = load_factory(args.model) if args.model else {}
+        _make_parent(args.dst)
         written = fmt.write(state, args.dst, model=objects.get("model"),
-                            optimizer=objects.get("optimizer"), **options)
+                            optimizer=objects.get("optimizer"), **options, **_strict(args))
     print(f"exported {args.src} -> {_shown(written)}")
     return 0
 
@@ -431,6 +515,10 @@ def cmd_convert(args: argparse.Namespace, so: dict) -> int:
     fmt = None if args.to in adapters else _writer(args.formats, args.to)
     target = args.to if fmt is None else fmt.framework
     options = _format_kwargs(args, fmt, args.formats) if fmt is not None else {}
+    if fmt is None and args.strict is not None:
+        raise ValueError(f"--strict/--no-strict applies to a file format's writer; converting to "
+                         f"the {args.to!r} adapter restores nothing (the conversion is always "
+                         "checked whole)")
     with _needs(target, f"converting to {args.to!r}"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         objects = load_factory(args.model)
@@ -438,7 +526,9 @@ def cmd_convert(args: argparse.Namespace, so: dict) -> int:
         state = api.convert(args.src, target, model, optimizer, approximate=args.approximate,
                             storage_options=so, **objects)
         if fmt is not None:
-            written = _shown(fmt.write(state, args.dst, model=model, optimizer=optimizer, **options))
+            _make_parent(args.dst)
+            written = _shown(fmt.write(state, args.dst, model=model, optimizer=optimizer, **options,
+                                       **_strict(args)))
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     if fmt is None:
@@ -448,8 +538,16 @@ def cmd_convert(args: argparse.Namespace, so: dict) -> int:
     return 0
 
 
+# The demo's workers inherit the environment: frameworks' own start-up chatter (TensorFlow's C++
+# log, oneDNN notices, Paddle's glog) stays out of the demonstration's output.
+_QUIET_FRAMEWORKS = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0",
+                     "GLOG_minloglevel": "3", "FLAGS_call_stack_level": "0"}
+
+
 def cmd_demo(args: argparse.Namespace, so: dict) -> int:
     from .demo import run_demo
+    for key, value in _QUIET_FRAMEWORKS.items():
+        os.environ.setdefault(key, value)  # a user's own setting wins
     if args.framework is None:
         return run_demo(args.root, storage_options=so)
     return run_demo(args.root, args.framework, so)
@@ -462,9 +560,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``CKPT_TRACEBACK=1``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_verb(argv)).parse_args(argv)
-    # --storage-option may also follow the verb
+    # -o and -v may come before the verb and after it: both count.
+    pairs = (args.storage_option or []) + (getattr(args, "storage_option_after", None) or [])
+    verbosity = args.verbose + getattr(args, "verbose_after", 0)
     try:
-        return int(args.fn(args, _options(args.storage_option)) or 0)
+        with _logging_to_stderr(verbosity):
+            rc = int(args.fn(args, _options(pairs)) or 0)
+            sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        return rc
+    except BrokenPipeError:
+        return _pipe_closed()
     except (CheckpointError, OSError, ValueError, TypeError, LookupError) as e:
         print(f"ckpt {args.verb}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -479,6 +584,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ckpt {args.verb}: internal error: {type(e).__name__}: {e} (please report it; "
               "CKPT_TRACEBACK=1 shows where)", file=sys.stderr)
         return 3
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(verbosity: int) -> Iterator[None]:
+    """With ``-v``, the ``ckptcore`` log (INFO; ``-vv``: DEBUG) on stderr for this command."""
+    if verbosity <= 0:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ckpt: %(levelname)s %(message)s"))
+    before = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbosity > 1 else logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(before)
+
+
+# 128 + SIGPIPE: what a shell reports for a command whose reader went away (``ckpt ls | head``).
+_EXIT_PIPE = 141
+
+
+def _pipe_closed() -> int:
+    """The reader of our stdout went away: stop quietly, like other command-line tools.
+
+    Python's exit would flush stdout again and print "Exception ignored ... BrokenPipeError":
+    point stdout at /dev/null first (the output has nowhere to go anyway)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real stdout (an in-process caller)
+        pass
+    return _EXIT_PIPE
 
 
 if __name__ == "__main__":

@@ -89,8 +89,9 @@ def test_ls_lists_a_managers_committed_steps_only(tmp_path, capsys):
     rc, out, _ = _ckpt(capsys, "ls", str(root))
     lines = [ln for ln in out.splitlines() if ln.startswith("step-")]
     assert rc == 0 and [ln.split()[0] for ln in lines] == ["step-000000000001", "step-000000000002"]
+    (tmp_path / "empty").mkdir()  # an existing root without checkpoints: nothing to list yet
     rc, out, _ = _ckpt(capsys, "ls", str(tmp_path / "empty"))
-    assert "no committed checkpoints" in out
+    assert rc == 0 and "no committed checkpoints" in out
 
 
 def test_gc_removes_leftovers_and_keeps_checkpoints(tmp_path, capsys):
@@ -133,10 +134,11 @@ def test_gc_refuses_what_is_not_a_checkpoint_root(tmp_path, capsys):
 def test_missing_checkpoint_is_a_readable_error(tmp_path, capsys, verb):
     missing = str(tmp_path / "nope")
     rc, out, err = _ckpt(capsys, verb, missing)
+    # ls too: a typo in a root is not an empty run
+    assert rc == 2 and "nope" in err and "Traceback" not in err
+    assert "no committed checkpoints" not in out
     if verb == "ls":
-        assert rc == 0 and "no committed checkpoints" in out
-    else:
-        assert rc == 2 and "nope" in err and "Traceback" not in err
+        assert "does not exist" in err
 
 
 def test_bad_storage_option_is_refused(tmp_path):
@@ -410,3 +412,116 @@ def test_convert_passes_every_target_object_to_the_adapter(fake_env):
     assert first == {"optimizer": "opt", "cursor": None, "rng": False, "scheduler": "sched",
                      "scaler": "scal"}
     assert second == {"optimizer": "opt", "cursor": None, "rng": False, "scheduler": "sched"}
+
+
+# -- issue 12: options after the verb, missing roots, run roots, pipes, epochs, logging ----------
+
+def test_storage_options_and_verbose_after_the_verb(s3_backend, capsys):
+    """``-o`` works before and after the verb (the README shows it after), and mixes."""
+    url = s3_backend.url("ck")
+    ckptcore.save_state(url, make_state(2), storage_options=s3_backend.storage_options)
+    so = s3_backend.storage_options
+    endpoint = ["-o", f"client_kwargs.endpoint_url={so['client_kwargs']['endpoint_url']}"]
+    creds = ["-o", f"key={so['key']}", "-o", f"secret={so['secret']}"]
+    rc, out, _ = _ckpt(capsys, "verify", url, *endpoint, *creds)
+    assert rc == 0 and "OK" in out
+    rc, out, _ = _ckpt(capsys, *creds, "inspect", url, "--json", *endpoint)
+    assert rc == 0 and json.loads(out)["step"] == 2
+
+
+def test_ls_of_a_missing_bucket_is_an_error(s3_backend, capsys):
+    so = s3_backend.storage_options
+    opts = ["-o", f"client_kwargs.endpoint_url={so['client_kwargs']['endpoint_url']}",
+            "-o", f"key={so['key']}", "-o", f"secret={so['secret']}"]
+    rc, out, err = _ckpt(capsys, "ls", "s3://no-such-bucket-ckptcore/run", *opts)
+    assert rc == 2 and "no-such-bucket-ckptcore" in err and "no committed" not in out
+    rc, out, err = _ckpt(capsys, "ls", s3_backend.url("never-written"), *opts)
+    assert rc == 2 and "does not exist" in err
+
+
+def test_inspect_of_a_run_root_points_to_ls(tmp_path, capsys):
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, make_state(1))
+    for verb in ("inspect", "verify"):
+        rc, _, err = _ckpt(capsys, verb, str(root))
+        assert rc == 2 and f"ckpt ls {root}" in err and "run's root" in err
+    rc, _, err = _ckpt(capsys, "inspect", str(tmp_path / "nope"))  # not a root: the plain error
+    assert rc == 2 and "does not exist" in err and "ckpt ls" not in err
+
+
+def test_epoch_column_shows_the_cursors_epoch_for_custom_loops(tmp_path, capsys):
+    """A custom loop that never sets ``state.epoch``: the cursor knows the run is in epoch 2."""
+    cursor = DataCursor(8, 4, seed=0)
+    for _ in range(5):  # 2 epochs of 2 batches, then one batch into epoch 2
+        cursor.next_batch()
+    assert cursor.epoch == 2
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(5, make_state(5), cursor=cursor)
+    assert ckptcore.list_checkpoints(root)[0].info.epoch == 0  # the state's own field
+    rc, out, _ = _ckpt(capsys, "ls", str(root))
+    assert rc == 0 and out.split()[:6] == ["step-000000000005", "step", "5", "epoch", "2", "-"]
+    rc, out, _ = _ckpt(capsys, "inspect", ckptcore.list_checkpoints(root)[0].url)
+    assert "epoch 2 (the data cursor's)" in out
+
+
+def test_epoch_column_keeps_a_states_own_epoch(tmp_path, capsys):
+    cursor = DataCursor(8, 4, seed=0)
+    cursor.next_batch()
+    import dataclasses
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, dataclasses.replace(make_state(1), epoch=7), cursor=cursor)
+    rc, out, _ = _ckpt(capsys, "ls", str(root))
+    assert out.split()[4] == "7"
+
+
+def test_verbose_shows_the_ckptcore_log(tmp_path, capsys):
+    """``-v`` (before or after the verb) shows the log of decisions on stderr; without it, INFO
+    records stay quiet."""
+    cursor = DataCursor(8, 4, seed=0)
+    for _ in range(3):
+        cursor.next_batch()
+    url = str(tmp_path / "c")
+    ckptcore.save_state(url, make_state(1), cursor=cursor)
+    rc, _, err = _ckpt(capsys, "ls", str(tmp_path))
+    assert rc == 0 and err == ""
+    rc, _, err = _ckpt(capsys, "inspect", url, "-vv")
+    assert rc == 0 and "data cursor's epoch 1" in err and "DEBUG" in err
+    rc, _, err = _ckpt(capsys, "-vv", "inspect", url)
+    assert rc == 0 and "data cursor's epoch 1" in err
+
+
+def _many_tensor_checkpoint(tmp_path) -> str:
+    import numpy as np
+    url = str(tmp_path / "big")
+    state = ckptcore.TrainingState(model={f"layer{i:04d}/kernel": np.zeros(2, np.float32)
+                                          for i in range(3000)}, step=1)
+    ckptcore.save_state(url, state)
+    return url
+
+
+@pytest.mark.parametrize("shell", [False, True])
+def test_a_reader_that_goes_away_ends_ckpt_quietly(tmp_path, shell):
+    """``ckpt inspect URL | head``: the output (far more than a pipe holds) meets a closed pipe;
+    ckpt stops without a traceback, with the shell's exit code for it (141) or 0."""
+    url = _many_tensor_checkpoint(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    if shell:
+        done = subprocess.run(["bash", "-c", f'set -o pipefail; "{sys.executable}" -m ckptcore.cli '
+                               f'inspect "{url}" | head -n 2; echo "rc=$?" >&2'],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert len(done.stdout.splitlines()) == 2
+        assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+        assert done.stderr.strip().splitlines()[-1] in ("rc=0", "rc=141")
+        return
+    proc = subprocess.Popen([sys.executable, "-m", "ckptcore.cli", "inspect", url], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"checkpoint")
+    proc.stdout.close()  # the reader goes away after one line
+    err = proc.stderr.read().decode()
+    rc = proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert rc in (0, 141)
