@@ -7,6 +7,7 @@ import logging
 import os
 import platform
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -250,9 +251,18 @@ def _warn_cursor_unapplied(state: TrainingState, objects: Mapping[str, Any]) -> 
     (through the same :func:`warn_unapplied`) only for the parts they own: optimizer, slots,
     accumulation, schedule.  ``keys=[...]`` without ``"data"`` loads no position: no warning."""
     if state.data and objects.get("cursor") is None:
-        # stacklevel: warn_unapplied <- here <- restore_objects <- load_state/restore <- the caller
         warn_unapplied({"data": "pass cursor=... (a DataCursor, or anything with load_state_dict) "
-                                "to continue at the saved sample"}, stacklevel=5)
+                                "to continue at the saved sample"}, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` (for a warning raised by this module's caller's :func:`warn_unapplied`)
+    of the first frame outside ckptcore and its adapters: the user's ``load_state``/``restore``
+    line or their framework's ``fit``, whichever path the restore took."""
+    frame, level = sys._getframe(1), 2  # level 2 from warn_unapplied is our caller's frame
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ckptcore"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # Keywords of a restore that are not target objects: conversion never needs them (the cursor's

@@ -488,3 +488,73 @@ def test_optional_tree_keys_take_their_defaults(local_backend):
     assert (got.rng, got.data, got.metadata, got.extra, got.params, got.framework, got.epoch) == \
            ({}, {}, {}, {}, {}, None, 0)
     assert_state_same(got, sample_state(4), sections=("model", "accumulation", "step"))
+
+
+# ------------------------------------------------------------------------ unapplied data position
+def _numpy_run(tmp_path, with_cursor: bool = True):
+    """A NumPy-adapter run saved mid-epoch (the cursor at sample 8 of epoch 1), and fresh targets."""
+    import ckptcore_numpy as cn
+
+    def objects():
+        return {"model": cn.Model({"w": np.arange(6, dtype=np.float32)}), "optimizer": cn.SGD(0.1)}
+
+    cursor = ckptcore.DataCursor(12, 4, seed=3)
+    for _ in range(5):
+        cursor.next_batch()
+    url = str(tmp_path / "ck")
+    ckptcore.save_state(url, **objects(), **({"cursor": cursor} if with_cursor else {}))
+    return url, objects, cursor
+
+
+def _unapplied(caught) -> list:
+    return [w for w in caught if issubclass(w.category, ckptcore.errors.UnappliedStateWarning)]
+
+
+def test_restore_without_cursor_warns_once_naming_the_fix(tmp_path, caplog):
+    import warnings
+    url, objects, _ = _numpy_run(tmp_path)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", "ckptcore"):
+        warnings.simplefilter("always")
+        ckptcore.load_state(url, **objects())
+    hits = _unapplied(caught)
+    assert len(hits) == 1, [str(w.message) for w in caught]
+    assert "data (pass cursor=" in str(hits[0].message) and "keys=" in str(hits[0].message)
+    assert hits[0].filename == __file__  # points at the caller's line
+    assert [r for r in caplog.records if "data (pass cursor=" in r.getMessage()]
+
+
+def test_manager_restore_without_cursor_warns_once(tmp_path):
+    import warnings
+    import ckptcore_numpy as cn
+    cursor = ckptcore.DataCursor(12, 4, seed=3)
+    cursor.next_batch()
+    with ckptcore.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, model=cn.Model({"w": np.ones(3, np.float32)}), cursor=cursor)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mgr.restore(model=cn.Model({"w": np.zeros(3, np.float32)}))
+        assert len(_unapplied(caught)) == 1 and _unapplied(caught)[0].filename == __file__
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # with the cursor: silent
+            fresh = ckptcore.DataCursor(12, 4, seed=3)
+            mgr.restore(model=cn.Model({"w": np.zeros(3, np.float32)}), cursor=fresh)
+        assert fresh.state_dict() == cursor.state_dict()
+
+
+@pytest.mark.parametrize("case", ["cursor given", "keys without data", "no position saved",
+                                  "no framework objects"])
+def test_no_warning_when_nothing_is_left_unapplied(tmp_path, case):
+    import warnings
+    url, objects, cursor = _numpy_run(tmp_path, with_cursor=case != "no position saved")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if case == "cursor given":
+            fresh = ckptcore.DataCursor(12, 4, seed=3)
+            ckptcore.load_state(url, **objects(), cursor=fresh)
+            assert fresh.state_dict() == cursor.state_dict()
+        elif case == "keys without data":
+            ckptcore.load_state(url, keys=["model", "optimizer"], **objects())
+        elif case == "no position saved":
+            ckptcore.load_state(url, **objects())
+        else:
+            assert ckptcore.load_state(url).data == cursor.state_dict()  # a state, no restore

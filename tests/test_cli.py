@@ -212,6 +212,15 @@ FAKE_ADAPTER = textwrap.dedent("""
             json.dump(d, f)
         return (dst, None)
 
+    def _write_strict(state, dst, model=None, optimizer=None, *, strict=True):
+        with open(dst, "w") as f:
+            json.dump({"step": state.step, "strict": strict}, f)
+        return dst
+
+    def _read_strict(src, model=None, optimizer=None, *, strict=True):
+        with open(src) as f:
+            return TrainingState(model={}, step=json.load(f)["step"], metadata={"strict": strict})
+
     def _needs_framework(*args, **kwargs):
         import fakeframework_not_installed  # what a format of an absent framework runs into
 
@@ -220,6 +229,8 @@ FAKE_ADAPTER = textwrap.dedent("""
                    options={"scale": "multiply every value by this on reading"}),
         FileFormat("fake-named", "fake", "fake-json named through the live model",
                    lambda p: False, None, _write, needs_model=True),
+        FileFormat("fake-strict", "fake", "takes strict=", lambda p: False, _read_strict,
+                   _write_strict),
         FileFormat("fake-absent", "fake", "needs a framework that is not installed",
                    lambda p: False, _needs_framework, _needs_framework),
     ]
@@ -525,3 +536,32 @@ def test_a_reader_that_goes_away_ends_ckpt_quietly(tmp_path, shell):
     rc = proc.wait(timeout=120)
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
     assert rc in (0, 141)
+
+
+def test_strict_reaches_the_format_only_when_given(fake_env, tmp_path):
+    """``--strict/--no-strict`` go to the format's reader/writer as ``strict=``; without them the
+    format's default applies, and a format that takes no ``strict`` refuses it in one line."""
+    ck = _saved(tmp_path, "ck", 4)
+    out = _run_ckpt(fake_env, "export", ck, tmp_path / "a.json", "--to", "fake-strict", "--no-strict")
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "a.json").read_text()) == {"step": 4, "strict": False}
+    out = _run_ckpt(fake_env, "export", ck, tmp_path / "b.json", "--to", "fake-strict")
+    assert json.loads((tmp_path / "b.json").read_text())["strict"] is True
+    out = _run_ckpt(fake_env, "import", tmp_path / "a.json", tmp_path / "imp", "--from", "fake-strict",
+                    "--no-strict")
+    assert out.returncode == 0, out.stderr
+    assert ckptcore.load_state(str(tmp_path / "imp")).metadata == {"strict": False}
+    out = _run_ckpt(fake_env, "export", ck, tmp_path / "c.json", "--to", "fake-json", "--strict")
+    assert out.returncode == 2 and "strict" in out.stderr and "Traceback" not in out.stderr
+    out = _run_ckpt(fake_env, "convert", ck, tmp_path / "d", "--to", "fake", "--model",
+                    "fakeckpt_adapter:build", "--no-strict")
+    assert out.returncode == 2 and "--strict/--no-strict applies to a file format" in out.stderr
+
+
+def test_export_creates_the_target_folder(fake_env, tmp_path):
+    ck = _saved(tmp_path, "ck", 4)
+    target = tmp_path / "new" / "deeper" / "out.json"
+    out = _run_ckpt(fake_env, "-v", "export", ck, target, "--to", "fake-strict")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(target.read_text())["step"] == 4
+    assert f"creating the folder {target.parent}" in out.stderr  # -v shows the decision
