@@ -565,3 +565,52 @@ def test_export_creates_the_target_folder(fake_env, tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(target.read_text())["step"] == 4
     assert f"creating the folder {target.parent}" in out.stderr  # -v shows the decision
+
+
+# -- scripts/_venv.sh: install once, again only when pyproject.toml changes, quietly ------------
+
+FAKE_VENV_PYTHON = """#!/usr/bin/env bash
+# Stands in for .venv/bin/python: records each call; pip "installs" noisily, as a build backend does.
+echo "$*" >> "$(dirname "$0")/calls.log"
+if [ "$1 $2 $3" = "-m pip install" ]; then
+  echo "SetuptoolsDeprecationWarning: License classifiers are deprecated." >&2
+  echo "Successfully installed ckptcore-0.1.0"
+  [ -f "$(dirname "$0")/fail" ] && { echo "ERROR: the build failed" >&2; exit 1; }
+fi
+exit 0
+"""
+
+
+def _source_venv(project: Path) -> subprocess.CompletedProcess:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "_venv.sh"
+    return subprocess.run(["bash", "-c", f'set -euo pipefail; source "{script}" "dev"; echo sourced'],
+                          cwd=project, capture_output=True, text=True, timeout=60)
+
+
+def test_venv_script_installs_once_and_quietly(tmp_path):
+    project = tmp_path / "project"
+    (project / ".venv" / "bin").mkdir(parents=True)
+    python = project / ".venv" / "bin" / "python"
+    python.write_text(FAKE_VENV_PYTHON)
+    python.chmod(0o755)
+    (project / "pyproject.toml").write_text('[project]\nname = "ckptcore"\n')
+    calls = project / ".venv" / "bin" / "calls.log"
+
+    def installs() -> int:
+        return sum("pip install" in ln for ln in calls.read_text().splitlines()) if calls.exists() else 0
+
+    done = _source_venv(project)
+    assert done.returncode == 0 and done.stdout == "sourced\n", done.stderr
+    assert installs() == 1 and "Warning" not in done.stderr  # the backend's warnings stay hidden
+    for _ in range(2):  # nothing changed: no pip at all
+        assert _source_venv(project).returncode == 0
+    assert installs() == 1
+    (project / "pyproject.toml").write_text('[project]\nname = "ckptcore"\nversion = "2"\n')
+    assert _source_venv(project).returncode == 0 and installs() == 2
+    (project / "pyproject.toml").write_text('[project]\nname = "ckptcore"\nversion = "3"\n')
+    (project / ".venv" / "bin" / "fail").write_text("")
+    done = _source_venv(project)  # a failed install shows pip's output and is retried next time
+    assert done.returncode != 0 and "the build failed" in done.stderr and "sourced" not in done.stdout
+    (project / ".venv" / "bin" / "fail").unlink()
+    assert _source_venv(project).returncode == 0 and installs() == 4
+    assert _source_venv(project).returncode == 0 and installs() == 4
