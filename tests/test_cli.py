@@ -614,3 +614,47 @@ def test_venv_script_installs_once_and_quietly(tmp_path):
     (project / ".venv" / "bin" / "fail").unlink()
     assert _source_venv(project).returncode == 0 and installs() == 4
     assert _source_venv(project).returncode == 0 and installs() == 4
+
+
+# -- ckpt demo: options after the verb reach the bucket; the frameworks' logs stay out ----------
+
+def _has_lease_takeover() -> bool:
+    import inspect
+    return "heartbeat_seconds" in inspect.signature(CheckpointManager.__init__).parameters
+
+
+@pytest.mark.xfail(not _has_lease_takeover(), strict=True,
+                   reason="resuming on S3 after the SIGKILL needs the manager's lease takeover "
+                          "(issue 12 item 1, another branch)")
+def test_demo_on_s3_with_options_after_the_verb(s3_backend):
+    """What README shows: ``ckpt demo --root s3://... -o client_kwargs.endpoint_url=...``."""
+    so = s3_backend.storage_options
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "adapters"),
+         os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "ckptcore.cli", "demo", "--root", s3_backend.url("demo"),
+                           "-o", f"client_kwargs.endpoint_url={so['client_kwargs']['endpoint_url']}",
+                           "-o", f"key={so['key']}", "-o", f"secret={so['secret']}"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    # The options after the verb reached the bucket: the killed run's checkpoints are there.
+    assert any(n.startswith("step-") for n in s3_backend.listdir("demo", "run")), done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT: the resumed run equals the uninterrupted run" in done.stdout
+
+
+def test_framework_demo_keeps_the_frameworks_logs_out(tmp_path):
+    """``ckpt demo --framework keras`` with no log settings of the user's: TensorFlow's start-up
+    chatter (absl, CUDA probing, oneDNN notices) does not reach the terminal."""
+    pytest.importorskip("tensorflow")  # only an absent framework skips
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS", "GLOG_minloglevel")}
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), str(repo / "adapters")])
+    done = subprocess.run([sys.executable, "-m", "ckptcore.cli", "demo", "--framework", "keras",
+                           "--root", str(tmp_path / "run")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT: the resumed run equals" in done.stdout
+    noise = [ln for ln in (done.stdout + done.stderr).splitlines()
+             if any(w in ln for w in ("absl", "cuda", "oneDNN", "I0000", "W0000", "E0000"))]
+    assert not noise, noise
