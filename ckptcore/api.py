@@ -143,6 +143,9 @@ def _select(tree: dict, keys: Iterable[str] | None) -> dict:
         raise ValueError(f"unknown section(s) {unknown}; choose from {TrainingState.SECTIONS}")
     # Small bookkeeping sections always come along: they hold no tensors worth skipping.
     wanted = set(keys) | {"step", "epoch", "framework", "metadata", "params"}
+    skipped = sorted(k for k, v in tree.items() if k not in wanted and v not in (None, {}, [], ""))
+    if skipped:
+        log.debug("load_state: keys=%s; not reading the saved section(s) %s", sorted(keys), skipped)
     return {k: v for k, v in tree.items() if k in wanted}
 
 

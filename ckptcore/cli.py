@@ -568,8 +568,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             rc = int(args.fn(args, _options(pairs)) or 0)
             sys.stdout.flush()  # a closed pipe shows here, inside the handler below
         return rc
-    except BrokenPipeError:
-        return _pipe_closed()
+    except BrokenPipeError as e:
+        if _stdout_gone():
+            return _pipe_closed()
+        # a connection of the storage broke, not our reader: an error like any other
+        print(f"ckpt {args.verb}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     except (CheckpointError, OSError, ValueError, TypeError, LookupError) as e:
         print(f"ckpt {args.verb}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -606,6 +610,19 @@ def _logging_to_stderr(verbosity: int) -> Iterator[None]:
 
 # 128 + SIGPIPE: what a shell reports for a command whose reader went away (``ckpt ls | head``).
 _EXIT_PIPE = 141
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout's reader went away (its pipe reports an error), as opposed to a
+    ``BrokenPipeError`` of some connection the verb used."""
+    import select
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real stdout (an in-process caller)
+        return True
 
 
 def _pipe_closed() -> int:

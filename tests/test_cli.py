@@ -221,6 +221,9 @@ FAKE_ADAPTER = textwrap.dedent("""
         with open(src) as f:
             return TrainingState(model={}, step=json.load(f)["step"], metadata={"strict": strict})
 
+    def _broken_connection(*args, **kwargs):
+        raise BrokenPipeError(32, "the store's connection broke")
+
     def _needs_framework(*args, **kwargs):
         import fakeframework_not_installed  # what a format of an absent framework runs into
 
@@ -231,6 +234,8 @@ FAKE_ADAPTER = textwrap.dedent("""
                    lambda p: False, None, _write, needs_model=True),
         FileFormat("fake-strict", "fake", "takes strict=", lambda p: False, _read_strict,
                    _write_strict),
+        FileFormat("fake-brokenpipe", "fake", "its writer's connection breaks", lambda p: False,
+                   None, _broken_connection),
         FileFormat("fake-absent", "fake", "needs a framework that is not installed",
                    lambda p: False, _needs_framework, _needs_framework),
     ]
@@ -658,3 +663,10 @@ def test_framework_demo_keeps_the_frameworks_logs_out(tmp_path):
     noise = [ln for ln in (done.stdout + done.stderr).splitlines()
              if any(w in ln for w in ("absl", "cuda", "oneDNN", "I0000", "W0000", "E0000"))]
     assert not noise, noise
+
+
+def test_a_broken_connection_is_not_a_closed_pipe(fake_env, tmp_path):
+    """A ``BrokenPipeError`` of a connection (stdout's reader still there) is an error, exit 2."""
+    ck = _saved(tmp_path, "ck", 4)
+    out = _run_ckpt(fake_env, "export", ck, tmp_path / "x", "--to", "fake-brokenpipe")
+    assert out.returncode == 2 and "the store's connection broke" in out.stderr
