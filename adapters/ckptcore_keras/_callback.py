@@ -50,8 +50,8 @@ The contract
   rolls over, or, without a cursor, at batch ``steps`` of a ``fit`` that knows its
   steps per epoch.  So an integer ``save_freq`` that lands on an epoch's last batch
   records a finished epoch, and a re-run does not train it again.
-* **Metrics and best only.**  Each save records the run's scalar logs (those named in
-  ``metrics=``, or all, with ``monitor``) as the checkpoint's metrics, so retention
+* **Metrics and best only.**  Each save records the run's finite scalar logs (all of them,
+  or those named in ``metrics=`` plus ``monitor``) as the checkpoint's metrics, so retention
   such as ``ckptcore.KeepBest("loss")`` works.  ``save_best_only=True`` saves only when
   ``monitor`` improves (``mode`` ``"min"``/``"max"``/``"auto"``, Keras' spellings); the
   best value so far travels in the checkpoint, so a resumed run keeps comparing to it.

@@ -314,7 +314,8 @@ def test_resume_through_the_callback_does_not_warn_and_a_bare_restore_does(tmp_p
         ckptcore_keras.restore(state, _model())
 
 
-def test_sigterm_saves_the_batch_just_trained_and_stops_fit(tmp_path, reference):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_sigterm_saves_the_batch_just_trained_and_stops_fit(tmp_path, reference, async_save):
     import os
     import signal
 
@@ -326,7 +327,7 @@ def test_sigterm_saves_the_batch_just_trained_and_stops_fit(tmp_path, reference)
     root = tmp_path / "ckpt"
     model = _model()
     cursor = ckptcore.DataCursor(15, 4, seed=5)
-    cb = ckptcore_keras.BackupAndRestore(root, save_freq=2, cursor=cursor)
+    cb = ckptcore_keras.BackupAndRestore(root, save_freq=2, cursor=cursor, async_save=async_save)
     before = signal.getsignal(signal.SIGTERM)
     history = model.fit(ckptcore_keras.dataset(cursor, X, Y), epochs=3, verbose=0,
                         callbacks=[cb, Term()])
