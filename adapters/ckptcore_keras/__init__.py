@@ -95,7 +95,10 @@ class KerasAdapter(PackageAdapter):
         return capture(**objects)
 
     def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
-        return restore(state, **objects)
+        # load_state and CheckpointManager.restore warn about an unapplied data position
+        # themselves, once per restore, whatever the framework.
+        from ._capture import restore as _restore
+        return _restore(state, warn_data=False, **objects)
 
 
 ADAPTER = KerasAdapter()

@@ -37,11 +37,27 @@ The contract
   ``async_safe``, so Keras calls batch hooks synchronously in the training
   thread, where Keras keeps its global seed generator; ``async_save=True`` only
   moves the writing to a background thread.
-* **Several fits.** Each ``fit`` restores on begin, unless the newest checkpoint
-  is the one this callback wrote last (the model already holds it); after
-  ``fit``, ``model._initial_epoch`` is reset.  The checkpoints are kept (retention
-  ``keep``): running the finished script again restores the final state and
-  trains nothing.  One process writes a root at a time (the manager's lock).
+* **Several fits.**  A ``fit`` interrupted by an exception (Ctrl-C in a notebook) never
+  reaches ``on_train_end``: the next ``fit`` with the same callback object restores the
+  newest checkpoint and resumes at its epoch and batch, as Keras' own callback does.
+  After a ``fit`` that ended normally, the next one starts normally (``model._initial_epoch``
+  is reset) and does not restore the checkpoint this callback just wrote (the model
+  holds it).  The checkpoints are kept (retention ``keep``; ``delete_checkpoint=True``
+  deletes them when ``fit`` ends normally, as Keras does): running the finished script
+  again restores the final state and trains nothing.  One process writes a root at a time
+  (the manager's lock, a lease that a dead writer's successor takes over).
+* **Epoch ends.**  An epoch counts as done once its last batch is trained: when the cursor
+  rolls over, or, without a cursor, at batch ``steps`` of a ``fit`` that knows its
+  steps per epoch.  So an integer ``save_freq`` that lands on an epoch's last batch
+  records a finished epoch, and a re-run does not train it again.
+* **Metrics and best only.**  Each save records the run's finite scalar logs (all of them,
+  or those named in ``metrics=`` plus ``monitor``) as the checkpoint's metrics, so retention
+  such as ``ckptcore.KeepBest("loss")`` works.  ``save_best_only=True`` saves only when
+  ``monitor`` improves (``mode`` ``"min"``/``"max"``/``"auto"``, Keras' spellings); the
+  best value so far travels in the checkpoint, so a resumed run keeps comparing to it.
+* **Preemption.**  The manager catches SIGTERM (``save_on_preemption=False`` to opt out);
+  after each batch the callback asks ``manager.preempted``, saves the batch just
+  trained through ``manager.save_if_preempted`` (synchronously) and stops ``fit``.
 
 The callback may sit anywhere in the list: a stop another callback requests
 (EarlyStopping...) is never cleared, because the end-of-epoch marker is a
@@ -52,7 +68,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import keras
 import numpy as np
@@ -96,14 +112,31 @@ class BackupAndRestore(keras.callbacks.Callback):
     Args:
         root: Any fsspec URL (a local folder, ``s3://bucket/run``...): a non-empty str or
             path-like, else ``ValueError`` / ``TypeError`` before anything is created.
+        backup_dir: Keras' spelling of ``root`` (give one of them).
         save_freq: ``"epoch"``, or save every this many trained batches.
         cursor: The :class:`ckptcore.DataCursor` that ``ckptcore_keras.dataset``
             reads; the callback advances it and resumes it mid-epoch.
         keep: Retention, as for :class:`ckptcore.CheckpointManager` (an int keeps the
-            last n; the older ones are the fallback if the newest is damaged).  The
+            last n; the older ones are the fallback if the newest is damaged;
+            ``ckptcore.KeepBest("val_loss")`` ranks by the recorded metrics).  The
             default, ``ckptcore.adapter.CALLBACK_KEEP``, is every adapter's callback's.
         async_save: Write checkpoints in a background thread (the state is still
             captured in the training thread, between steps).
+        metrics: The names of the logs to record with each checkpoint (default: every
+            finite scalar Keras logs at that point: ``loss``, compiled metrics, and at an
+            epoch's end ``val_*``).
+        monitor: The log that ``save_best_only`` compares (recorded as well).
+        mode: ``"auto"``, ``"min"`` or ``"max"`` (``"auto"``: max for names with ``acc``,
+            ``auc`` or ``fmeasure``, else min), as in ``keras.callbacks.ModelCheckpoint``.
+        save_best_only: Save only when ``monitor`` (default ``"val_loss"``) improved on the
+            best value saved so far; no final save at the end of ``fit``.  A preemption
+            save still happens (its state would be lost otherwise).
+        delete_checkpoint: Delete every checkpoint of ``root`` when ``fit`` ends normally
+            (not when it was preempted), as Keras' ``BackupAndRestore`` does by default.
+            Off by default here: kept checkpoints make a finished script's re-run train
+            nothing.
+        lock: Hold the root's writer lease while training (``CheckpointManager(lock=)``).
+        save_on_preemption: Catch SIGTERM, save the batch just trained and stop ``fit``.
         storage_options: Passed to fsspec.
 
     Example:
@@ -114,17 +147,45 @@ class BackupAndRestore(keras.callbacks.Callback):
         >>> model.fit(ds, epochs=10, callbacks=[cb])                           # doctest: +SKIP
     """
 
-    def __init__(self, root: Any, *, save_freq: str | int = "epoch", cursor: Any = None,
+    def __init__(self, root: Any = None, *, backup_dir: Any = None,
+                 save_freq: str | int = "epoch", cursor: Any = None,
                  keep: Any = CALLBACK_KEEP, async_save: bool = False,
+                 metrics: str | Sequence[str] | None = None, monitor: str | None = None,
+                 mode: str = "auto", save_best_only: bool = False,
+                 delete_checkpoint: bool = False, lock: bool = True,
+                 save_on_preemption: bool = True,
                  storage_options: Mapping[str, Any] | None = None):
+        if root is None and backup_dir is None:
+            raise TypeError("BackupAndRestore needs root (or backup_dir, Keras' spelling of it)")
+        if root is not None and backup_dir is not None:
+            raise TypeError("BackupAndRestore: give root or backup_dir (the same thing), not both")
         # Checked before anything else: str("") is "/" to the manager and str(None) a folder "None".
-        root = check_url(root, "root")
+        root = check_url(root if root is not None else backup_dir, "root")
         super().__init__()
         if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool)
                                      or save_freq < 1):
             raise ValueError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}")
-        self.root, self.save_freq, self.cursor = root, save_freq, cursor
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+        if monitor is None and save_best_only:
+            monitor = "val_loss"  # keras.callbacks.ModelCheckpoint's default
+        if monitor is not None and (not isinstance(monitor, str) or not monitor):
+            raise TypeError(f"monitor must be the name of a log (e.g. 'loss'), got {monitor!r}")
+        if isinstance(metrics, str):
+            metrics = (metrics,)
+        if metrics is not None:
+            metrics = tuple(metrics)
+            if not all(isinstance(m, str) and m for m in metrics):
+                raise TypeError(f"metrics must be names of logs (str), got {metrics!r}")
+        self.root, self.backup_dir, self.save_freq, self.cursor = root, root, save_freq, cursor
         self.keep, self.async_save = keep, async_save
+        self.metrics = None if metrics is None else tuple(dict.fromkeys(
+            metrics + ((monitor,) if monitor else ())))
+        self.monitor, self.save_best_only = monitor, bool(save_best_only)
+        self.mode = mode if mode != "auto" or monitor is None else (
+            "max" if any(k in monitor for k in ("acc", "auc", "fmeasure")) else "min")
+        self.delete_checkpoint, self.lock = bool(delete_checkpoint), lock
+        self.save_on_preemption = bool(save_on_preemption)
         self.storage_options = dict(storage_options or {})
         self._manager: CheckpointManager | None = None
         self._batches = 0          # batches trained in the whole run, over all processes
@@ -136,13 +197,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resume: tuple[int, int, dict] | None = None  # (epoch, batches done, metrics)
         self._late_metrics: tuple[dict[str, list[np.ndarray]], set[int]] | None = None
         self._begin = 0
+        self._best: float | None = None     # the best monitored value saved so far
+        self._running = False      # between on_train_begin and on_train_end
+        self._preempted = False
+        self._warned_monitor = False
 
     @property
     def manager(self) -> CheckpointManager:
         """The :class:`ckptcore.CheckpointManager` of ``root`` (opened on first use)."""
         if self._manager is None:
             mgr = CheckpointManager(self.root, keep=self.keep, async_save=self.async_save,
-                                    storage_options=self.storage_options)
+                                    storage_options=self.storage_options, lock=self.lock,
+                                    save_on_preemption=self.save_on_preemption)
             stale = _OPEN.pop(mgr.root.url, None)
             if stale is not None:
                 try:
@@ -159,9 +225,17 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError("BackupAndRestore(cursor=...) ends each epoch where the cursor does: "
                              "train on ckptcore_keras.dataset(cursor, ...) and do not pass "
                              "steps_per_epoch (a resumed epoch is shorter than the others)")
+        interrupted, self._running, self._preempted = self._running, True, False
         latest = self.manager.latest_step()
-        if latest is None or latest == self._last_step:
-            return  # nothing saved yet, or this callback's own last save: the model is there
+        if latest is None:
+            return  # nothing saved yet
+        if latest == self._last_step and not interrupted:
+            return  # this callback's own last save, at the end of a fit: the model holds it
+        if interrupted:
+            # The interrupted fit trained past its last checkpoint (model, optimizer, cursor):
+            # go back to that checkpoint, as a new process would.
+            log.info("%s: the previous fit with this callback was interrupted; resuming from "
+                     "step %d", self.root, latest)
         self._restore(self.manager.restore())
 
     def _restore(self, state: Any) -> None:
@@ -175,6 +249,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         in_epoch = 0 if done else int(progress["batch"])
         self._batches = self._last_step = int(progress["batches"])
         self._since_save = 0
+        best = progress.get("best")
+        self._best = float(best) if isinstance(best, (int, float)) else None
         start = epoch + 1 if done else epoch
         if in_epoch and self.cursor is None:
             warnings.warn(f"resuming in the middle of epoch {epoch} without a cursor: the epoch "
@@ -209,43 +285,117 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._late_metrics is not None:
             _add_metrics(self.model, *self._late_metrics)
             self._late_metrics = None
-        if rolled:
+        steps = self.params.get("steps") if self.cursor is None else None
+        if rolled or (steps is not None and batch + 1 >= steps):
+            # The epoch's last batch: a save from here on records the epoch as done.
             self._epoch_done = True
-            if not self.model.stop_training:
-                self.model.stop_training = _END_OF_EPOCH
-        if self.save_freq != "epoch" and self._since_save >= self.save_freq:
-            self._save()
+        if rolled and not self.model.stop_training:
+            self.model.stop_training = _END_OF_EPOCH
+        if self.manager.preempted:
+            self._save_preempted(logs)
+        elif self.save_freq != "epoch" and self._since_save >= self.save_freq:
+            self._save(logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.model.stop_training is _END_OF_EPOCH:
             self.model.stop_training = False
+        if self._preempted:
+            return  # stopped mid-epoch by SIGTERM: the epoch is not done
         self._epoch_done = True
         if self.save_freq == "epoch":
-            self._save()
+            self._save(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         try:
             opt = getattr(self.model, "optimizer", None)
             # After fit, Keras swaps EMA averages into the weights: not a state to continue from.
-            if self._batches != self._last_step and not getattr(opt, "use_ema", False):
-                self._save()
+            final = not (self.save_best_only or self._preempted or self.delete_checkpoint
+                         or getattr(opt, "use_ema", False))
+            if final and self._batches != self._last_step:
+                self._save(logs)
             if self._manager is not None:
+                if self.delete_checkpoint and not self._preempted:
+                    self._delete_all()
                 _OPEN.pop(self._manager.root.url, None)
                 self._manager.close()
         finally:
             self._manager = None
+            self._running = False
             self.model._initial_epoch = None
 
-    def _save(self) -> None:
-        if self._batches == self._last_step:
-            return
+    # -- saving ---------------------------------------------------------------------------------
+    def _state(self, logs: Mapping[str, Any] | None) -> tuple[Any, dict[str, float]]:
+        recorded = _recorded(logs, self.metrics)
         state = capture(self.model, cursor=self.cursor)
         state.epoch = self._epoch + int(self._epoch_done)
         state.extra.setdefault(_SECTION, {})[_PROGRESS] = {
             "epoch": self._epoch, "batch": self._in_epoch, "epoch_done": self._epoch_done,
-            "batches": self._batches, "metrics": _metric_values(self.model)}
-        self.manager.save(self._batches, state)
+            "batches": self._batches, "metrics": _metric_values(self.model), "best": self._best}
+        return state, recorded
+
+    def _save(self, logs: Mapping[str, Any] | None = None) -> None:
+        if self._batches == self._last_step:
+            return
+        if self.save_best_only and not self._improved(logs):
+            self._since_save = 0
+            return
+        state, recorded = self._state(logs)
+        self.manager.save(self._batches, state, metrics=recorded or None)
         self._last_step, self._since_save = self._batches, 0
+
+    def _improved(self, logs: Mapping[str, Any] | None) -> bool:
+        """Whether ``monitor`` in ``logs`` beats the best saved value (and if so, it becomes it)."""
+        value = _recorded(logs, (self.monitor,)).get(self.monitor)
+        if value is None:
+            if not self._warned_monitor:
+                self._warned_monitor = True
+                warnings.warn(f"save_best_only: {self.monitor!r} is not among the logs at this "
+                              f"save ({sorted(logs or {})}); not saving. Monitor a log that exists "
+                              "when saving (val_* only at an epoch's end, with save_freq='epoch')",
+                              stacklevel=3)
+            log.info("save_best_only: no %r in the logs at step %d; not saved",
+                     self.monitor, self._batches)
+            return False
+        better = self._best is None or (value < self._best if self.mode == "min"
+                                        else value > self._best)
+        if not better:
+            log.info("save_best_only: %s=%s at step %d does not improve on %s; not saved",
+                     self.monitor, value, self._batches, self._best)
+            return False
+        self._best = value
+        return True
+
+    def _save_preempted(self, logs: Mapping[str, Any] | None) -> None:
+        """SIGTERM arrived: save the batch just trained (synchronously) and stop ``fit``."""
+        if self._batches == self._last_step:
+            self.manager.save_if_preempted(self._batches)
+        else:
+            state, recorded = self._state(logs)
+            self.manager.save_if_preempted(self._batches, state, metrics=recorded or None)
+        self._last_step, self._since_save, self._preempted = self._batches, 0, True
+        self.model.stop_training = True
+
+    def _delete_all(self) -> None:
+        mgr = self.manager
+        mgr.wait()
+        for step in mgr.steps():
+            log.info("%s: delete_checkpoint=True, fit ended: deleting step %d", self.root, step)
+            mgr.delete(step)
+
+
+def _recorded(logs: Mapping[str, Any] | None, names: Sequence[str] | None) -> dict[str, float]:
+    """The finite scalar logs (of ``names``, or all) as plain floats, for ``save(metrics=)``."""
+    out: dict[str, float] = {}
+    for k, v in (logs or {}).items():
+        if names is not None and k not in names:
+            continue
+        try:
+            a = np.asarray(v)
+        except Exception:  # noqa: BLE001 - a log that is not a number is not a metric
+            continue
+        if a.size == 1 and a.dtype.kind in "fiu" and np.isfinite(a).all():
+            out[str(k)] = float(a.reshape(()))
+    return out
 
 
 def _progress(state: Any) -> dict | None:

@@ -21,14 +21,17 @@ variables by their own name, ``optimizer/<param>/<slot>`` and the rest (see
 
 from __future__ import annotations
 
+import logging
+import sys
+import warnings
 from typing import Any
 
-from ckptcore.adapter import RestorePlan, qualified
-from ckptcore.errors import RestoreError
+from ckptcore.adapter import RestorePlan, qualified, warn_unapplied
+from ckptcore.errors import RestoreError, UnappliedStateWarning
 from ckptcore.state import RestoreReport, TrainingState
 
 from ._optimizer import (capture_optimizer, capture_schedule, ensure_built, plan_optimizer,
-                         plan_schedule)
+                         plan_schedule, slot_variables)
 from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
 from ._tensors import assign, match_names, named_tensors, np_dtype, to_numpy
@@ -36,6 +39,7 @@ from ._tensors import assign, match_names, named_tensors, np_dtype, to_numpy
 __all__ = ["capture", "restore"]
 
 _NAME = "keras"
+log = logging.getLogger("ckptcore")
 
 
 def _optimizer_of(model: Any, optimizer: Any) -> Any:
@@ -125,7 +129,8 @@ def _saved_order(state: TrainingState) -> list[str]:
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
-            strict: bool = True, rng: bool = True, **objects: Any) -> RestoreReport:
+            strict: bool = True, rng: bool = True, warn_data: bool = True,
+            **objects: Any) -> RestoreReport:
     """Put ``state`` back into ``model``, its optimizer, the RNGs and ``cursor``.
 
     Works into a freshly built model whose optimizer has not been built (it is
@@ -142,6 +147,20 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
         strict: Raise on missing or unexpected names instead of reporting them.
         rng: Restore the global RNG states saved in the state (``False``: every RNG
             is left as it is).
+        warn_data: Warn when the state holds a data position and no ``cursor`` is given
+            (``ADAPTER.restore`` passes False: ``load_state`` and the manager warn about the
+            data position themselves, once per restore).
+
+    Saved parts with no target are not a mismatch but the caller's choice, so they warn
+    (:class:`ckptcore.errors.UnappliedStateWarning`, through
+    :func:`ckptcore.adapter.warn_unapplied`) and never raise: a data position without
+    ``cursor``, an optimizer section without an optimizer (nor a compiled model), Keras'
+    accumulation buffers restored into an optimizer that does not accumulate (the update
+    count is still restored), a learning-rate schedule into an optimizer without one.  A
+    non-strict report still names them (``unexpected``).  The reverse also warns: a state
+    that holds no optimizer slots (saved without its optimizer) leaves a target optimizer
+    entirely as it is, its iteration count included, since moments at zero with the count
+    at n would not be the run that was saved.
 
     Returns:
         The names in the target that the state did not cover (``missing``) and the
@@ -151,7 +170,8 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
         TypeError: ``model`` is not a Keras model, or an object other than model,
             optimizer and cursor is passed.
         RestoreError: A shape or dtype differs (names the variable), the optimizer
-            kind or gradient accumulation differs, the model is not built, or, with
+            kind differs, the target accumulates gradients over other windows than the
+            state, the model is not built, or, with
             ``strict``, a name is missing or unexpected (lists them).
     """
     check_arguments(model, objects, "restore")
@@ -174,15 +194,28 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
         var, value = target[name], state.model[saved]
         plan.assign(qualified("model", name), value, shape=var.shape, dtype=np_dtype(var),
                     put=lambda var=var, value=value: assign(var, value))
-    if state.optimizer is not None and opt is not None:
+    unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done
+    fix = "pass optimizer=... (or restore into a model compiled with one)"
+    no_slots = _holds_no_slots(state, opt, model)
+    if state.optimizer is not None and opt is not None and not no_slots:
         ensure_built(opt, model)
         plan_optimizer(plan, state.optimizer, state.accumulation, opt,
-                       lambda n: target.get(mapping.get(n, "")), strict=strict)
-        plan_schedule(plan, state.schedule, opt)
-    elif state.optimizer is not None:
-        plan.unexpected(qualified("optimizer"))
-    elif opt is not None:
-        plan.missing(qualified("optimizer"))
+                       lambda n: target.get(mapping.get(n, "")), strict=strict,
+                       unapplied=unapplied)
+        plan_schedule(plan, state.schedule, opt, strict=strict, unapplied=unapplied)
+    elif state.optimizer is not None and opt is None:
+        # No optimizer target at all is the caller's choice, not a mismatch: warn, do not raise
+        # (the same rule in every adapter); a non-strict report still names it.
+        unapplied["optimizer"] = fix
+        if state.accumulation is not None:
+            unapplied["accumulation"] = fix
+        if state.schedule is not None:
+            unapplied["schedule"] = fix
+        if not strict:
+            plan.unexpected(qualified("optimizer"))
+    elif opt is not None and (state.optimizer is None or no_slots):
+        if not strict:
+            plan.missing(qualified("optimizer"))
     if rng and state.rng:
         plan.then(lambda: _restore_rng(state.rng))
     if cursor is not None:
@@ -190,7 +223,43 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
             plan.then(lambda: cursor.load_state_dict(state.data))
         else:
             plan.missing(qualified("data"))
-    return plan.apply(strict)
+    elif state.data and warn_data:
+        unapplied["data"] = ("pass cursor=... (the run's DataCursor) to continue at the saved "
+                             "sample")
+    report = plan.apply(strict)
+    warn_unapplied(unapplied, stacklevel=_user_level())
+    if opt is not None and (state.optimizer is None or no_slots):
+        _warn_no_slots(opt)
+    return report
+
+
+def _holds_no_slots(state: TrainingState, opt: Any, model: Any) -> bool:
+    """Whether the state has no optimizer slots although the target optimizer keeps some: a
+    checkpoint saved without its optimizer.  Its iteration count alone would put a schedule and
+    Adam's bias correction at step n over zero moments, so the optimizer is left as it is."""
+    if state.optimizer is None or opt is None or state.optimizer.slots:
+        return False
+    ensure_built(opt, model)
+    return bool(slot_variables(opt))
+
+
+def _warn_no_slots(opt: Any) -> None:
+    message = (f"the checkpoint holds no optimizer slots (it was saved without its optimizer), so "
+               f"the {type(opt).__name__} optimizer keeps its own slots and iteration count: the "
+               "run does not continue where it stopped. Save with the optimizer (save_state(..., "
+               "optimizer=...) or a compiled model) to resume it; load with keys=['model'] to "
+               "restore the model alone on purpose.")
+    log.warning("%s", message)
+    warnings.warn(message, UnappliedStateWarning, stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """The ``stacklevel``, seen from a function this module calls, of the first frame outside
+    ckptcore and its adapters: the user's ``restore``/``load_state`` line, or Keras' ``fit``."""
+    frame, level = sys._getframe(2), 3
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ckptcore"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _restore_rng(rng: dict[str, Any]) -> None:

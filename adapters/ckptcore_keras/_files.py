@@ -425,7 +425,7 @@ def export_tf_checkpoint(state: TrainingState, prefix: Any, model: Any,
     from ._capture import restore
 
     opt = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-    restore(state, model, opt, strict=strict, rng=False)
+    restore(state, model, opt, strict=strict, rng=False, warn_data=False)  # files hold no cursor
     if opt is not None:
         ensure_built(opt, model)
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt) if opt is not None \

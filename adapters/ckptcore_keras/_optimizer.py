@@ -39,7 +39,7 @@ from ckptcore.vocab import plain
 
 from ._tensors import assign, np_dtype, to_numpy
 
-__all__ = ["capture_optimizer", "plan_optimizer", "capture_schedule", "plan_schedule",
+__all__ = ["capture_optimizer", "plan_optimizer", "capture_schedule", "plan_schedule", "slot_variables",
            "ensure_built", "unwrap", "variable_roles"]
 
 _NOT_SLOTS = ("_variables", "_trainable_variables", "_accumulated_gradients")
@@ -172,13 +172,20 @@ def capture_schedule(optimizer: Any) -> ScheduleState | None:
                          last_lr=float(np.asarray(inner.learning_rate)))
 
 
-def plan_schedule(plan: RestorePlan, schedule: ScheduleState | None, optimizer: Any) -> None:
+def slot_variables(optimizer: Any) -> list[Any]:
+    """Every slot variable of a built optimizer (moments, momentums...), in no particular order."""
+    slots, _ = _slot_table(unwrap(optimizer)[0])
+    return [v for d in slots.values() for v in d.values()]
+
+
+def plan_schedule(plan: RestorePlan, schedule: ScheduleState | None, optimizer: Any, *,
+                  strict: bool = True, unapplied: dict[str, str] | None = None) -> None:
     """Check a saved schedule against the target optimizer's; there is nothing to assign.
 
     The schedule's position is the optimizer's iteration counter, which :func:`plan_optimizer`
-    restores.  A saved schedule the target does not have is ``unexpected`` (the run would go on
-    at a constant rate); a state without one restores into an optimizer with one (the counter
-    positions it).
+    restores.  A saved schedule the target does not have goes to ``unapplied`` (warned: the run
+    would go on at a constant rate; ``unexpected`` in a non-strict report); a state without one
+    restores into an optimizer with one (the counter positions it).
 
     Raises:
         RestoreError: the target's schedule is of another class than the saved one.
@@ -187,7 +194,11 @@ def plan_schedule(plan: RestorePlan, schedule: ScheduleState | None, optimizer: 
         return
     sched = _schedule_of(unwrap(optimizer)[0])
     if sched is None:
-        plan.unexpected(qualified("schedule"))
+        if unapplied is not None:
+            unapplied["schedule"] = (f"give the optimizer the saved {schedule.kind} "
+                                     "learning-rate schedule")
+        if not strict or unapplied is None:
+            plan.unexpected(qualified("schedule"))
     elif type(sched).__name__ != schedule.kind:
         raise RestoreError(f"the state holds a {schedule.kind} learning-rate schedule but the target "
                            f"optimizer's is a {type(sched).__name__}")
@@ -200,16 +211,20 @@ def _put(plan: RestorePlan, name: str, var: Any, value: Any) -> None:
 
 
 def plan_optimizer(plan: RestorePlan, state: OptimizerState, accumulation: AccumulationState | None,
-                   optimizer: Any, to_target: Callable[[str], Any | None], *, strict: bool) -> None:
+                   optimizer: Any, to_target: Callable[[str], Any | None], *, strict: bool,
+                   unapplied: dict[str, str] | None = None) -> None:
     """Plan restoring ``state`` (and ``accumulation``) into a built ``optimizer``.
 
     ``to_target`` maps a saved parameter name to the live model variable (or None).
     Names that do not fit go to the plan's missing / unexpected lists; shape and dtype
-    mismatches raise :class:`RestoreError` (through ``plan.assign``).
+    mismatches raise :class:`RestoreError` (through ``plan.assign``).  Accumulation buffers
+    saved for a target that does not accumulate have nowhere to go: they are added to
+    ``unapplied`` (warned by the caller) and the update count is restored alone.
 
     Raises:
         RestoreError: the optimizer class differs (with ``strict``; otherwise the whole
-            optimizer is reported missing and unexpected), or gradient accumulation differs.
+            optimizer is reported missing and unexpected), or the target accumulates gradients
+            over another window than the state (or the state did not accumulate).
     """
     inner, wrapper = unwrap(optimizer)
     slots, acc = _slot_table(inner)
@@ -241,7 +256,14 @@ def plan_optimizer(plan: RestorePlan, state: OptimizerState, accumulation: Accum
         plan.missing(*(qualified("optimizer", paths[i], s) for s in slots[i]))
 
     every = inner.gradient_accumulation_steps or 0
-    if every != (accumulation.every if accumulation is not None else 0):
+    if not every and accumulation is not None and unapplied is not None:
+        # Nowhere to put the buffers: the partial window is dropped, the update count kept.
+        unapplied["accumulation"] = (f"compile with an optimizer of gradient_accumulation_steps="
+                                     f"{accumulation.every} to resume the partial window")
+        if not strict:
+            plan.unexpected(*(qualified("accumulation", p) for p in accumulation.buffers))
+        accumulation = None
+    elif every != (accumulation.every if accumulation is not None else 0):
         raise RestoreError(f"the state was captured with gradient_accumulation_steps="
                            f"{accumulation.every if accumulation else None} but the target "
                            f"optimizer has {every or None}")

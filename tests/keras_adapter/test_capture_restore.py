@@ -14,7 +14,7 @@ import ckptcore_keras  # noqa: E402
 from _keras_helpers import (accum4, assert_plain, assert_same_bits, batches, functional_sgd,  # noqa: E402
                             loss_scale, same_bits, accumulating_train_step, seq_bn_dropout, snapshot,
                             subclassed_rmsprop)
-from ckptcore.errors import RestoreError  # noqa: E402
+from ckptcore.errors import RestoreError, UnappliedStateWarning  # noqa: E402
 
 
 def _train(model, kind: str, n: int, seed: int = 7) -> None:
@@ -160,9 +160,16 @@ def test_keras_gradient_accumulation_state():
     ckptcore_keras.restore(state, fresh)
     assert int(fresh.optimizer._iterations.numpy()) == 6
     assert_same_bits(snapshot(model), snapshot(fresh))
-    wrong = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    # An optimizer that does not accumulate has nowhere to put the partial window: warned (the
+    # update count alone is restored), never raised; other windows are a real mismatch.
+    plain = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    with pytest.warns(UnappliedStateWarning, match=r"accumulation \(compile with an optimizer "
+                                                   "of gradient_accumulation_steps=4"):
+        ckptcore_keras.restore(state, plain, adam := keras.optimizers.Adam(0.01))
+    assert int(adam._iterations.numpy()) == 1
+    other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(1)])
     with pytest.raises(RestoreError, match="gradient_accumulation_steps"):
-        ckptcore_keras.restore(state, wrong, keras.optimizers.Adam(0.01))
+        ckptcore_keras.restore(state, other, keras.optimizers.Adam(0.01, gradient_accumulation_steps=2))
 
 
 def test_loss_scale_optimizer_state():

@@ -103,8 +103,9 @@ def _model(**compile_kw):
 def _fit(root, *, crash=None, epochs=3, save_freq=2, cursor=True, extra=(), **fit_kw):
     model = _model(**fit_kw.pop("compile_kw", {}))
     cur = ckptcore.DataCursor(15, 4, seed=5)
-    cb = ckptcore_keras.BackupAndRestore(root, save_freq=save_freq, cursor=cur if cursor else None,
-                                         **fit_kw.pop("cb_kw", {}))
+    where = {fit_kw.pop("root_as", "root"): root}
+    cb = ckptcore_keras.BackupAndRestore(**where, save_freq=save_freq,
+                                         cursor=cur if cursor else None, **fit_kw.pop("cb_kw", {}))
     data = ckptcore_keras.dataset(cur, X, Y)
     callbacks = [cb, *extra] + ([StopAfter(crash)] if crash else [])
     try:
@@ -202,3 +203,138 @@ def test_rejects_bad_arguments(tmp_path):
                         ckptcore.TrainingState(model={"w": np.zeros(2)}))
     with pytest.raises(ckptcore.errors.RestoreError, match="fit progress"):
         _fit(tmp_path / "foreign")
+
+
+# --- issue 12: reuse, epoch ends, metrics, best only, Keras spellings, warnings, SIGTERM -----
+
+def test_the_same_callback_resumes_a_second_fit_after_an_interruption(tmp_path, reference):
+    """The notebook flow: fit raises mid-epoch; fit again with the same objects resumes."""
+    root = tmp_path / "ckpt"
+    model, cursor, cb, history = _fit(root, crash=7)  # batches 7 trained, 6 saved
+    assert history is None and cb.manager.steps()[-1] == 6
+    assert (cursor.epoch, cursor.position) == (1, 12)  # samples: 3 batches into epoch 1
+    history = model.fit(ckptcore_keras.dataset(cursor, X, Y), epochs=3, verbose=0, callbacks=[cb])
+    assert history.epoch == [1, 2] and cursor.epoch == 3  # batch 7 trained again, from step 6
+    assert_same_bits(reference[0], _values(model))
+    assert history.history["loss"] == reference[1]["loss"][1:]
+
+
+def _fit_arrays(root, epochs, **cb_kw):
+    """fit on arrays (no cursor, Keras knows its 4 steps an epoch)."""
+    model = _model()
+    cb = ckptcore_keras.BackupAndRestore(root, **cb_kw)
+    history = model.fit(X, Y, batch_size=4, epochs=epochs, shuffle=False, verbose=0, callbacks=[cb])
+    return model, cb, history
+
+
+def test_integer_save_freq_at_an_epochs_last_batch_counts_the_epoch_done(tmp_path):
+    root = tmp_path / "ckpt"
+    model, cb, history = _fit_arrays(root, 2, save_freq=4)  # saves land on batches 4 and 8
+    assert history.epoch == [0, 1]
+    steps = ckptcore.CheckpointManager(root).steps()
+    assert steps == [4, 8]
+    for step, epoch in zip(steps, (0, 1)):
+        progress = ckptcore.load_state(str(root / f"step-{step:012d}")).extra["keras"]["fit"]
+        assert (progress["epoch"], progress["epoch_done"]) == (epoch, True)
+    # Running the finished script again restores the final state and trains nothing.
+    again, _, history = _fit_arrays(root, 2, save_freq=4)
+    assert history.epoch == []
+    assert_same_bits(_values(model), _values(again))
+
+
+def test_metrics_are_recorded_so_keep_best_works(tmp_path):
+    root = tmp_path / "ckpt"
+    model, cursor, cb, history = _fit(root, save_freq="epoch",
+                                      cb_kw={"keep": ckptcore.KeepBest("loss", n=1)})
+    losses = history.history["loss"]
+    best = 4 * (1 + int(np.argmin(losses)))
+    assert set(ckptcore.CheckpointManager(root).steps()) == {best, 12}  # the best and the newest
+    metrics = ckptcore.load_state(str(root / "step-000000000012")).metadata["metrics"]
+    assert metrics == {"loss": losses[-1]}
+    only = tmp_path / "only"
+    _fit(only, save_freq=2, cb_kw={"metrics": ["loss"], "monitor": "loss"})
+    assert set(ckptcore.load_state(str(only / "step-000000000010")).metadata["metrics"]) == {"loss"}
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_save_best_only(tmp_path, mode):
+    root = tmp_path / "ckpt"
+    _, _, _, history = _fit(root, save_freq="epoch", cb_kw={"save_best_only": True,
+                                                            "monitor": "loss", "mode": mode})
+    best, want = None, []
+    for epoch, loss in enumerate(history.history["loss"]):
+        if best is None or (loss < best if mode == "min" else loss > best):
+            best = loss
+            want.append(4 * (epoch + 1))
+    assert ckptcore.CheckpointManager(root).steps() == want
+    assert want != [4, 8, 12]  # some epoch did not improve: a save was skipped
+    progress = ckptcore.load_state(str(root / f"step-{want[-1]:012d}")).extra["keras"]["fit"]
+    assert progress["best"] == best
+
+
+def test_save_best_only_warns_when_the_monitor_is_not_logged(tmp_path):
+    with pytest.warns(UserWarning, match="'val_loss' is not among the logs"):
+        _fit(tmp_path / "ckpt", save_freq="epoch", cb_kw={"save_best_only": True})
+    assert ckptcore.CheckpointManager(tmp_path / "ckpt").steps() == []
+
+
+def test_backup_dir_and_delete_checkpoint(tmp_path):
+    root = tmp_path / "ckpt"
+    _fit(root, crash=6, cb_kw={"delete_checkpoint": True}, root_as="backup_dir")
+    assert ckptcore.CheckpointManager(root).steps() == [2, 4, 6]  # interrupted: the backup stays
+    _, cursor, _, history = _fit(root, cb_kw={"delete_checkpoint": True}, root_as="backup_dir")
+    assert history.epoch == [1, 2] and cursor.epoch == 3
+    assert ckptcore.CheckpointManager(root).steps() == []  # finished: deleted, as Keras does
+    with pytest.raises(TypeError, match="not both"):
+        ckptcore_keras.BackupAndRestore(root, backup_dir=root)
+    with pytest.raises(TypeError, match="backup_dir"):
+        ckptcore_keras.BackupAndRestore()
+    with pytest.raises(ValueError, match="mode"):
+        ckptcore_keras.BackupAndRestore(root, mode="best")
+
+
+def test_lock_and_storage_options_reach_the_manager(tmp_path):
+    cb = ckptcore_keras.BackupAndRestore(tmp_path, lock=False, storage_options={"auto_mkdir": True})
+    assert cb.manager._lock is None and cb.manager._options == {"auto_mkdir": True}
+    cb.manager.close()
+
+
+def test_resume_through_the_callback_does_not_warn_and_a_bare_restore_does(tmp_path):
+    import warnings
+
+    from ckptcore.errors import UnappliedStateWarning
+
+    root = tmp_path / "ckpt"
+    _fit(root, crash=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnappliedStateWarning)
+        _, cursor, _, history = _fit(root)  # positions its own cursor
+    state = ckptcore.load_state(str(root / "step-000000000012"))
+    with pytest.warns(UnappliedStateWarning, match=r"data \(pass cursor="):
+        ckptcore_keras.restore(state, _model())
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_sigterm_saves_the_batch_just_trained_and_stops_fit(tmp_path, reference, async_save):
+    import os
+    import signal
+
+    class Term(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if cb._batches == 6:  # cb runs first: batch 7 is trained when it sees the signal
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    root = tmp_path / "ckpt"
+    model = _model()
+    cursor = ckptcore.DataCursor(15, 4, seed=5)
+    cb = ckptcore_keras.BackupAndRestore(root, save_freq=2, cursor=cursor, async_save=async_save)
+    before = signal.getsignal(signal.SIGTERM)
+    history = model.fit(ckptcore_keras.dataset(cursor, X, Y), epochs=3, verbose=0,
+                        callbacks=[cb, Term()])
+    assert signal.getsignal(signal.SIGTERM) == before  # the manager put the old handler back
+    assert history.epoch == [0, 1] and ckptcore.CheckpointManager(root).steps() == [4, 6, 7]
+    progress = ckptcore.load_state(str(root / "step-000000000007")).extra["keras"]["fit"]
+    assert progress == {**progress, "epoch": 1, "batch": 3, "epoch_done": False, "batches": 7}
+    model, cursor, _, history = _fit(root)
+    assert history.epoch == [1, 2] and cursor.epoch == 3
+    assert_same_bits(reference[0], _values(model))
