@@ -20,7 +20,7 @@ from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
-URL = "gs://bucket/run1"
+URL = "s3://bucket/loop1"
 
 PRELUDE = textwrap.dedent('''
     import os, sys
