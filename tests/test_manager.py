@@ -79,8 +79,9 @@ def test_empty_root_has_nothing_to_restore(backend):
 def test_step_folder_names_sort_in_step_order(backend):
     steps = [0, 7, 9, 10, 99, 100, 12345, 10 ** 9, 10 ** 12 + 3]
     with open_manager(backend) as mgr:
-        for s in reversed(steps):
-            mgr.save(s, make_state(0))
+        for s in reversed(steps):  # written out of order (a manager refuses that) at its URLs
+            ckptcore.save_state(mgr.step_url(s), make_state(0),
+                                storage_options=backend.storage_options)
         folders = [n for n in backend.listdir("run") if n.startswith("step-")]
         assert sorted(folders) == [f"step-{s:012d}" for s in steps]
         assert mgr.steps() == steps
@@ -102,11 +103,13 @@ def test_saved_step_and_metrics_round_trip(backend):
         assert state.metadata == {}  # the caller's state was not modified
 
 
-def test_save_existing_step_raises_and_keeps_the_original(backend):
+def test_a_step_of_another_run_is_never_replaced(backend):
     with open_manager(backend) as mgr:
         mgr.save(3, make_state(3))
-        with pytest.raises(CheckpointExistsError):
+    with open_manager(backend) as mgr:  # a new run that did not restore
+        with pytest.raises(CheckpointExistsError, match=r"mgr.rewind\(3\)") as err:
             mgr.save(3, make_state(4))
+        assert "another run or manager" in str(err.value) and "mgr.restore()" in str(err.value)
         assert_state_of(mgr.restore(step=3), 3)
         assert leftovers(*root_of(backend)) == []
 
@@ -306,8 +309,8 @@ def test_async_second_save_waits_for_the_first(backend, hook):
 @pytest.mark.parametrize("surface", ["save", "wait", "close"])
 def test_async_background_error_surfaces(backend, surface):
     mgr = open_manager(backend, async_save=True)
-    mgr.save(1, make_state(1))
-    handle = mgr.save(1, make_state(2))  # waits for the first; fails in the background
+    ckptcore.save_state(mgr.step_url(1), make_state(1), storage_options=backend.storage_options)
+    handle = mgr.save(1, make_state(2))  # another run's step 1: fails in the background
     with pytest.raises(CheckpointExistsError):
         handle.result(10)
     with pytest.raises(CheckpointExistsError):  # and on the manager's next call, never silently
@@ -344,9 +347,10 @@ def test_async_unstorable_value_is_never_silent(backend):
 
 
 def test_async_save_to_existing_step_surfaces_on_wait(backend):
+    with open_manager(backend) as first:
+        first.save(1, make_state(1))
     with open_manager(backend, async_save=True) as mgr:
-        mgr.save(1, make_state(1))
-        mgr.save(1, make_state(2))  # waits for the first, then fails in the background
+        mgr.save(1, make_state(2))  # another manager's step: fails in the background
         with pytest.raises(CheckpointExistsError):
             mgr.wait()
         mgr.wait()  # surfaced once
@@ -361,10 +365,12 @@ _EXIT_SCRIPT = textwrap.dedent("""
     root, bad = sys.argv[1], sys.argv[2] == "bad"
     mgr = ckptcore.CheckpointManager(root, async_save=True)
     mgr.save(1, make_state(1)).result()
+    if bad:  # step 2 committed behind the manager's back: the background save of step 2 fails
+        ckptcore.save_state(mgr.step_url(2), make_state(20))
     state = make_state(2)
     # Many tensors: the background thread is still encoding when the script ends.
     state.extra["many"] = {f"t{i}": np.full(8, i) for i in range(400)}
-    mgr.save(1 if bad else 2, state)  # "bad": step 1 exists, the background save fails
+    mgr.save(2, state)
     print("exiting", flush=True)
 """)
 
@@ -391,7 +397,9 @@ def test_async_save_in_flight_is_committed_at_interpreter_exit(tmp_path):
     proc = _run_script(_EXIT_SCRIPT, root, "bad")
     assert "background save failed at exit" in proc.stderr, proc.stderr
     assert "CheckpointExistsError" in proc.stderr, proc.stderr
-    assert CheckpointManager(root, lock=False).steps() == [1]
+    mgr = CheckpointManager(root, lock=False)
+    assert mgr.steps() == [1, 2]
+    assert_state_of(mgr.restore(step=2), 20)  # the other writer's step 2 is untouched
 
 
 # ------------------------------------------------------------------------------------ fallback
@@ -516,8 +524,8 @@ def test_resumed_run_saves_over_the_corrupt_step_it_fell_back_past(backend):
         assert mgr.steps() == [1, 2, 3]
         assert_state_of(mgr.restore(), 30)
         assert api.verify(mgr.step_url(3), storage_options=backend.storage_options) == []
-        # Only what restore() skipped is replaced: an intact step still refuses a second save.
-        with pytest.raises(CheckpointExistsError):
+        # Only what restore() skipped is replaced; an intact step below is refused.
+        with pytest.raises(ValueError, match=r"below the newest committed step 3"):
             mgr.save(2, make_state(20))
     assert_state_of(open_manager(backend, lock=False).restore(step=2), 2)
 

@@ -15,6 +15,7 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager, CheckpointNotFoundError, LockedError, _storage
+from ckptcore.manager import LockTakeoverWarning
 from manager_support import (assert_state_of, hold_lock, leftovers, make_state, mp,
                              open_manager, read_lines, root_of, wait_for_line)
 
@@ -144,18 +145,22 @@ def test_lock_on_s3_is_a_lease_object(s3_backend, tmp_path):
         if proc.is_alive():
             proc.kill()
             proc.join()
-    # A holder killed outright leaves its lease: the next writer is told who holds it...
+    # A holder killed outright leaves its lease.  Seen from another machine (its host name is
+    # not ours), the next writer is told who holds it...
     proc, release, report, pid = _start_holder(s3_backend.url("run2"), options, tmp_path, "killed")
     proc.kill()
     proc.join(30)
+    lease = json.loads(s3_backend.read("run2", ".ckptcore.lock"))
+    lease["host"] = "another-host"
+    s3_backend.write(json.dumps(lease).encode(), "run2", ".ckptcore.lock")
     mgr = CheckpointManager(s3_backend.url("run2"), storage_options=options)
     with pytest.raises(LockedError, match=f":{pid}:.*delete that object"):
         mgr.save(2, make_state(2))
-    # ...and once the lease has expired (its holder stopped refreshing it), it is taken over.
-    lease = json.loads(s3_backend.read("run2", ".ckptcore.lock"))
+    # ...and once the lease has expired (its holder stopped renewing it), it is taken over.
     s3_backend.write(json.dumps(dict(lease, expires=time.time() - 1)).encode(),
                      "run2", ".ckptcore.lock")
-    mgr.save(2, make_state(2))
+    with pytest.warns(LockTakeoverWarning, match=f":{pid}:.*expired"):
+        mgr.save(2, make_state(2))
     assert f":{os.getpid()}:" in json.loads(s3_backend.read("run2", ".ckptcore.lock"))["holder"]
     mgr.close()
 
