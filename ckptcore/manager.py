@@ -321,6 +321,11 @@ class CheckpointManager:
         try:
             info = api.save_state(url, state, storage_options=self._options, overwrite=overwrite)
         except CheckpointExistsError as e:
+            if step not in self.steps():
+                raise CheckpointExistsError(
+                    f"{e}. The folder of step {step} under {self.root.url} holds the leftovers of "
+                    f"an interrupted save or deletion: mgr.gc() removes them once they are older "
+                    f"than its grace period, mgr.rewind({step}) at once") from e
             raise CheckpointExistsError(
                 f"{e}. Step {step} was committed by another run or manager under {self.root.url}, "
                 f"and a manager replaces only the steps it saved itself: to resume from it, call "
@@ -421,6 +426,13 @@ class CheckpointManager:
         for s in gone:
             log.info("rewind(%d): deleting checkpoint step %d (%s)", step, s, self.step_url(s))
             self._delete(s)
+        # Manifest-less step folders from there on (an interrupted deletion) would block saving
+        # their steps again: they are leftovers, and the run is going back over them now.
+        for e in self.root.listdir():
+            m = layout.STEP.fullmatch(e.name)
+            if m and not e.is_link and int(m.group(1)) >= step:
+                log.info("rewind(%d): removing leftover %s", step, self.root.child(e.name).url)
+                self.root.child(e.name).delete_tree()
         self._listed = None
         self._fell_back = self._fell_back - set(gone)
         self._skipped = self._skipped - set(gone)
