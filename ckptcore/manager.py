@@ -465,6 +465,12 @@ class CheckpointManager:
         still fails to verify, so the resumed run can save where the corrupt checkpoint was
         (docs/RELIABILITY.md, "Restore and fallback").
         """
+        if keys is not None:  # a usage error, not a step to fall back over
+            wanted = [keys] if isinstance(keys, str) else list(keys)
+            unknown = [k for k in wanted if k not in TrainingState.SECTIONS]
+            if unknown:
+                raise ValueError(f"unknown section(s) {unknown}; choose from {TrainingState.SECTIONS}")
+            keys = wanted
         if step is not None:
             return api.load_state(self.step_url(step), storage_options=self._options, keys=keys,
                                   **objects)
