@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -212,7 +213,7 @@ class WriterLock:
         message = (f"{self.store.url}: taking over the writer lock of {holder}: {why}; "
                    "its last committed checkpoint stands, an unfinished save is a leftover for gc()")
         log.warning("%s", message)
-        warnings.warn(message, LockTakeoverWarning, stacklevel=5)
+        warnings.warn(message, LockTakeoverWarning, stacklevel=_caller_level())
 
     # -- object stores: a lease -----------------------------------------------------------------
     def _lease(self) -> bytes:
@@ -361,6 +362,16 @@ class WriterLock:
             lease = self._read_lease()
             if lease is not None and lease.get("holder") == self.holder:  # never remove another's
                 self.store.delete(LOCK_NAME)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside ckptcore, as seen from our caller: the line
+    of the user's save() (or gc()), however deep the lock was taken."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _float(value: Any) -> float:
