@@ -428,11 +428,15 @@ class CheckpointManager:
             self._delete(s)
         # Manifest-less step folders from there on (an interrupted deletion) would block saving
         # their steps again: they are leftovers, and the run is going back over them now.
+        self.root.fs.invalidate_cache()
         for e in self.root.listdir():
             m = layout.STEP.fullmatch(e.name)
             if m and not e.is_link and int(m.group(1)) >= step:
                 log.info("rewind(%d): removing leftover %s", step, self.root.child(e.name).url)
-                self.root.child(e.name).delete_tree()
+                try:
+                    self.root.child(e.name).delete_tree()
+                except FileNotFoundError:
+                    pass  # an object store's folder vanishes with its last object
         self._listed = None
         self._fell_back = self._fell_back - set(gone)
         self._skipped = self._skipped - set(gone)
