@@ -577,6 +577,7 @@ class CheckpointManager:
 # restored to what it replaced when the last one closes (managers may close in any order).
 _preemptible: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 _previous: Any = None  # the handler ours replaced
+_owner = 0  # the pid that installed it: a forked child (a data-loader worker) is not the trainer
 _in_handler = False
 
 
@@ -587,6 +588,16 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         return
     _in_handler = True
     try:
+        if os.getpid() != _owner:
+            # A forked child (a data-loader worker) inherited the handler but trains nothing: its
+            # parent stops it with SIGTERM, which must keep its previous effect here.
+            previous = _previous if _previous is not None else signal.SIG_DFL
+            signal.signal(signal.SIGTERM, previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
         managers = list(_preemptible)
         for mgr in managers:
             mgr._preempted = True
@@ -603,7 +614,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _catch_sigterm(mgr: CheckpointManager) -> None:
-    global _previous
+    global _previous, _owner
     current = signal.getsignal(signal.SIGTERM)
     if current is not _on_sigterm:
         if threading.current_thread() is not threading.main_thread():
@@ -614,7 +625,7 @@ def _catch_sigterm(mgr: CheckpointManager) -> None:
             log.info("save_on_preemption: SIGTERM has a handler not installed from Python; "
                      "leaving it alone, SIGTERM is not caught")
             return
-        _previous = current
+        _previous, _owner = current, os.getpid()
         signal.signal(signal.SIGTERM, _on_sigterm)
     _preemptible.add(mgr)
 

@@ -210,3 +210,30 @@ def test_no_handler_outside_the_main_thread(tmp_path, caplog):
     assert signal.getsignal(signal.SIGTERM) is before
     assert any("outside the main thread" in r.getMessage() for r in caplog.records)
     made[0].close()
+
+
+FORKED = textwrap.dedent("""
+    import os, signal, sys, time
+    from ckptcore import CheckpointManager
+    mgr = CheckpointManager(sys.argv[1])
+    assert not mgr.preempted  # the trainer checks: its own SIGTERM would be caught
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a data-loader worker: it trains nothing, SIGTERM must end it
+        os.write(w, b"up")  # (CPython drops a signal that arrives during fork itself)
+        time.sleep(30)
+        os._exit(3)
+    os.read(r, 2)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, flush=True)
+    mgr.close()
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_worker_still_ends_on_sigterm(tmp_path):
+    out = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=60, env=subprocess_env(HERE))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
