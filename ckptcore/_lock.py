@@ -109,10 +109,13 @@ def _when(t: float) -> str:
 
 def check_lease_times(lease_seconds: float | None, heartbeat_seconds: float | None
                       ) -> tuple[float, float]:
-    """The lease and heartbeat periods (the knobs' defaults for None); ``ValueError`` unless
+    """The lease and heartbeat periods (the knobs' defaults for None; with only the lease given,
+    the heartbeat is at most a third of it); ``ValueError`` unless
     ``0 < heartbeat_seconds < lease_seconds`` (a lease must be renewed before it expires)."""
     lease = float(_knobs.get("lease_seconds") if lease_seconds is None else lease_seconds)
     beat = float(_knobs.get("heartbeat_seconds") if heartbeat_seconds is None else heartbeat_seconds)
+    if heartbeat_seconds is None and lease_seconds is not None and lease > 0:
+        beat = min(beat, lease / 3)  # only the lease given: renew it three times per period
     if not lease > 0 or not beat > 0 or not beat < lease:  # also NaN
         raise ValueError(f"need 0 < heartbeat_seconds < lease_seconds, got heartbeat_seconds="
                          f"{beat} and lease_seconds={lease} (renew a lease well before it expires, "

@@ -146,7 +146,8 @@ class CheckpointManager:
         lease_seconds: How long an unrenewed lease stays valid (default 30 s,
             ``CKPTCORE_LEASE_SECONDS``).
         heartbeat_seconds: How often the lease is renewed (default 10 s,
-            ``CKPTCORE_HEARTBEAT_SECONDS``); must be below ``lease_seconds``.
+            ``CKPTCORE_HEARTBEAT_SECONDS``, at most a third of a ``lease_seconds`` given alone);
+            must be below ``lease_seconds``.
         save_on_preemption: Catch SIGTERM (main thread only; the previous handler is chained,
             and restored by ``close()``), so that :meth:`save_if_preempted` saves the current
             step before the machine goes away.

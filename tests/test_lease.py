@@ -197,3 +197,10 @@ def test_the_heartbeat_finds_its_lease_taken_over_and_the_next_save_stops(s3_bac
 def test_lease_and_heartbeat_periods_are_checked(tmp_path, lease, beat):
     with pytest.raises(ValueError, match="heartbeat_seconds < lease_seconds"):
         CheckpointManager(str(tmp_path / "run"), lease_seconds=lease, heartbeat_seconds=beat)
+
+
+def test_a_lease_given_alone_gets_a_heartbeat_that_fits(tmp_path):
+    mgr = CheckpointManager(str(tmp_path / "run"), lease_seconds=6)
+    assert (mgr._lock.lease_seconds, mgr._lock.heartbeat_seconds) == (6.0, 2.0)
+    mgr = CheckpointManager(str(tmp_path / "run"), lease_seconds=600)
+    assert mgr._lock.heartbeat_seconds == 10.0
