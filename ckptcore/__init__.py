@@ -17,7 +17,7 @@ from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundE
 from .cursor import DataCursor
 from ._diff import CheckpointDiff, TensorDiff, diff
 from .layout import CheckpointListing, gc, list_checkpoints
-from .manager import CheckpointFallbackWarning, CheckpointManager, SaveHandle
+from .manager import CheckpointFallbackWarning, CheckpointManager, LockTakeoverWarning, SaveHandle
 from .policies import KeepAll, KeepAny, KeepBest, KeepEvery, KeepEveryDuration, KeepLast
 from .rng import capture_rng, restore_rng
 from .state import (AccumulationState, OptimizerState, ParamInfo, RestoreReport, ScheduleState,
@@ -28,7 +28,7 @@ __all__ = [
     "errors",
     "save_state", "load_state", "inspect", "verify", "convert", "MigrationWarning",
     "CheckpointInfo", "TensorInfo",
-    "CheckpointManager", "SaveHandle", "CheckpointFallbackWarning",
+    "CheckpointManager", "SaveHandle", "CheckpointFallbackWarning", "LockTakeoverWarning",
     "gc", "list_checkpoints", "CheckpointListing", "diff", "CheckpointDiff", "TensorDiff",
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
     "DataCursor", "capture_rng", "restore_rng",

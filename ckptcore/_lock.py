@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -108,10 +109,13 @@ def _when(t: float) -> str:
 
 def check_lease_times(lease_seconds: float | None, heartbeat_seconds: float | None
                       ) -> tuple[float, float]:
-    """The lease and heartbeat periods (the knobs' defaults for None); ``ValueError`` unless
+    """The lease and heartbeat periods (the knobs' defaults for None; with only the lease given,
+    the heartbeat is at most a third of it); ``ValueError`` unless
     ``0 < heartbeat_seconds < lease_seconds`` (a lease must be renewed before it expires)."""
     lease = float(_knobs.get("lease_seconds") if lease_seconds is None else lease_seconds)
     beat = float(_knobs.get("heartbeat_seconds") if heartbeat_seconds is None else heartbeat_seconds)
+    if heartbeat_seconds is None and lease_seconds is not None and lease > 0:
+        beat = min(beat, lease / 3)  # only the lease given: renew it three times per period
     if not lease > 0 or not beat > 0 or not beat < lease:  # also NaN
         raise ValueError(f"need 0 < heartbeat_seconds < lease_seconds, got heartbeat_seconds="
                          f"{beat} and lease_seconds={lease} (renew a lease well before it expires, "
@@ -212,7 +216,7 @@ class WriterLock:
         message = (f"{self.store.url}: taking over the writer lock of {holder}: {why}; "
                    "its last committed checkpoint stands, an unfinished save is a leftover for gc()")
         log.warning("%s", message)
-        warnings.warn(message, LockTakeoverWarning, stacklevel=5)
+        warnings.warn(message, LockTakeoverWarning, stacklevel=_caller_level())
 
     # -- object stores: a lease -----------------------------------------------------------------
     def _lease(self) -> bytes:
@@ -361,6 +365,16 @@ class WriterLock:
             lease = self._read_lease()
             if lease is not None and lease.get("holder") == self.holder:  # never remove another's
                 self.store.delete(LOCK_NAME)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside ckptcore, as seen from our caller: the line
+    of the user's save() (or gc()), however deep the lock was taken."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _float(value: Any) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -49,7 +50,9 @@ def train(framework: str, root: str, emit: Callable[[int, np.ndarray], None], *,
     objects = dict(program.objects)
     x, y = _data()
     cursor = DataCursor(N, BATCH, seed=SEED)
-    mgr = CheckpointManager(root, keep=3, storage_options=storage_options)
+    # save_on_preemption is off: the demo kills with SIGKILL, which no handler sees, and the
+    # loop shows the plain kill-and-resume story (the README shows save_if_preempted).
+    mgr = CheckpointManager(root, keep=3, storage_options=storage_options, save_on_preemption=False)
     step = 0
     if mgr.latest_step() is not None:
         step = mgr.restore(cursor=cursor, **objects).step
@@ -67,9 +70,19 @@ def train(framework: str, root: str, emit: Callable[[int, np.ndarray], None], *,
     mgr.close()
 
 
+class _Notes(logging.Handler):
+    """Passes the worker's warnings on the ``ckptcore`` logger (a lease taken over) to the demo."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(json.dumps({"note": record.getMessage()}), flush=True)
+
+
 def _worker(args: argparse.Namespace) -> int:
     def emit(step: int, idx: np.ndarray) -> None:
         print(json.dumps({"step": step, "batch": idx.tolist()}), flush=True)
+
+    notes = _Notes(logging.WARNING)
+    logging.getLogger("ckptcore").addHandler(notes)
 
     def describe(description: str) -> None:
         print(json.dumps({"description": description}), flush=True)
@@ -78,8 +91,8 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_worker(root: str, options: dict, pause_after: int, framework: str
-                ) -> tuple[str, list[dict[str, Any]]]:
+def _run_worker(root: str, options: dict, pause_after: int, framework: str,
+                notes: list[str] | None = None) -> tuple[str, list[dict[str, Any]]]:
     """Run one training worker; return its model's description and the batches it reported.
 
     With ``pause_after`` the worker is SIGKILLed once it reports that step; any other ending than
@@ -101,6 +114,9 @@ def _run_worker(root: str, options: dict, pause_after: int, framework: str
                 continue
             if "description" in record:
                 description = str(record["description"])
+            elif "note" in record:
+                if notes is not None:
+                    notes.append(str(record["note"]))
             elif "step" in record:
                 seen.append(record)
                 if record["step"] == pause_after:
@@ -144,16 +160,21 @@ def run_demo(root: str | None, framework: str = "numpy", storage_options: dict |
               f"a checkpoint every {SAVE_EVERY} steps under {root}")
         print(f"1. uninterrupted reference run (its own process): {len(reference)} steps")
         _, killed = _run_worker(root + "/run", options, kill_at, framework)
-        mgr = CheckpointManager(root + "/run", storage_options=options, lock=False)
+        mgr = CheckpointManager(root + "/run", storage_options=options, lock=False,
+                                save_on_preemption=False)
         resume_from = mgr.latest_step()
         print(f"2. training process SIGKILLed at step {kill_at} (epoch 1, batch "
               f"{kill_at - steps_per_epoch} of {steps_per_epoch}); newest checkpoint: step {resume_from}")
-        _, resumed = _run_worker(root + "/run", options, -1, framework)
+        notes: list[str] = []
+        _, resumed = _run_worker(root + "/run", options, -1, framework, notes)
+        for note in notes:  # e.g. the killed process's writer lease, taken over at once
+            print(f"   resumed process: {note}")
     except DemoWorkerError as e:
         print(f"ckpt demo: {e}", file=sys.stderr)
         return 1
     final = api.load_state(mgr.step_url(mgr.latest_step()), storage_options=options)
-    ref_mgr = CheckpointManager(root + "/reference", storage_options=options, lock=False)
+    ref_mgr = CheckpointManager(root + "/reference", storage_options=options, lock=False,
+                                save_on_preemption=False)
     ref = api.load_state(ref_mgr.step_url(ref_mgr.latest_step()), storage_options=options)
     print(f"3. resumed in a fresh process from step {resume_from}, finished at step {final.step}")
     return _report(reference, killed, resumed, resume_from, ref, final)

@@ -146,7 +146,8 @@ class CheckpointManager:
         lease_seconds: How long an unrenewed lease stays valid (default 30 s,
             ``CKPTCORE_LEASE_SECONDS``).
         heartbeat_seconds: How often the lease is renewed (default 10 s,
-            ``CKPTCORE_HEARTBEAT_SECONDS``); must be below ``lease_seconds``.
+            ``CKPTCORE_HEARTBEAT_SECONDS``, at most a third of a ``lease_seconds`` given alone);
+            must be below ``lease_seconds``.
         save_on_preemption: Catch SIGTERM (main thread only; the previous handler is chained,
             and restored by ``close()``), so that :meth:`save_if_preempted` saves the current
             step before the machine goes away.
@@ -321,6 +322,11 @@ class CheckpointManager:
         try:
             info = api.save_state(url, state, storage_options=self._options, overwrite=overwrite)
         except CheckpointExistsError as e:
+            if step not in self.steps():
+                raise CheckpointExistsError(
+                    f"{e}. The folder of step {step} under {self.root.url} holds the leftovers of "
+                    f"an interrupted save or deletion: mgr.gc() removes them once they are older "
+                    f"than its grace period, mgr.rewind({step}) at once") from e
             raise CheckpointExistsError(
                 f"{e}. Step {step} was committed by another run or manager under {self.root.url}, "
                 f"and a manager replaces only the steps it saved itself: to resume from it, call "
@@ -421,6 +427,17 @@ class CheckpointManager:
         for s in gone:
             log.info("rewind(%d): deleting checkpoint step %d (%s)", step, s, self.step_url(s))
             self._delete(s)
+        # Manifest-less step folders from there on (an interrupted deletion) would block saving
+        # their steps again: they are leftovers, and the run is going back over them now.
+        self.root.fs.invalidate_cache()
+        for e in self.root.listdir():
+            m = layout.STEP.fullmatch(e.name)
+            if m and not e.is_link and int(m.group(1)) >= step:
+                log.info("rewind(%d): removing leftover %s", step, self.root.child(e.name).url)
+                try:
+                    self.root.child(e.name).delete_tree()
+                except FileNotFoundError:
+                    pass  # an object store's folder vanishes with its last object
         self._listed = None
         self._fell_back = self._fell_back - set(gone)
         self._skipped = self._skipped - set(gone)
@@ -453,6 +470,12 @@ class CheckpointManager:
         still fails to verify, so the resumed run can save where the corrupt checkpoint was
         (docs/RELIABILITY.md, "Restore and fallback").
         """
+        if keys is not None:  # a usage error, not a step to fall back over
+            wanted = [keys] if isinstance(keys, str) else list(keys)
+            unknown = [k for k in wanted if k not in TrainingState.SECTIONS]
+            if unknown:
+                raise ValueError(f"unknown section(s) {unknown}; choose from {TrainingState.SECTIONS}")
+            keys = wanted
         if step is not None:
             return api.load_state(self.step_url(step), storage_options=self._options, keys=keys,
                                   **objects)
@@ -555,6 +578,7 @@ class CheckpointManager:
 # restored to what it replaced when the last one closes (managers may close in any order).
 _preemptible: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 _previous: Any = None  # the handler ours replaced
+_owner = 0  # the pid that installed it: a forked child (a data-loader worker) is not the trainer
 _in_handler = False
 
 
@@ -565,6 +589,16 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         return
     _in_handler = True
     try:
+        if os.getpid() != _owner:
+            # A forked child (a data-loader worker) inherited the handler but trains nothing: its
+            # parent stops it with SIGTERM, which must keep its previous effect here.
+            previous = _previous if _previous is not None else signal.SIG_DFL
+            signal.signal(signal.SIGTERM, previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
         managers = list(_preemptible)
         for mgr in managers:
             mgr._preempted = True
@@ -581,7 +615,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _catch_sigterm(mgr: CheckpointManager) -> None:
-    global _previous
+    global _previous, _owner
     current = signal.getsignal(signal.SIGTERM)
     if current is not _on_sigterm:
         if threading.current_thread() is not threading.main_thread():
@@ -592,7 +626,7 @@ def _catch_sigterm(mgr: CheckpointManager) -> None:
             log.info("save_on_preemption: SIGTERM has a handler not installed from Python; "
                      "leaving it alone, SIGTERM is not caught")
             return
-        _previous = current
+        _previous, _owner = current, os.getpid()
         signal.signal(signal.SIGTERM, _on_sigterm)
     _preemptible.add(mgr)
 

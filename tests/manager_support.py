@@ -297,11 +297,12 @@ def race_child(mode: str, url: str, options: dict | None, barrier: Any, result_p
         json.dump(outcome, f)
 
 
-def hold_lock(root: str, options: dict | None, report_path: str, release: Any) -> None:
+def hold_lock(root: str, options: dict | None, report_path: str, release: Any,
+              kw: dict | None = None) -> None:
     """Take the writer lock by saving step 1, say so, then hold it until ``release`` is set
-    (then close the manager normally), or until killed."""
+    (then close the manager normally), or until killed.  ``kw``: more manager arguments."""
     say = Reporter(report_path)
-    mgr = ckptcore.CheckpointManager(root, storage_options=child_options(options))
+    mgr = ckptcore.CheckpointManager(root, storage_options=child_options(options), **(kw or {}))
     mgr.save(1, make_state(1)).result()
     say(f"holding {os.getpid()}")
     release.wait(60)

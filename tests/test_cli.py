@@ -623,14 +623,6 @@ def test_venv_script_installs_once_and_quietly(tmp_path):
 
 # -- ckpt demo: options after the verb reach the bucket; the frameworks' logs stay out ----------
 
-def _has_lease_takeover() -> bool:
-    import inspect
-    return "heartbeat_seconds" in inspect.signature(CheckpointManager.__init__).parameters
-
-
-@pytest.mark.xfail(not _has_lease_takeover(), strict=True,
-                   reason="resuming on S3 after the SIGKILL needs the manager's lease takeover "
-                          "(issue 12 item 1, another branch)")
 def test_demo_on_s3_with_options_after_the_verb(s3_backend):
     """What README shows: ``ckpt demo --root s3://... -o client_kwargs.endpoint_url=...``."""
     so = s3_backend.storage_options

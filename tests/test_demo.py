@@ -82,3 +82,15 @@ def test_demo_names_a_missing_adapter_in_one_line(tmp_path, capsys):
     assert run_demo(str(tmp_path / "demo"), "nosuchfw") == 2
     err = capsys.readouterr().err
     assert err.startswith("ckpt demo: no ckptcore adapter named 'nosuchfw'") and err.count("\n") == 1
+
+
+def test_numpy_demo_on_s3_resumes_at_once_after_the_kill(s3_backend, capsys):
+    # The killed worker's lease object stays on the bucket; the resumed worker, on the same
+    # machine, takes it over at once (its process is gone) instead of waiting for it to expire.
+    from ckptcore.demo import run_demo
+    code = run_demo(s3_backend.url("demo"), "numpy", storage_options=s3_backend.storage_options)
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert "RESULT: the resumed run equals the uninterrupted run" in captured.out
+    assert "resumed process:" in captured.out and "taking over the writer lock" in captured.out
+    assert "step-" in "".join(s3_backend.listdir("demo", "run"))

@@ -86,7 +86,7 @@ def test_diff_of_bool_tensors_counts_in_numbers(tmp_path):
 def test_list_checkpoints_is_what_the_manager_sees(tmp_path):
     root = tmp_path / "run"
     with CheckpointManager(root) as mgr:
-        for s in (5, 1, 3):
+        for s in (1, 3, 5):
             mgr.save(s, make_state(s))
         steps = mgr.steps()
     (root / "step-000000000009").mkdir()  # a leftover without a manifest: not a checkpoint

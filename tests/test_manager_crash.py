@@ -29,6 +29,9 @@ from manager_support import (assert_state_of, check_listed_steps, crash_child, g
                              leftovers, make_state, mp, populate, read_lines, save_until_killed)
 
 KILLED = -signal.SIGKILL
+# Every resume here takes over the killed writer's lock, by design (tests/test_lease.py checks
+# the warning itself).
+pytestmark = pytest.mark.filterwarnings("ignore::ckptcore.manager.LockTakeoverWarning")
 
 
 def _run(target, *args, timeout: float = 60.0) -> int:

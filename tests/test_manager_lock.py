@@ -116,7 +116,11 @@ def test_lock_held_by_another_process_local(tmp_path, ending):
             proc.kill()  # SIGKILL: the kernel drops the flock with the process
             proc.join(30)
             assert proc.exitcode == -9
-        mgr.save(2, make_state(2))
+        if ending == "close":
+            mgr.save(2, make_state(2))
+        else:  # the dead holder is named when its lock is taken over
+            with pytest.warns(LockTakeoverWarning, match=f":{pid}:"):
+                mgr.save(2, make_state(2))
         assert mgr.steps() == [1, 2]
         mgr.close()
     finally:
@@ -293,7 +297,8 @@ def test_a_lapsed_lease_taken_over_stops_the_old_writer_on_s3(s3_backend):
     s3_backend.write(json.dumps(dict(lease, expires=time.time() - 1)).encode(),
                      "run", ".ckptcore.lock")  # time passes: the lease lapses
     second = CheckpointManager(root, storage_options=_other_process_options(options))
-    second.save(2, make_state(2))  # takes the expired lease over
+    with pytest.warns(LockTakeoverWarning, match="expired"):
+        second.save(2, make_state(2))  # takes the expired lease over
     taken = json.loads(s3_backend.read("run", ".ckptcore.lock"))["holder"]
     assert taken != lease["holder"]
     with pytest.raises(LockedError, match="took it over"):

@@ -79,6 +79,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.root = f"{self.base.rstrip('/')}/{uuid.uuid4().hex}"
         self.mgr = self._open()
         self.model: dict[int, dict[str, np.ndarray]] = {}
+        self.mine: set[int] = set()  # steps the current manager committed (it may replace them)
         self.next_step = 1
 
     def _open(self) -> CheckpointManager:
@@ -101,18 +102,36 @@ class ManagerMachine(RuleBasedStateMachine):
         arrays = _arrays(seed, n)
         self._save(step, arrays)
         self.model[step] = arrays
+        self.mine.add(step)
         self.model = {s: self.model[s] for s in self._retained(self.model)}
         self.next_step = step + 1
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def save_existing_step(self, data):
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1))
+    def save_existing_step(self, data, seed):
         step = data.draw(st.sampled_from(sorted(self.model)))
-        with pytest.raises(CheckpointExistsError):
-            self._save(step, _arrays(0, 1))
-        if self.async_save:
-            with pytest.raises(CheckpointExistsError):  # and it surfaces on the next call
-                self.mgr.wait()
+        arrays = _arrays(seed, 1)
+        if step < max(self.model):  # below the newest: refused, naming the way to rewind
+            with pytest.raises(ValueError, match=rf"mgr.rewind\({step}\)"):
+                self._save(step, arrays)
+        elif step in self.mine:  # this manager's own newest step: replaced
+            self._save(step, arrays)
+            self.model[step] = arrays
+        else:  # another run's (a restarted manager's) step: never replaced
+            with pytest.raises(CheckpointExistsError):
+                self._save(step, arrays)
+            if self.async_save:
+                with pytest.raises(CheckpointExistsError):  # and it surfaces on the next call
+                    self.mgr.wait()
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def rewind(self, data):
+        step = data.draw(st.sampled_from(sorted(self.model)))
+        gone = self.mgr.rewind(step)
+        assert gone == sorted((s for s in self.model if s >= step), reverse=True)
+        self.model = {s: a for s, a in self.model.items() if s < step}
+        self.next_step = step
 
     @rule(seed=st.integers(0, 2**32 - 1), at=st.integers(1, 12))
     def crash_during_save(self, seed, at):
@@ -129,6 +148,7 @@ class ManagerMachine(RuleBasedStateMachine):
             _storage._op_hook = None
         if not crashed:  # ``at`` lay beyond the save's last operation
             self.model[step] = arrays
+            self.mine.add(step)
             self.model = {s: self.model[s] for s in self._retained(self.model)}
             self.next_step = step + 1
             return
@@ -192,6 +212,7 @@ class ManagerMachine(RuleBasedStateMachine):
         except Crash:
             pass
         self.mgr = self._open()
+        self.mine = set()
 
     # -- invariants -----------------------------------------------------------------------------
     @invariant()
