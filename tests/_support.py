@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import struct
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -104,3 +106,17 @@ def sample_state(seed: int = 0, *, scale: int = 1) -> TrainingState:
 def save_and_reload(url: str, state: TrainingState, **kw: Any) -> TrainingState:
     ckptcore.save_state(url, state, **kw)
     return ckptcore.load_state(url, **kw)
+
+
+# The environment of a test's subprocess: the repository importable, the frameworks quiet.
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env(here: Path | str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(REPO), str(REPO / "adapters")] + ([str(here)] if here else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    env.setdefault("GLOG_minloglevel", "3")
+    return env

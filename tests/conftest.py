@@ -154,17 +154,7 @@ except ImportError:  # pragma: no cover
 # with its output.  Adapter tests use it for what cannot happen in pytest's own process: kills,
 # resumes in a new process, multi-process groups, and the other framework.
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def subprocess_env(here: Path | str | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(REPO), str(REPO / "adapters")] + ([str(here)] if here else [])
-    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-    env.setdefault("GLOG_minloglevel", "3")
-    return env
+from _support import REPO, subprocess_env  # noqa: E402  (a module of its own: importable by name)
 
 
 def _runner(here: Path):

@@ -20,7 +20,7 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager
-from conftest import subprocess_env
+from _support import subprocess_env
 
 HERE = Path(__file__).parent
 STEPS = 36  # 3 epochs of 12 batches

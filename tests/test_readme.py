@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from _support import REPO, subprocess_env
 
 README = REPO / "README.md"
 
