@@ -87,24 +87,29 @@ def describe_params(model: Any, canonical: Iterable[str]) -> dict[str, ParamInfo
     return out
 
 
-def _probe_inputs(model: Any, owners: dict[int, str]) -> list[list[int] | tuple[str, list[int]]]:
-    """Zero-input shapes worth one forward pass, from the first parameter-owning layer (definition order)."""
+def _probe_inputs(model: Any, owners: dict[int, str]) -> list[Any]:
+    """Zero-input shapes worth a forward pass: the input each parameter-owning layer would take if it
+    came first (a model need not define its first layer first), in definition order, deduplicated."""
+    out: list[Any] = []
     for _, layer in model.named_sublayers(include_self=True):
         if id(layer) not in owners:
             continue
         cls = type(layer).__name__
         if cls == "Linear":
-            return [[2, int(layer.weight.shape[0])]]
-        if cls in ("Conv1D", "Conv2D", "Conv3D"):
-            c, fmt = int(layer._in_channels), str(layer._data_format)
+            shapes: list[Any] = [[2, int(layer.weight.shape[0])]]
+        elif cls in ("Conv1D", "Conv2D", "Conv3D"):
+            c, last = int(layer._in_channels), str(layer._data_format).endswith("C")
             nd = {"Conv1D": 1, "Conv2D": 2, "Conv3D": 3}[cls]
             sizes = (32, 28, 64, 224) if nd == 2 else (32, 16, 64)
-            last = fmt.endswith("C")
-            return [[2] + ([s] * nd + [c] if last else [c] + [s] * nd) for s in sizes]
-        if cls == "Embedding":
-            return [("int64", [2, 8])]
-        return []
-    return []
+            shapes = [[2] + ([s] * nd + [c] if last else [c] + [s] * nd) for s in sizes]
+        elif cls == "Embedding":
+            shapes = [("int64", [2, 8])]
+        else:
+            shapes = []
+        out.extend(x for x in shapes if x not in out)
+        if len(out) >= 16:   # a bound on failed forward passes (each fails fast, at a shape check)
+            break
+    return out
 
 
 def _structure(model: Any, owners: dict[int, str]) -> dict[str, tuple[int, list[str]]] | None:

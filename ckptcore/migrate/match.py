@@ -224,7 +224,7 @@ def _structural(src: list[Unit], dst: list[Unit], pinned: list[tuple[int, int]],
 
 
 def _unsafe(src: list[Unit], dst: list[Unit], auto: list[tuple[int, int]], free_s: list[int],
-            free_d: list[int], problems: list[str], why: str) -> list[tuple[int, int]]:
+            free_d: list[int], problems: list[str], why: str) -> tuple[list[tuple[int, int]], set[tuple]]:
     """Drop the ordered fallback's pairs of a (kind, size) that occurs more than once on both sides:
     without structure nothing says which of them is which."""
     def count(units: list[Unit], idx: list[int]) -> dict[tuple, list[int]]:
@@ -236,7 +236,7 @@ def _unsafe(src: list[Unit], dst: list[Unit], auto: list[tuple[int, int]], free_
     bad = {k for k in cs if len(cs[k]) > 1 and len(cd.get(k, ())) > 1}
     for k in sorted(bad, key=lambda k: cs[k][0]):
         problems.append(_ambiguity(src, dst, cs[k], cd[k], why))
-    return [(i, j) for i, j in auto if (src[i].kind, src[i].main_size) not in bad]
+    return [(i, j) for i, j in auto if (src[i].kind, src[i].main_size) not in bad], bad
 
 
 def match_units(src: list[Unit], dst: list[Unit], name_map: Mapping[str, str | None] | None,
@@ -277,9 +277,9 @@ def match_units(src: list[Unit], dst: list[Unit], name_map: Mapping[str, str | N
     why = ("their neighbourhoods in the two graphs differ, so the structure cannot pair them" if known else
            f"the {'source' if _graph(src) is None else 'target'} model's structure is unknown (no "
            "functional graph or traced forward pass), so their order cannot be trusted")
-    kept = _unsafe(src, dst, auto, free_s, free_d, problems, why)
-    refused_s = {i for i, _ in auto} - {i for i, _ in kept}
-    refused_d = {j for _, j in auto} - {j for _, j in kept}
+    kept, bad = _unsafe(src, dst, auto, free_s, free_d, problems, why)
+    refused_s = {i for i in free_s if (src[i].kind, src[i].main_size) in bad}
+    refused_d = {j for j in free_d if (dst[j].kind, dst[j].main_size) in bad}
     pairs = sorted(pinned + graph_pairs + kept, key=lambda p: p[1])
     taken_s = {p[0] for p in pairs} | dropped | (done_s - {p[0] for p in graph_pairs}) | refused_s
     taken_d = {p[1] for p in pairs} | (done_d - {p[1] for p in graph_pairs}) | refused_d
