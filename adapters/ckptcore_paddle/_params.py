@@ -192,7 +192,11 @@ def _trace(model: Any, owners: dict[int, str], shape: Any) -> dict[str, tuple[in
                 hooks.append(layer.register_forward_post_hook(post))
         model.eval()
         dtype, dims = shape if isinstance(shape, tuple) else ("float32", shape)
-        model(paddle.zeros(dims, dtype=dtype))
+        x = paddle.zeros(dims, dtype=dtype)
+        if dtype == "float32":
+            x.stop_gradient = False   # every op on the way gets a grad node, even with frozen weights
+        with paddle.enable_grad():    # the caller may be inside paddle.no_grad()
+            model(x)
     except Exception as e:  # noqa: BLE001 - a probe that does not fit the model: try the next
         _log.debug("ckptcore: structure probe %s failed on %s: %s", shape, type(model).__name__, e)
         return None
