@@ -137,17 +137,25 @@ def _graph(units: list[Unit]) -> tuple[list[list[int]], list[int]] | None:
 
 
 def _ancestors(preds: list[list[int]]) -> list[set[int]]:
-    memo: list[set[int] | None] = [None] * len(preds)
-
-    def up(i: int) -> set[int]:
-        if memo[i] is None:
-            memo[i] = set()   # guards against a (malformed) cycle
+    """Every unit's transitive feeders; iterative (a deep chain would exhaust Python's recursion)."""
+    anc: list[set[int] | None] = [None] * len(preds)
+    for root in range(len(preds)):
+        stack = [root]
+        while stack:
+            i = stack[-1]
+            if anc[i] is not None:
+                stack.pop()
+                continue
+            todo = [p for p in preds[i] if anc[p] is None and p not in stack]
+            if todo:
+                stack.extend(todo)
+                continue
             acc: set[int] = set()
             for p in preds[i]:
-                acc |= {p} | up(p)
-            memo[i] = acc
-        return memo[i]  # type: ignore[return-value]
-    return [up(i) for i in range(len(preds))]
+                acc |= {p} | (anc[p] or set())   # a (malformed) cycle leaves a member's set empty
+            anc[i] = acc
+            stack.pop()
+    return [a or set() for a in anc]
 
 
 def _refine(labels: list, preds: list[list[int]]) -> list[int]:
