@@ -204,6 +204,17 @@ def _structural(src: list[Unit], dst: list[Unit], pinned: list[tuple[int, int]],
         else:
             labels.append((str(u.kind), u.main_size))
     preds = gs[0] + [[p + n for p in ps] for ps in gd[0]]
+    if dropped:   # a dropped source layer is not in the target: its consumers read what it read
+        def through(i: int, seen: set[int]) -> set[int]:
+            out: set[int] = set()
+            for p in preds[i]:
+                if p in dropped and p not in seen:
+                    out |= through(p, seen | {p})
+                elif p not in dropped:
+                    out.add(p)
+            return out
+        preds = [[] if i in dropped else sorted(through(i, set())) if i < n else ps
+                 for i, ps in enumerate(preds)]
     order = gs[1] + gd[1]
     colour = _refine(labels, preds)
     anc = _ancestors(preds)

@@ -472,3 +472,16 @@ def test_public_names():
     assert issubclass(ckptcore.MigrationError, ValueError)
     assert issubclass(ckptcore.MigrationWarning, UserWarning)
     assert ckptcore.migrate.MigrationWarning is ckptcore.errors.MigrationWarning
+
+
+def test_a_dropped_source_layer_is_bypassed_in_the_graph():
+    k = residual("keras", main_first=True)
+    k.model["aux/kernel"] = rand(4, 4)
+    k.params["aux/kernel"] = ParamInfo(6, "aux", "dense", "kernel", "io", {"inputs": ["mbn"], "order": 6})
+    for name, info in k.params.items():   # the head now reads the extra layer instead of mbn
+        if info.layer == "fc":
+            info.attrs["inputs"] = ["aux", "sbn"]
+    p = residual("paddle", main_first=False)
+    out, _ = convert(k, p, name_map={"aux": None})
+    np.testing.assert_array_equal(out.model["mbn.gamma"], k.model["mbn/gamma"])
+    np.testing.assert_array_equal(out.model["sbn.gamma"], k.model["sbn/gamma"])
