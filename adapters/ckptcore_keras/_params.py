@@ -6,6 +6,12 @@
 layers, the gate order (``ifco``, ``zrh``).  ``index`` is the ordinal of the
 layer among the layers that own weights, in model order (depth first), so that
 two frameworks' lists can be aligned; seed states and custom variables get -1.
+
+Structure: for a functional or Sequential model, ``attrs["inputs"]`` lists the paths of the
+weight-owning layers whose outputs reach this layer through parameter-free layers (read from the
+graph: ``layer._inbound_nodes``, ``node.parent_nodes``), and ``attrs["order"]`` the layer's position
+in a topological order of that graph.  A layer outside any graph (a subclassed model) leaves both
+out, which migration reads as "structure unknown".
 """
 
 from __future__ import annotations
@@ -155,8 +161,66 @@ def describe_params(model: Any, names: dict[int, str]) -> dict[str, ParamInfo]:
             layout = _describe(kind, var.name, rep, a)
             out[names[id(var)]] = ParamInfo(index=index, layer=layer_path(rep), kind=kind,
                                             role=role, layout=layout, attrs=a)
+    _add_structure(model, out)
     for vid, name in names.items():
         if name not in out and vid in raw:
             out[name] = ParamInfo(index=-1, layer=layer_path(raw[vid]), kind=Kind.CUSTOM,
                                   role=name[len(layer_path(raw[vid])) + 1:])
     return out
+
+
+def _graph_op(layer: Any, ancestors: tuple[Any, ...]) -> Any | None:
+    """The layer that appears in the functional graph for ``layer`` (itself, or a wrapper such as
+    Bidirectional); None outside any graph."""
+    for cand in (layer, *reversed(ancestors)):
+        if getattr(cand, "_inbound_nodes", None):
+            return cand
+    return None
+
+
+def _add_structure(model: Any, out: dict[str, ParamInfo]) -> None:
+    reps: dict[str, Any] = {}        # reporting-layer path -> its graph op (None: not in a graph)
+    for layer, ancestors in walk_layers(model):
+        rep, _ = _reporting_layer(layer, ancestors)
+        path = layer_path(rep)
+        if path in reps or not any(i.layer == path and i.index >= 0 for i in out.values()):
+            continue
+        anc = ancestors if rep is layer else ancestors[:-1]
+        reps[path] = _graph_op(rep, anc)
+    if not reps or any(op is None for op in reps.values()):
+        return   # a subclassed model (or part of one): the structure is unknown
+    op_paths: dict[int, list[str]] = {}
+    for path, op in reps.items():
+        op_paths.setdefault(id(op), []).append(path)
+
+    def feeders(op: Any) -> list[str]:
+        found: set[str] = set()
+        seen: set[int] = set()
+        stack = [p for node in op._inbound_nodes for p in node.parent_nodes]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            paths = op_paths.get(id(node.operation))
+            if paths is not None:
+                found.update(paths)
+                continue
+            stack.extend(node.parent_nodes)
+        return sorted(found)
+
+    inputs = {path: feeders(op) for path, op in reps.items()}
+    for path, op in reps.items():   # layers sharing one graph op (Bidirectional) run in sequence
+        inputs[path] = sorted(set(inputs[path]) - {path})
+    order: dict[str, int] = {}
+    pending = dict(inputs)
+    while pending:   # Kahn's algorithm, ties in model order
+        ready = [p for p, ins in pending.items() if all(i in order or i not in pending for i in ins)]
+        if not ready:   # a cycle cannot come out of a functional graph, but never loop forever
+            return
+        for p in ready:
+            order[p] = len(order)
+            del pending[p]
+    for info in out.values():
+        if info.index >= 0 and info.layer in inputs:
+            info.attrs["inputs"], info.attrs["order"] = list(inputs[info.layer]), order[info.layer]

@@ -10,16 +10,27 @@ layout is the gate order: ``ifco`` for LSTM, ``rzc`` for GRU.
 
 A layer family the vocabulary has no word for keeps its class name in snake case as its kind, so two
 Paddle models still match each other.
+
+Structure (what feeds what): a dygraph layer has no static graph, so it is traced.  The model runs
+once, in eval mode, on a small zero input shaped for its first parameter-owning layer (a
+``Linear``'s ``in_features``, a convolution's channels at a few spatial sizes); forward hooks note
+the order layers run and which parameter-owning layers' outputs reach each one through the autograd
+graph (``Tensor.grad_fn``), whatever functional ops (``+``, ``concat``, ``F.relu``) lie between.
+Each parameter's ``attrs["order"]`` and ``attrs["inputs"]`` hold that; when no probe input runs the
+model, neither is recorded and migration treats the structure as unknown.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from typing import Any, Iterable
 
 from ckptcore.state import ParamInfo
 from ckptcore.vocab import Kind, Role, plain
+
+_log = logging.getLogger("ckptcore")
 
 _CONV = {"Conv1D": (Kind.CONV1D, "oik"), "Conv2D": (Kind.CONV2D, "oihw"), "Conv3D": (Kind.CONV3D, "oidhw"),
          "Conv1DTranspose": (Kind.CONV1D_TRANSPOSE, "iok"), "Conv2DTranspose": (Kind.CONV2D_TRANSPOSE, "iohw"),
@@ -52,6 +63,7 @@ def describe_params(model: Any, canonical: Iterable[str]) -> dict[str, ParamInfo
     wanted = set(canonical)
     out: dict[str, ParamInfo] = {}
     index = 0
+    owners: dict[int, str] = {}   # id(layer) -> path, for the layers that own described parameters
     spatial: tuple[int, str] | None = None  # (channels, data_format) of the last 2-D feature map
     for path, layer in model.named_sublayers(include_self=True):
         cls = type(layer).__name__
@@ -62,11 +74,140 @@ def describe_params(model: Any, canonical: Iterable[str]) -> dict[str, ParamInfo
         names = [(n, full) for n, full in names if full in wanted]
         if names:
             kind, layout, attrs = _layer_facts(layer, cls, spatial)
+            owners[id(layer)] = path
             for short, full in names:
                 out[full] = _param(index, path, kind, layout, attrs, short, layer)
             index += 1
         spatial = _next_spatial(layer, cls, spatial)
+    structure = _structure(model, owners)
+    if structure is not None:
+        for full, info in out.items():
+            order, inputs = structure.get(info.layer, (-1, []))
+            info.attrs["order"], info.attrs["inputs"] = order, list(inputs)
     return out
+
+
+def _probe_inputs(model: Any, owners: dict[int, str]) -> list[Any]:
+    """Zero-input shapes worth a forward pass: the input each parameter-owning layer would take if it
+    came first (a model need not define its first layer first), in definition order, deduplicated."""
+    out: list[Any] = []
+    for _, layer in model.named_sublayers(include_self=True):
+        if id(layer) not in owners:
+            continue
+        cls = type(layer).__name__
+        if cls == "Linear":
+            shapes: list[Any] = [[2, int(layer.weight.shape[0])]]
+        elif cls in ("Conv1D", "Conv2D", "Conv3D"):
+            c, last = int(layer._in_channels), str(layer._data_format).endswith("C")
+            nd = {"Conv1D": 1, "Conv2D": 2, "Conv3D": 3}[cls]
+            sizes = (32, 28, 64, 224) if nd == 2 else (32, 16, 64)
+            shapes = [[2] + ([s] * nd + [c] if last else [c] + [s] * nd) for s in sizes]
+        elif cls == "Embedding":
+            shapes = [("int64", [2, 8])]
+        else:
+            shapes = []
+        out.extend(x for x in shapes if x not in out)
+        if len(out) >= 16:   # a bound on failed forward passes (each fails fast, at a shape check)
+            break
+    return out
+
+
+def _structure(model: Any, owners: dict[int, str]) -> dict[str, tuple[int, list[str]]] | None:
+    """``path -> (position in run order, paths of the parameter-owning layers feeding it)``, or None.
+
+    Cached on the model per set of layers: the trace is one forward pass, saves are many."""
+    key = tuple(sorted(owners.values()))
+    cached = getattr(model, "__dict__", {}).get("_ckptcore_structure")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    result = None
+    for shape in _probe_inputs(model, owners):
+        result = _trace(model, owners, shape)
+        if result is not None:
+            break
+    if result is None:
+        _log.info("ckptcore: no probe input runs %s; its layer structure is recorded as unknown "
+                  "(migration then refuses ambiguous pairings)", type(model).__name__)
+    try:
+        model.__dict__["_ckptcore_structure"] = (key, result)
+    except (AttributeError, TypeError):
+        pass
+    return result
+
+
+def _tensors(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return [value] if hasattr(value, "grad_fn") else []
+
+
+def _node_id(node: Any) -> int:
+    ptr = getattr(node, "node_ptr", None)
+    return int(ptr()) if callable(ptr) else id(node)
+
+
+def _trace(model: Any, owners: dict[int, str], shape: Any) -> dict[str, tuple[int, list[str]]] | None:
+    import paddle  # only called with a live Paddle layer
+
+    produced: dict[int, str] = {}     # grad node of a layer's output -> that layer's path
+    found: dict[str, tuple[int, list[str]]] = {}
+
+    def feeders(tensors: list[Any]) -> list[str]:
+        out: list[str] = []
+        seen: set[int] = set()
+        stack = [t.grad_fn for t in tensors if getattr(t, "grad_fn", None) is not None]
+        while stack:
+            node = stack.pop()
+            nid = _node_id(node)
+            if nid in seen:
+                continue
+            seen.add(nid)
+            if nid in produced:
+                if produced[nid] not in out:
+                    out.append(produced[nid])
+                continue
+            stack.extend(n for n in (node.next_functions or ()) if n is not None)
+        return sorted(out)
+
+    def pre(layer: Any, inputs: Any) -> None:
+        path = owners[id(layer)]
+        if path not in found:
+            found[path] = (len(found), feeders(_tensors(inputs)))
+        else:   # a shared layer: every call's inputs
+            found[path] = (found[path][0], sorted(set(found[path][1]) | set(feeders(_tensors(inputs)))))
+
+    def post(layer: Any, inputs: Any, outputs: Any) -> None:
+        for t in _tensors(outputs):
+            if getattr(t, "grad_fn", None) is not None:
+                produced.setdefault(_node_id(t.grad_fn), owners[id(layer)])
+
+    layers = [(l, l.training) for _, l in model.named_sublayers(include_self=True)]
+    hooks = []
+    try:
+        for layer, _ in layers:
+            if id(layer) in owners:
+                hooks.append(layer.register_forward_pre_hook(pre))
+                hooks.append(layer.register_forward_post_hook(post))
+        model.eval()
+        dtype, dims = shape if isinstance(shape, tuple) else ("float32", shape)
+        x = paddle.zeros(dims, dtype=dtype)
+        if dtype == "float32":
+            x.stop_gradient = False   # every op on the way gets a grad node, even with frozen weights
+        with paddle.enable_grad():    # the caller may be inside paddle.no_grad()
+            model(x)
+    except Exception as e:  # noqa: BLE001 - a probe that does not fit the model: try the next
+        _log.debug("ckptcore: structure probe %s failed on %s: %s", shape, type(model).__name__, e)
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+        for layer, training in layers:
+            layer.training = training
+    if set(found) != set(owners.values()):
+        return None   # some layers never ran on the probe: a partial structure would mislead
+    return found
 
 
 def _layer_facts(layer: Any, cls: str, spatial: tuple[int, str] | None) -> tuple[str, str | None, dict]:

@@ -120,3 +120,25 @@ def max_diff(a: Any, b: Any) -> float:
     if a.shape != b.shape:
         return float("inf")
     return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+# Structure twins (issue 12): the same network in both frameworks, paired by structure, not order.
+TWINS = ("resnet", "unet", "mobilenet")
+TWIN_IMG, TWIN_CLASSES = 16, 10
+TWIN_SGD = {"learning_rate": 0.01, "momentum": 0.9}
+
+
+def twin_batches(seed: int, n: int, *, nchw: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` batches of 16x16 RGB images and labels, NCHW for Paddle, NHWC for Keras."""
+    rs = np.random.RandomState(seed)
+    out = []
+    for _ in range(n):
+        x = rs.rand(BATCH, TWIN_IMG, TWIN_IMG, 3).astype("float32")
+        y = rs.randint(0, TWIN_CLASSES, size=(BATCH,)).astype("int64")
+        out.append((np.ascontiguousarray(x.transpose(0, 3, 1, 2)) if nchw else x, y))
+    return out
+
+
+def twin_probe(nchw: bool) -> np.ndarray:
+    x = np.random.RandomState(8).rand(16, TWIN_IMG, TWIN_IMG, 3).astype("float32")
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2)) if nchw else x

@@ -96,3 +96,86 @@ def zoo_outputs(model) -> list[np.ndarray]:
 def cli_cnn_adam():
     """``ckpt convert --model _keras_models:cli_cnn_adam``: the target of the Keras leg."""
     return cnn(5), keras.optimizers.Adam(1e-3)
+
+
+# ----------------------------------------------------------------------------- structure twins
+# Functional models whose layer lists do not follow the Paddle twins' definition order; every conv
+# before a BatchNorm has no bias, BatchNorms keep Keras' defaults (the Paddle twins set the same).
+
+
+def _conv_bn(x, filters, k, stride=1, act=True, relu6=False):
+    x = L.Conv2D(filters, k, strides=stride, padding="same", use_bias=False)(x)
+    x = L.BatchNormalization()(x)
+    if act:
+        x = L.ReLU(6.0)(x) if relu6 else L.ReLU()(x)
+    return x
+
+
+def resnet_twin(seed: int = 0) -> keras.Model:
+    """Stem, an identity block, then a stride-2 block with a 1x1 projection shortcut (its BatchNorm
+    has the main branch's last BatchNorm's size)."""
+    from _common import TWIN_CLASSES, TWIN_IMG
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((TWIN_IMG, TWIN_IMG, 3))
+    x = _conv_bn(inp, 8, 3)
+    y = _conv_bn(_conv_bn(x, 8, 3), 8, 3, act=False)
+    x = L.ReLU()(L.Add()([x, y]))
+    y = _conv_bn(_conv_bn(x, 16, 3, stride=2), 16, 3, act=False)
+    s = _conv_bn(x, 16, 1, stride=2, act=False)
+    x = L.ReLU()(L.Add()([y, s]))
+    return keras.Model(inp, L.Dense(TWIN_CLASSES)(L.GlobalAveragePooling2D()(x)))
+
+
+def unet_twin(seed: int = 0) -> keras.Model:
+    """Two down steps, two up steps (2x2 transposed convolutions) with skip concatenations."""
+    from _common import TWIN_CLASSES, TWIN_IMG
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((TWIN_IMG, TWIN_IMG, 3))
+    e1 = _conv_bn(inp, 8, 3)
+    e2 = _conv_bn(L.MaxPooling2D(2)(e1), 16, 3)
+    b = _conv_bn(L.MaxPooling2D(2)(e2), 16, 3)
+    u2 = L.Conv2DTranspose(16, 2, strides=2)(b)
+    d2 = _conv_bn(L.Concatenate()([u2, e2]), 16, 3)
+    u1 = L.Conv2DTranspose(8, 2, strides=2)(d2)
+    d1 = _conv_bn(L.Concatenate()([u1, e1]), 8, 3)
+    out = L.Conv2D(TWIN_CLASSES, 1)(d1)
+    return keras.Model(inp, L.GlobalAveragePooling2D()(out))
+
+
+def _inverted(x, cin, cout, expand, stride):
+    y = x
+    if expand != 1:
+        y = _conv_bn(y, cin * expand, 1, relu6=True)
+    y = L.DepthwiseConv2D(3, strides=stride, padding="same", use_bias=False)(y)
+    y = L.ReLU(6.0)(L.BatchNormalization()(y))
+    y = _conv_bn(y, cout, 1, act=False)
+    return L.Add()([x, y]) if stride == 1 and cin == cout else y
+
+
+def mobilenet_twin(seed: int = 0) -> keras.Model:
+    """MobileNetV2 in small: inverted residuals with depthwise convolutions, linear bottlenecks."""
+    from _common import TWIN_CLASSES, TWIN_IMG
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((TWIN_IMG, TWIN_IMG, 3))
+    x = _conv_bn(inp, 8, 3, stride=2, relu6=True)
+    x = _inverted(x, 8, 8, 1, 1)
+    x = _inverted(x, 8, 12, 3, 2)
+    x = _inverted(x, 12, 12, 3, 1)
+    x = _inverted(x, 12, 12, 3, 1)
+    x = _conv_bn(x, 32, 1, relu6=True)
+    return keras.Model(inp, L.Dense(TWIN_CLASSES)(L.GlobalAveragePooling2D()(x)))
+
+
+def branches_twin(seed: int = 0) -> keras.Model:
+    """Two identical branches from one stem, summed: nothing tells them apart."""
+    from _common import TWIN_CLASSES, TWIN_IMG
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((TWIN_IMG, TWIN_IMG, 3))
+    x = L.Conv2D(8, 3, padding="same", name="stem")(inp)
+    a = L.Conv2D(8, 3, padding="same", name="left")(x)
+    b = L.Conv2D(8, 3, padding="same", name="right")(x)
+    return keras.Model(inp, L.Dense(TWIN_CLASSES)(L.GlobalAveragePooling2D()(L.Add()([a, b]))))
+
+
+def twin(name: str, seed: int = 0) -> keras.Model:
+    return globals()[f"{name}_twin"](seed)

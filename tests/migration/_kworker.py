@@ -18,7 +18,8 @@ import numpy as np
 import _keras_models as km
 import ckptcore
 from _common import (E2E_BATCH, E2E_CONTINUE, E2E_FIRST, E2E_SAMPLES, E2E_SEED, LR_STEPS, OPT_CASES,
-                     SCHEDULES, STEPS, batches, e2e_dataset, max_diff, probe_images, write_json)
+                     SCHEDULES, STEPS, TWIN_SGD, TWINS, batches, e2e_dataset, max_diff, probe_images,
+                     twin_batches, twin_probe, write_json)
 
 
 def _caught(fn):
@@ -99,6 +100,29 @@ def e2e_source(d: str, opts: dict) -> dict:
     return {"seen": seen, "ref_seen": ref_seen, "ref_losses": ref_losses, "url": info.url}
 
 
+def _twin_logits(m) -> np.ndarray:
+    return np.asarray(m(twin_probe(False), training=False))
+
+
+def twins_source(d: str, opts: dict) -> dict:
+    """Structure twins, Keras side: 5 steps, save, logits; 5 more steps on the same data, logits."""
+    import keras
+
+    for i, name in enumerate(TWINS):
+        m = km.twin(name, 40 + i)
+        opt = keras.optimizers.SGD(**TWIN_SGD)
+        data = twin_batches(300 + i, 2 * STEPS, nchw=False)
+        for x, y in data[:STEPS]:
+            km.train_step(m, opt, x, y)
+        ckptcore.save_state(f"{d}/twin_{name}_k", model=m, optimizer=opt)
+        np.save(f"{d}/twin_{name}_k_logits0.npy", _twin_logits(m))
+        for x, y in data[STEPS:]:
+            km.train_step(m, opt, x, y)
+        np.save(f"{d}/twin_{name}_k_logits1.npy", _twin_logits(m))
+    ckptcore.save_state(f"{d}/twin_branches_k", model=km.twin("branches", 3))
+    return {"layers": {name: [layer.name for layer in km.twin(name).layers] for name in TWINS}}
+
+
 # ----------------------------------------------------------------------------- target (phase 2)
 
 
@@ -150,6 +174,28 @@ def zoo_target(d: str, opts: dict) -> dict:
     return {"diffs": [max_diff(o, ref[f"arr_{i}"]) for i, o in enumerate(outs)], "warnings": warns}
 
 
+def twins_target(d: str, opts: dict) -> dict:
+    """Structure twins, Paddle -> Keras: load, logits; 5 steps on the Paddle run's data, logits."""
+    import keras
+
+    out = {}
+    for i, name in enumerate(TWINS):
+        m = km.twin(name, 60 + i)
+        opt = keras.optimizers.SGD(**TWIN_SGD)
+        _, warns = _caught(lambda: ckptcore.load_state(f"{d}/twin_{name}_p", model=m, optimizer=opt))
+        before = max_diff(_twin_logits(m), np.load(f"{d}/twin_{name}_p_logits0.npy"))
+        for x, y in twin_batches(500 + i, 2 * STEPS, nchw=False)[STEPS:]:
+            km.train_step(m, opt, x, y)
+        after = max_diff(_twin_logits(m), np.load(f"{d}/twin_{name}_p_logits1.npy"))
+        out[name] = {"logits_diff": before, "after_steps_diff": after, "warnings": warns}
+    try:
+        ckptcore.load_state(f"{d}/twin_branches_p", model=km.twin("branches", 4))
+        out["branches"] = {"error": None}
+    except ckptcore.MigrationError as e:
+        out["branches"] = {"error": str(e)}
+    return out
+
+
 def cli_back(d: str, opts: dict) -> dict:
     """Acceptance 5: Keras -> Paddle (the Paddle worker ran that leg) -> Keras with ``ckpt convert``."""
     from ckptcore import cli
@@ -173,8 +219,8 @@ def cli_back(d: str, opts: dict) -> dict:
             "tf_iterations": int(opt.iterations.numpy())}
 
 
-PHASES = {"source": [cnn_source, opt_source, sched_source, zoo_source, e2e_source],
-          "target": [cnn_target, opt_target, sched_target, zoo_target, cli_back]}
+PHASES = {"source": [cnn_source, opt_source, sched_source, zoo_source, twins_source, e2e_source],
+          "target": [cnn_target, opt_target, sched_target, zoo_target, twins_target, cli_back]}
 
 
 def main(phase: str, d: str, options: str = "{}") -> None:

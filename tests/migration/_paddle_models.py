@@ -141,3 +141,131 @@ def cli_cnn_adam():
     with paddle.utils.unique_name.guard():
         net = cnn(6)
         return net, KerasAdam(1e-3, parameters=net.parameters())
+
+
+# ----------------------------------------------------------------------------- structure twins
+# The Keras twins of ``_keras_models`` in Paddle, channels-first, padding "SAME" (TensorFlow's
+# asymmetric padding for stride 2), BatchNorms with Keras' momentum and epsilon.  Layers are defined
+# in an order different from the Keras layer list (shortcuts and decoders first) on purpose.
+
+
+def _bn(c):
+    return nn.BatchNorm2D(c, momentum=0.99, epsilon=1e-3)
+
+
+def _conv(cin, cout, k, stride=1, groups=1, bias=False):
+    return nn.Conv2D(cin, cout, k, stride=stride, padding="SAME", groups=groups,
+                     bias_attr=None if bias else False)
+
+
+class ResNetTwin(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.short_conv, self.short_bn = _conv(8, 16, 1, 2), _bn(16)     # the shortcut, defined first
+        self.b2_conv2, self.b2_bn2 = _conv(16, 16, 3), _bn(16)
+        self.b2_conv1, self.b2_bn1 = _conv(8, 16, 3, 2), _bn(16)
+        self.stem, self.stem_bn = _conv(3, 8, 3), _bn(8)
+        self.b1_conv1, self.b1_bn1 = _conv(8, 8, 3), _bn(8)
+        self.b1_conv2, self.b1_bn2 = _conv(8, 8, 3), _bn(8)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.stem_bn(self.stem(x)))
+        y = self.b1_bn2(self.b1_conv2(F.relu(self.b1_bn1(self.b1_conv1(x)))))
+        x = F.relu(x + y)
+        s = self.short_bn(self.short_conv(x))
+        y = self.b2_bn2(self.b2_conv2(F.relu(self.b2_bn1(self.b2_conv1(x)))))
+        x = F.relu(y + s)
+        return self.fc(x.mean(axis=[2, 3]))
+
+
+class UNetTwin(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.up1, self.dec1, self.dec1_bn = nn.Conv2DTranspose(16, 8, 2, stride=2), _conv(16, 8, 3), _bn(8)
+        self.up2, self.dec2, self.dec2_bn = nn.Conv2DTranspose(16, 16, 2, stride=2), _conv(32, 16, 3), _bn(16)
+        self.enc1, self.enc1_bn = _conv(3, 8, 3), _bn(8)
+        self.enc2, self.enc2_bn = _conv(8, 16, 3), _bn(16)
+        self.mid, self.mid_bn = _conv(16, 16, 3), _bn(16)
+        self.head = nn.Conv2D(8, 10, 1)
+
+    def forward(self, x):
+        e1 = F.relu(self.enc1_bn(self.enc1(x)))
+        e2 = F.relu(self.enc2_bn(self.enc2(F.max_pool2d(e1, 2))))
+        b = F.relu(self.mid_bn(self.mid(F.max_pool2d(e2, 2))))
+        d2 = F.relu(self.dec2_bn(self.dec2(paddle.concat([self.up2(b), e2], axis=1))))
+        d1 = F.relu(self.dec1_bn(self.dec1(paddle.concat([self.up1(d2), e1], axis=1))))
+        return self.head(d1).mean(axis=[2, 3])
+
+
+class Inverted(nn.Layer):
+    def __init__(self, cin, cout, expand, stride):
+        super().__init__()
+        mid = cin * expand
+        self.residual = stride == 1 and cin == cout
+        self.project, self.project_bn = _conv(mid, cout, 1), _bn(cout)    # defined before the rest
+        self.dw, self.dw_bn = _conv(mid, mid, 3, stride, groups=mid), _bn(mid)
+        self.expand = (_conv(cin, mid, 1), _bn(mid)) if expand != 1 else None
+        if self.expand:
+            self.expand_conv, self.expand_bn = self.expand
+
+    def forward(self, x):
+        y = x
+        if self.expand:
+            y = F.relu6(self.expand_bn(self.expand_conv(y)))
+        y = F.relu6(self.dw_bn(self.dw(y)))
+        y = self.project_bn(self.project(y))
+        return x + y if self.residual else y
+
+
+class MobileNetTwin(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.head, self.head_bn = _conv(12, 32, 1), _bn(32)
+        self.fc = nn.Linear(32, 10)
+        self.stem, self.stem_bn = _conv(3, 8, 3, 2), _bn(8)
+        self.blocks = nn.LayerList([Inverted(8, 8, 1, 1), Inverted(8, 12, 3, 2), Inverted(12, 12, 3, 1),
+                                    Inverted(12, 12, 3, 1)])
+
+    def forward(self, x):
+        x = F.relu6(self.stem_bn(self.stem(x)))
+        for block in self.blocks:
+            x = block(x)
+        x = F.relu6(self.head_bn(self.head(x)))
+        return self.fc(x.mean(axis=[2, 3]))
+
+
+class BranchesTwin(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2D(3, 8, 3, padding="SAME")
+        self.a = nn.Conv2D(8, 8, 3, padding="SAME")
+        self.b = nn.Conv2D(8, 8, 3, padding="SAME")
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        return self.fc((self.a(x) + self.b(x)).mean(axis=[2, 3]))
+
+
+_TWINS = {"resnet": ResNetTwin, "unet": UNetTwin, "mobilenet": MobileNetTwin, "branches": BranchesTwin}
+
+
+def twin(name: str, seed: int = 0) -> nn.Layer:
+    """The twin with Keras' Glorot-uniform kernels (Paddle's default convolution init gives logits
+    ~40x larger, and with them float32 noise ~40x larger than the Keras runs')."""
+    paddle.seed(seed)
+    net = _TWINS[name]()
+    rs = np.random.RandomState(seed)
+    for p in net.parameters():
+        shape = list(p.shape)
+        if len(shape) < 2:
+            continue
+        if len(shape) == 2:   # Linear: [in, out]
+            fan_in, fan_out = shape
+        else:                 # convolutions: [out, in/groups, *k] (transposed: [in, out/groups, *k])
+            k = int(np.prod(shape[2:]))
+            fan_in, fan_out = shape[1] * k, shape[0] * k
+        lim = np.sqrt(6.0 / (fan_in + fan_out))
+        p.set_value(rs.uniform(-lim, lim, size=shape).astype("float32"))
+    return net

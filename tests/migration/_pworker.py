@@ -18,8 +18,10 @@ import numpy as np
 import _paddle_models as pm  # noqa: I001  (imports Paddle first)
 import paddle
 import ckptcore
-from _common import (E2E_BATCH, E2E_CONTINUE, E2E_SAMPLES, LR_STEPS, OPT_CASES, SCHEDULES, STEPS, batches,
-                     e2e_dataset, max_diff, probe_images, write_json)
+import ckptcore_paddle
+from _common import (E2E_BATCH, E2E_CONTINUE, E2E_SAMPLES, LR_STEPS, OPT_CASES, SCHEDULES, STEPS, TWIN_SGD,
+                     TWINS, batches, e2e_dataset, max_diff, probe_images, twin_batches, twin_probe,
+                     write_json)
 
 
 def _caught(fn):
@@ -189,7 +191,48 @@ def rng(d: str, opts: dict) -> dict:
             "draws_equal": paddle.rand([4]).numpy().tolist() == first}
 
 
-TASKS = [rng, cnn, opt_k2p, opt_source, sched_k2p, sched_source, sched_mismatch, zoo, e2e, cli_to_paddle]
+def _twin_logits(net) -> np.ndarray:
+    net.eval()
+    out = net(paddle.to_tensor(twin_probe(True))).numpy()
+    net.train()
+    return out
+
+
+def twins(d: str, opts: dict) -> dict:
+    """Structure twins: Keras -> Paddle (load, logits, 5 steps on the Keras run's data, logits), and
+    the Paddle runs the Keras worker continues; the ambiguous two-branch model both ways."""
+    out = {}
+    for i, name in enumerate(TWINS):
+        net = pm.twin(name, 50 + i)
+        opt = paddle.optimizer.Momentum(parameters=net.parameters(), **TWIN_SGD)
+        _, warns = _caught(lambda: ckptcore.load_state(f"{d}/twin_{name}_k", model=net, optimizer=opt))
+        before = max_diff(_twin_logits(net), np.load(f"{d}/twin_{name}_k_logits0.npy"))
+        for x, y in twin_batches(300 + i, 2 * STEPS, nchw=True)[STEPS:]:
+            pm.train_step(net, opt, x, y)
+        after = max_diff(_twin_logits(net), np.load(f"{d}/twin_{name}_k_logits1.npy"))
+        out[name] = {"logits_diff": before, "after_steps_diff": after, "warnings": warns,
+                     "inputs": {i.layer: i.attrs.get("inputs")
+                                for i in ckptcore_paddle.capture(model=net).params.values()}}
+        src = pm.twin(name, 70 + i)
+        sopt = paddle.optimizer.Momentum(parameters=src.parameters(), **TWIN_SGD)
+        data = twin_batches(500 + i, 2 * STEPS, nchw=True)
+        for x, y in data[:STEPS]:
+            pm.train_step(src, sopt, x, y)
+        ckptcore.save_state(f"{d}/twin_{name}_p", model=src, optimizer=sopt)
+        np.save(f"{d}/twin_{name}_p_logits0.npy", _twin_logits(src))
+        for x, y in data[STEPS:]:
+            pm.train_step(src, sopt, x, y)
+        np.save(f"{d}/twin_{name}_p_logits1.npy", _twin_logits(src))
+    try:
+        ckptcore.load_state(f"{d}/twin_branches_k", model=pm.twin("branches", 1))
+        out["branches"] = {"error": None}
+    except ckptcore.MigrationError as e:
+        out["branches"] = {"error": str(e)}
+    ckptcore.save_state(f"{d}/twin_branches_p", model=pm.twin("branches", 2))
+    return out
+
+
+TASKS = [rng, cnn, opt_k2p, opt_source, sched_k2p, sched_source, sched_mismatch, zoo, twins, e2e, cli_to_paddle]
 
 
 def main(d: str, options: str = "{}") -> None:

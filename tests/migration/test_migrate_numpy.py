@@ -231,15 +231,91 @@ def test_every_unplaced_parameter_is_named():
 
 def test_name_map_pins_layers():
     a, b = rand(4, 3), rand(4, 3)
-    k = (Builder("keras").add("a/kernel", 0, "dense", "kernel", "io", a)
-         .add("b/kernel", 1, "dense", "kernel", "io", b).keras_done())
-    p = (Builder("paddle").add("x.weight", 0, "dense", "kernel", "io", np.zeros((4, 3), "float32"))
-         .add("y.weight", 1, "dense", "kernel", "io", np.zeros((4, 3), "float32")).paddle_done())
+    # a -> b and x -> y: a chain, so the structure pairs the two same-sized layers in run order
+    k = (Builder("keras").add("a/kernel", 0, "dense", "kernel", "io", a, inputs=[], order=0)
+         .add("b/kernel", 1, "dense", "kernel", "io", b, inputs=["a"], order=1).keras_done())
+    p = (Builder("paddle").add("x.weight", 0, "dense", "kernel", "io", np.zeros((4, 3), "float32"),
+                               inputs=[], order=0)
+         .add("y.weight", 1, "dense", "kernel", "io", np.zeros((4, 3), "float32"), inputs=["x"], order=1)
+         .paddle_done())
     out, _ = convert(k, p)
     np.testing.assert_array_equal(out.model["x.weight"], a)
     out, _ = convert(k, p, name_map={"a/kernel": "y.weight"})
     np.testing.assert_array_equal(out.model["y.weight"], a)
     np.testing.assert_array_equal(out.model["x.weight"], b)
+
+
+def _unstructured(k: TrainingState) -> TrainingState:
+    for info in k.params.values():
+        info.attrs.pop("inputs", None)
+        info.attrs.pop("order", None)
+    return k
+
+
+def test_unknown_structure_and_same_sized_layers_raise_with_the_name_map():
+    k = (Builder("keras").add("a/kernel", 0, "dense", "kernel", "io", rand(4, 3))
+         .add("b/kernel", 1, "dense", "kernel", "io", rand(4, 3)).keras_done())
+    p = (Builder("paddle").add("x.weight", 0, "dense", "kernel", "io", np.zeros((4, 3), "float32"), inputs=[])
+         .add("y.weight", 1, "dense", "kernel", "io", np.zeros((4, 3), "float32"), inputs=["x"]).paddle_done())
+    with pytest.raises(MigrationError) as e:
+        convert_state(k, p)
+    assert "name_map={'a': 'x', 'b': 'y'}" in str(e.value) and "structure is unknown" in str(e.value)
+    out, _ = convert(k, p, name_map={"a": "x", "b": "y"})
+    np.testing.assert_array_equal(out.model["x.weight"], k.model["a/kernel"])
+
+
+def residual(framework: str, main_first: bool):
+    """stem conv -> [main: conv3x3 -> bn] + [shortcut: conv1x1 -> bn] -> dense; the two BatchNorms
+    have one size.  ``main_first`` lists the main branch first (else the shortcut)."""
+    b = Builder(framework)
+    sep = "/" if framework == "keras" else "."
+    conv = "hwio" if framework == "keras" else "oihw"
+    k3 = (3, 3, 2, 4) if framework == "keras" else (4, 2, 3, 3)
+    k1 = (1, 1, 2, 4) if framework == "keras" else (4, 2, 1, 1)
+    ks = (3, 3, 1, 2) if framework == "keras" else (2, 1, 3, 3)
+    b.add(f"stem{sep}kernel", 0, "conv2d", "kernel", conv, rand(*ks), inputs=[], order=0)
+    main = [("mconv", "conv2d", k3, ["stem"]), ("mbn", "batch_norm", None, ["mconv"])]
+    short = [("sconv", "conv2d", k1, ["stem"]), ("sbn", "batch_norm", None, ["sconv"])]
+    for n, (layer, kind, shape, ins) in enumerate(main + short if main_first else short + main, 1):
+        if kind == "conv2d":
+            b.add(f"{layer}{sep}kernel", n, kind, "kernel", conv, rand(*shape), inputs=ins, order=n)
+        else:
+            for role in ("gamma", "beta", "moving_mean", "moving_variance"):
+                b.add(f"{layer}{sep}{role}", n, kind, role, None, rand(4), inputs=ins, order=n)
+    b.add(f"fc{sep}kernel", 5, "dense", "kernel", "io", rand(4, 3), inputs=["mbn", "sbn"], order=5)
+    return b.keras_done() if framework == "keras" else b.paddle_done()
+
+
+def test_residual_branches_are_told_apart_by_what_feeds_them():
+    k = residual("keras", main_first=True)
+    p = residual("paddle", main_first=False)
+    for name in list(p.model):
+        p.model[name] = np.zeros_like(p.model[name])
+    out, _ = convert(k, p)
+    for role in ("gamma", "moving_mean"):
+        np.testing.assert_array_equal(out.model[f"mbn.{role}"], k.model[f"mbn/{role}"])
+        np.testing.assert_array_equal(out.model[f"sbn.{role}"], k.model[f"sbn/{role}"])
+    # Without the structure, the same two models are refused, not paired by order (which swaps them).
+    with pytest.raises(MigrationError) as e:
+        convert_state(_unstructured(k), p)
+    assert "'mbn'" in str(e.value) and "'sbn'" in str(e.value) and "name_map={" in str(e.value)
+
+
+def test_symmetric_branches_are_ambiguous_even_with_structure():
+    def two_branches(framework: str):
+        b, sep = Builder(framework), "/" if framework == "keras" else "."
+        b.add(f"stem{sep}kernel", 0, "dense", "kernel", "io", rand(3, 4), inputs=[], order=0)
+        b.add(f"left{sep}kernel", 1, "dense", "kernel", "io", rand(4, 4), inputs=["stem"], order=1)
+        b.add(f"right{sep}kernel", 2, "dense", "kernel", "io", rand(4, 4), inputs=["stem"], order=2)
+        b.add(f"head{sep}kernel", 3, "dense", "kernel", "io", rand(4, 2), inputs=["left", "right"], order=3)
+        return b.keras_done() if framework == "keras" else b.paddle_done()
+    with pytest.raises(MigrationError) as e:
+        convert_state(two_branches("keras"), two_branches("paddle"))
+    msg = str(e.value)
+    assert "neither feeds the other" in msg and "name_map={'left': 'left', 'right': 'right'}" in msg
+    assert msg.count("\n  - ") == 1, msg     # one problem, not a list of unplaced parameters
+    out, _ = convert(two_branches("keras"), two_branches("paddle"), name_map={"left": "right"})
+    assert set(out.extra["migration"]["pairs"]["right.kernel"]) == {"left/kernel"}
 
 
 def test_normalization_hyperparameters_are_recorded_and_warned():
@@ -396,3 +472,16 @@ def test_public_names():
     assert issubclass(ckptcore.MigrationError, ValueError)
     assert issubclass(ckptcore.MigrationWarning, UserWarning)
     assert ckptcore.migrate.MigrationWarning is ckptcore.errors.MigrationWarning
+
+
+def test_a_dropped_source_layer_is_bypassed_in_the_graph():
+    k = residual("keras", main_first=True)
+    k.model["aux/kernel"] = rand(4, 4)
+    k.params["aux/kernel"] = ParamInfo(6, "aux", "dense", "kernel", "io", {"inputs": ["mbn"], "order": 6})
+    for name, info in k.params.items():   # the head now reads the extra layer instead of mbn
+        if info.layer == "fc":
+            info.attrs["inputs"] = ["aux", "sbn"]
+    p = residual("paddle", main_first=False)
+    out, _ = convert(k, p, name_map={"aux": None})
+    np.testing.assert_array_equal(out.model["mbn.gamma"], k.model["mbn/gamma"])
+    np.testing.assert_array_equal(out.model["sbn.gamma"], k.model["sbn/gamma"])

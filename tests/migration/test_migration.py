@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from _common import OPT_CASES, SCHEDULES, STEPS, E2E_SAMPLES, max_diff
+from _common import E2E_SAMPLES, OPT_CASES, SCHEDULES, STEPS, TWINS, max_diff
 
 EXACT = [c for c, spec in OPT_CASES.items() if spec["exact"]]
 APPROX = [c for c, spec in OPT_CASES.items() if not spec["exact"]]
@@ -143,3 +143,41 @@ def test_ckpt_convert_round_trip_keras_paddle_keras(migration_results):
     assert k["weight_diff"] <= 1e-6 and k["slot_diff"] <= 1e-6
     assert k["steps"] == [STEPS, STEPS]
     assert k["tf_checkpoint_weight_diff"] <= 1e-6 and k["tf_iterations"] == STEPS
+
+
+# ----------------------------------------------------------------------------- 6. structure twins (issue 12)
+# ResNet-style (identity block, then a stride-2 block whose 1x1 projection shortcut has a BatchNorm
+# of the main branch's size), U-Net-style (skip concatenations) and MobileNetV2-style (depthwise
+# convolutions, inverted residuals).  The Paddle twins define their layers in another order than the
+# Keras layer lists (shortcuts, decoders and projections first): only the structure pairs them.
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_structure_twin_keras_to_paddle(migration_results, name):
+    r = task(migration_results, "paddle", "twins")[name]
+    assert r["logits_diff"] <= 1e-5, r
+    assert r["after_steps_diff"] <= 1e-5, r
+    assert r["warnings"] == []
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_structure_twin_paddle_to_keras(migration_results, name):
+    r = task(migration_results, "keras_target", "twins_target")[name]
+    assert r["logits_diff"] <= 1e-5, r
+    assert r["after_steps_diff"] <= 1e-5, r
+    assert r["warnings"] == []
+
+
+def test_paddle_trace_records_what_feeds_the_residual_block(migration_results):
+    inputs = task(migration_results, "paddle", "twins")["resnet"]["inputs"]
+    assert inputs["stem"] == [] and inputs["short_bn"] == ["short_conv"] and inputs["b2_bn2"] == ["b2_conv2"]
+    assert inputs["short_conv"] == ["b1_bn2", "stem_bn"]       # through relu(x + y)
+    assert inputs["fc"] == ["b2_bn2", "short_bn"]
+
+
+@pytest.mark.parametrize("worker, name, pairs", [
+    ("paddle", "twins", "name_map={'left': 'a', 'right': 'b'}"),
+    ("keras_target", "twins_target", "name_map={'a': 'left', 'b': 'right'}")])
+def test_symmetric_branches_raise_with_the_name_map(migration_results, worker, name, pairs):
+    err = task(migration_results, worker, name)["branches"]["error"]
+    assert err and "neither feeds the other" in err and pairs in err, err
