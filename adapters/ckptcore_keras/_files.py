@@ -459,15 +459,20 @@ def _no_options(options: dict[str, Any]) -> None:
         raise TypeError(f"the tf-checkpoint format takes no options, got {given}")
 
 
-def _read(src: Any, model: Any = None, optimizer: Any = None, **options: Any) -> TrainingState:
+def _read(src: Any, model: Any = None, optimizer: Any = None, *, strict: bool | None = None,
+          **options: Any) -> TrainingState:
+    # Reading matches names only where a model is given, and never refuses a name: strict has
+    # nothing to decide here (ckpt import --strict is accepted and changes nothing).
     _no_options(options)
     return import_tf_checkpoint(src, model=model, optimizer=optimizer)
 
 
-def _write(state: TrainingState, dst: Any, model: Any = None, optimizer: Any = None,
-           **options: Any) -> str:
+def _write(state: TrainingState, dst: Any, model: Any = None, optimizer: Any = None, *,
+           strict: bool | None = None, **options: Any) -> str:
+    # --no-strict: a state that lacks some of the model's variables (a Dropout layer's seed
+    # generator after an import without a model) is written with what it has.
     _no_options(options)
-    return export_tf_checkpoint(state, dst, model, optimizer)
+    return export_tf_checkpoint(state, dst, model, optimizer, strict=True if strict is None else strict)
 
 
 FORMATS = (FileFormat(
