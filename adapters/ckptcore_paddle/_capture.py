@@ -48,6 +48,7 @@ from ckptcore.errors import RestoreError
 from ckptcore.rng import capture_rng, restore_rng
 from ckptcore.state import AccumulationState, RestoreReport, TrainingState
 
+from ._data import check_not_stale
 from ._optimizer import (attached_scheduler, capture_optimizer, capture_scaler, capture_schedule, plan_optimizer,
                          plan_scaler, plan_schedule)
 from ._params import describe_params
@@ -97,6 +98,7 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
     if rng:
         state.rng = {**capture_rng(), **capture_framework_rng()}
     if cursor is not None:
+        check_not_stale(cursor)  # before anything is saved: a sampler never advanced holds position 0
         state.data = dict(cursor.state_dict())
     state.metadata = {"versions": {"paddle": paddle.__version__, "numpy": np.__version__},
                       "model_class": type(layer).__name__,
