@@ -28,6 +28,12 @@ _DEFAULTS = {
     "max_manifest_bytes": 512 * 1024 * 1024,
     # How long a manifest-less leftover must sit before gc() may remove it (seconds).
     "gc_grace": 15 * 60.0,
+    # Object-store writer leases: a lease not renewed for this long is expired and may be taken
+    # over (its holder is presumed gone).  Short, so a preempted run's successor on another host
+    # resumes within it; the heartbeat renews it well before then.
+    "lease_seconds": 30.0,
+    # How often a live writer's heartbeat thread renews its lease (seconds).
+    "heartbeat_seconds": 10.0,
 }
 _ENV = {k: "CKPTCORE_" + k.upper() for k in _DEFAULTS}
 _overrides: dict[str, float] = {}

@@ -1,44 +1,144 @@
-"""The writer lock on a manager's root.
+"""The writer lock on a manager's root, and taking over the lock of a writer that is gone.
 
-Local disk: an OS lock (``flock``) on ``<root>/.ckptcore.lock``; the kernel
-drops it when the process dies, so a crashed run never blocks its own resume.
-Object stores: a lease object created with a create-only PUT, holding who took
-it and until when.  A lease past its expiry is taken over (its holder is
-presumed dead); a live one raises :class:`LockedError` naming the holder.  The
-holder checks that the lease is still its own and extends it on every save, so a
-writer whose lease lapsed and was taken over stops (``LockedError``) instead of
-writing beside the new holder; it never deletes a lease that is not its own.
+Local disk: an OS lock (``flock``) on ``<root>/.ckptcore.lock``; the kernel drops it when the
+process dies, so a crashed run never blocks its own resume.  The file also records the holder;
+a clean release empties it, so a holder recorded in a file whose flock is free is a writer that
+died holding it, and its successor says so (:class:`LockTakeoverWarning`).
+
+Object stores: a lease object created with a create-only PUT, recording its holder (host, pid,
+the pid namespace and boot of its machine, the process's start time) and when it was last
+renewed.  A daemon thread renews it every ``heartbeat_seconds`` while the writer lives (a
+thread, not the saves: a run may train far longer than a lease lasts between two saves).  The
+lease is taken over, with a warning naming the old holder, when its holder is provably gone:
+
+* it was not renewed within ``lease_seconds`` (its host died, was preempted, or hangs), or
+* it was taken on this machine by a process that no longer exists (a SIGKILLed run resumed on
+  the same machine does not wait at all), or by a manager of this process that is gone.
+
+A live holder is never taken over.  The holder checks that the lease is still its own on every
+save; a writer whose lease lapsed and was taken over stops (``LockedError``) instead of writing
+beside the new holder, and it never deletes a lease that is not its own.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
 import stat
+import sys
+import threading
 import time
 import uuid
+import warnings
 import weakref
+from typing import Any
 
+from . import _knobs
 from ._storage import Store, _kind
 from .errors import LockedError, UnsafeCheckpointError
 
+__all__ = ["WriterLock", "LockTakeoverWarning", "LOCK_NAME"]
+
 LOCK_NAME = ".ckptcore.lock"
 _HELD: set[tuple[int, int]] = set()  # (st_dev, st_ino) of lock files this process's locks hold
+# Leases held by this process, by token: a lease naming this pid whose token is not here belongs
+# to a manager that was dropped or closed without releasing it (its holder is provably gone).
+_LIVE: weakref.WeakValueDictionary[str, WriterLock] = weakref.WeakValueDictionary()
+log = logging.getLogger("ckptcore")
+
+
+class LockTakeoverWarning(UserWarning):
+    """A writer lock or lease whose holder is gone (killed, preempted) was taken over."""
 
 
 def _close_held(fd: int, key: tuple[int, int]) -> None:
     _HELD.discard(key)
+    try:
+        os.ftruncate(fd, 0)  # an empty file: released cleanly, nobody to warn about
+    except OSError:
+        pass
     os.close(fd)
 
 
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str:
+    """The start time of process ``pid`` (clock ticks since boot; "" where unknown): with the pid
+    it names one process, even after the pid is reused."""
+    stat_line = _read_text(f"/proc/{pid}/stat")
+    fields = stat_line.rpartition(")")[2].split()
+    return fields[19] if len(fields) > 19 else ""
+
+
+def _machine() -> str:
+    """This machine's boot and pid namespace: where a recorded pid means this same process table.
+
+    Two containers may share a host name; their pid namespaces differ, so a pid is compared only
+    when both are equal.  "" where unknown (then only expiry takes a lease over)."""
+    boot = _read_text("/proc/sys/kernel/random/boot_id")
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}/{ns}" if boot else ""
+
+
+def _pid_alive(pid: int, start: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    # Alive, unless the pid now names another process (reused since the holder died).
+    return not start or _start_time(pid) in ("", start)
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def check_lease_times(lease_seconds: float | None, heartbeat_seconds: float | None
+                      ) -> tuple[float, float]:
+    """The lease and heartbeat periods (the knobs' defaults for None; with only the lease given,
+    the heartbeat is at most a third of it); ``ValueError`` unless
+    ``0 < heartbeat_seconds < lease_seconds`` (a lease must be renewed before it expires)."""
+    lease = float(_knobs.get("lease_seconds") if lease_seconds is None else lease_seconds)
+    beat = float(_knobs.get("heartbeat_seconds") if heartbeat_seconds is None else heartbeat_seconds)
+    if heartbeat_seconds is None and lease_seconds is not None and lease > 0:
+        beat = min(beat, lease / 3)  # only the lease given: renew it three times per period
+    if not lease > 0 or not beat > 0 or not beat < lease:  # also NaN
+        raise ValueError(f"need 0 < heartbeat_seconds < lease_seconds, got heartbeat_seconds="
+                         f"{beat} and lease_seconds={lease} (renew a lease well before it expires, "
+                         "e.g. heartbeat_seconds=10, lease_seconds=30)")
+    if beat > lease / 2:
+        log.warning("heartbeat_seconds=%s is more than half of lease_seconds=%s: one slow renewal "
+                    "can let the lease expire and be taken over", beat, lease)
+    return lease, beat
+
+
 class WriterLock:
-    def __init__(self, store: Store, *, lease_seconds: float = 3600.0):
-        self.store, self.lease_seconds = store, lease_seconds
-        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    def __init__(self, store: Store, *, lease_seconds: float | None = None,
+                 heartbeat_seconds: float | None = None):
+        self.store = store
+        self.lease_seconds, self.heartbeat_seconds = check_lease_times(lease_seconds, heartbeat_seconds)
+        self.token = uuid.uuid4().hex[:8]
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{self.token}"
         self._closer: weakref.finalize | None = None  # closes a held flock's descriptor
         self._held = False
+        self._mutex = threading.Lock()  # the heartbeat thread and the saves both renew the lease
+        self._stop: threading.Event | None = None
+        self._lost = ""  # who took the lease over, as the heartbeat found out
+        self._renewed = 0.0
 
     def acquire(self) -> None:
         if self._held:
@@ -47,9 +147,13 @@ class WriterLock:
         if self.store.local:
             self._acquire_flock()
         else:
-            self._acquire_lease(retry=True)
+            with self._mutex:
+                self._acquire_lease(retry=True)
+            self._start_heartbeat()
         self._held = True
+        _LIVE[self.token] = self
 
+    # -- local disk: flock ----------------------------------------------------------------------
     def _acquire_flock(self) -> None:
         import fcntl
         self.store.makedirs()
@@ -72,6 +176,11 @@ class WriterLock:
                     hint = " (a process forked from this one may still hold it)"
                 raise LockedError(f"{self.store.url}: another writer holds the lock ({holder}){hint}; "
                                   "one CheckpointManager may write a root at a time") from None
+            previous = os.pread(fd, 512, 0).decode(errors="replace").strip()
+            if previous:
+                # The kernel dropped the flock with its process, which never released it cleanly.
+                self._took_over(previous, "its process ended without releasing the lock (the "
+                                          "kernel dropped its flock)")
             os.ftruncate(fd, 0)
             os.pwrite(fd, self.holder.encode(), 0)
         except BaseException:
@@ -103,56 +212,182 @@ class WriterLock:
             f"{path}: the writer lock file is {kind}, not a regular file, so the lock cannot be "
             f"taken; remove it (ckptcore creates the file itself) or pass lock=False")
 
+    def _took_over(self, holder: str, why: str) -> None:
+        message = (f"{self.store.url}: taking over the writer lock of {holder}: {why}; "
+                   "its last committed checkpoint stands, an unfinished save is a leftover for gc()")
+        log.warning("%s", message)
+        warnings.warn(message, LockTakeoverWarning, stacklevel=_caller_level())
+
+    # -- object stores: a lease -----------------------------------------------------------------
     def _lease(self) -> bytes:
-        return json.dumps({"holder": self.holder, "expires": time.time() + self.lease_seconds}).encode()
+        now = time.time()
+        return json.dumps({
+            "holder": self.holder, "host": socket.gethostname(), "pid": os.getpid(),
+            "token": self.token, "machine": _machine(), "start": _start_time(os.getpid()),
+            "heartbeat": now, "expires": now + self.lease_seconds,
+            "lease_seconds": self.lease_seconds}).encode()
 
     def _acquire_lease(self, *, retry: bool) -> None:
         try:
             self.store.write_bytes(LOCK_NAME, self._lease(), create_only=True)
+            self._renewed = time.monotonic()
             return
         except FileExistsError:
             pass
-        holder, expires = self._read_lease()
-        holder = holder or "released just now"
-        if retry and expires < time.time():
-            self.store.delete(LOCK_NAME)  # expired: its holder stopped refreshing it
+        lease = self._read_lease()
+        if lease is None:  # released between our create and our read
+            if retry:
+                return self._acquire_lease(retry=False)
+            lease = {"holder": "a writer that took it just now", "expires": time.time() + self.lease_seconds}
+        holder = str(lease.get("holder", "unknown"))
+        why = self._gone(lease)
+        if why and retry:
+            # Check-then-delete (no conditional delete through fsspec): read once more, so that a
+            # lease renewed or retaken since we judged it is left alone.
+            if self._read_lease() == lease:
+                self._took_over(holder, why)
+                self.store.delete(LOCK_NAME)
             return self._acquire_lease(retry=False)
+        expires = _float(lease.get("expires"))
+        beat = _float(lease.get("heartbeat"))
+        renewed = f"last renewed {_when(beat)}, " if beat else ""
         raise LockedError(
-            f"{self.store.url}: another writer holds the lease {LOCK_NAME} ({holder}, expires "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(expires))}); delete that object "
-            "if its holder is gone")
+            f"{self.store.url}: another writer holds the lease {LOCK_NAME} ({holder}, {renewed}"
+            f"expires {_when(expires)} unless renewed); a live writer renews it every few seconds "
+            "and is never taken over; one that is gone is taken over once its lease expires (or at "
+            "once on its own machine). If you know its writer is gone, delete that object")
 
-    def _read_lease(self) -> tuple[str, float]:
+    def _gone(self, lease: dict[str, Any]) -> str:
+        """Why the lease's holder is provably gone, or "" when it may be alive."""
+        if "unreadable" in lease:
+            return "the lease object is unreadable"
+        expires = _float(lease.get("expires"))
+        if expires < time.time():
+            return f"its lease was not renewed and expired at {_when(expires)}"
+        same_machine = (lease.get("host") == socket.gethostname() and _machine()
+                        and lease.get("machine") == _machine())
+        pid = lease.get("pid")
+        if not same_machine or not isinstance(pid, int):
+            return ""
+        if pid == os.getpid():
+            live = _LIVE.get(str(lease.get("token")))
+            if live is None or not live._held:
+                return "its manager in this process was closed or dropped without releasing it"
+            return ""
+        if not _pid_alive(pid, str(lease.get("start") or "")):
+            return f"its process {pid} on this machine no longer exists"
+        return ""
+
+    def _read_lease(self) -> dict[str, Any] | None:
+        """The lease object's content; None when there is none; ``{"unreadable": ...}`` if garbage."""
         try:
             lease = json.loads(self.store.read(LOCK_NAME))
-            return str(lease["holder"]), float(lease["expires"])
         except FileNotFoundError:
-            return "", 0.0
-        except (ValueError, KeyError, TypeError):
-            return "unreadable lease", 0.0
+            return None
+        except ValueError:
+            return {"holder": "unreadable lease", "unreadable": True}
+        if not isinstance(lease, dict) or "holder" not in lease:
+            return {"holder": "unreadable lease", "unreadable": True}
+        return lease
 
     def refresh(self) -> None:
         """Extend a held lease; ``LockedError`` if it lapsed and another writer took it over."""
         if not self._held or self.store.local:
             return
-        holder, _ = self._read_lease()
-        if holder == "":  # removed by hand: take it again if nobody else has
-            self._held = False
-            self._acquire_lease(retry=False)
-            self._held = True
-            return
-        if holder != self.holder:
-            self._held = False
-            raise LockedError(f"{self.store.url}: this writer's lease {LOCK_NAME} lapsed and "
-                              f"another writer took it over ({holder}); stop writing here")
+        with self._mutex:
+            other = self._renew()
+            if other:
+                self._give_up(other)
+
+    def _renew(self) -> str:
+        """Extend the lease if it is still ours; else return who holds it now."""
+        if self._lost:
+            return self._lost
+        lease = self._read_lease()
+        if lease is None:  # removed by hand: take it again if nobody else has
+            try:
+                self._acquire_lease(retry=False)
+                return ""
+            except LockedError:
+                return str((self._read_lease() or {}).get("holder", "unknown"))
+        if lease.get("holder") != self.holder:
+            return str(lease.get("holder"))
         self.store.write_bytes(LOCK_NAME, self._lease())
+        self._renewed = time.monotonic()
+        return ""
+
+    def _give_up(self, holder: str) -> None:
+        self._held, self._lost = False, ""
+        _LIVE.pop(self.token, None)
+        if self._stop is not None:
+            self._stop.set()
+        raise LockedError(f"{self.store.url}: this writer's lease {LOCK_NAME} lapsed and "
+                          f"another writer took it over ({holder}); stop writing here")
+
+    def _start_heartbeat(self) -> None:
+        stop = threading.Event()
+        self._stop = stop
+        # The thread holds the lock weakly: a manager dropped without close() stops renewing.
+        threading.Thread(target=_heartbeat, args=(weakref.ref(self), stop, self.heartbeat_seconds),
+                         name="ckptcore-lease-heartbeat", daemon=True).start()
+        weakref.finalize(self, stop.set)
+
+    def _beat(self) -> None:
+        with self._mutex:
+            if not self._held or self._lost:
+                return
+            if time.monotonic() - self._renewed < self.heartbeat_seconds / 2:
+                return  # a save renewed it just now
+            try:
+                other = self._renew()
+            except Exception as e:  # noqa: BLE001 - a store hiccup: try again next beat
+                log.warning("%s: renewing the writer lease failed (%s: %s); retrying in %ss",
+                            self.store.url, type(e).__name__, e, self.heartbeat_seconds)
+                return
+            if other:
+                # Raised to the writer at its next save (refresh), before it writes anything.
+                self._lost = other
+                log.warning("%s: this writer's lease %s lapsed and %s took it over; the next "
+                            "save raises LockedError", self.store.url, LOCK_NAME, other)
 
     def release(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
         if not self._held:
             return
         self._held = False
+        _LIVE.pop(self.token, None)
         if self._closer is not None:
-            self._closer()  # closes the descriptor, which drops the flock (once)
+            self._closer()  # empties the file, closes the descriptor, which drops the flock (once)
             self._closer = None
-        elif self._read_lease()[0] == self.holder:  # never remove a lease another writer took
-            self.store.delete(LOCK_NAME)
+            return
+        with self._mutex:
+            lease = self._read_lease()
+            if lease is not None and lease.get("holder") == self.holder:  # never remove another's
+                self.store.delete(LOCK_NAME)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside ckptcore, as seen from our caller: the line
+    of the user's save() (or gc()), however deep the lock was taken."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _heartbeat(ref: weakref.ref, stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        lock = ref()
+        if lock is None:
+            return
+        lock._beat()
+        del lock

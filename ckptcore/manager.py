@@ -11,6 +11,16 @@ writes and commits it.  At most one save is in flight: a second ``save()`` first
 waits for the previous one.  A failure in the background is raised by the next
 ``save()``, ``wait()`` or ``close()``; interpreter exit waits for the save in
 flight, and a killed process leaves the previous checkpoint intact.
+
+Preemption (``save_on_preemption``, on by default): a SIGTERM handler sets :attr:`preempted`;
+the loop calls :meth:`save_if_preempted` after each step, which saves that step synchronously and
+tells the loop to stop.  Until a loop has asked once (``preempted`` or ``save_if_preempted``),
+SIGTERM keeps its usual effect, so a loop that never checks still terminates on it.
+
+Order of steps: ``save()`` below the newest committed step raises (a run restarted without
+restoring would otherwise be shadowed by the old run's newer steps); :meth:`rewind` deletes the
+newer steps on purpose.  A step this manager already saved in this run is replaced (a periodic
+save and a final save of the same step), never a step committed by another run.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import logging
 import math
 import numbers
 import os
+import signal
 import threading
 import warnings
 import weakref
@@ -31,15 +42,16 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import _codec, _knobs, api, layout
-from ._lock import WriterLock
+from ._lock import LockTakeoverWarning, WriterLock
 from ._manifest import MANIFEST_NAME
 from ._storage import Store, check_url
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
+                     CorruptCheckpointError,
                      LockedError, StorageError, UnsafeCheckpointError, UnsupportedCheckpointError)
 from .policies import CheckpointEntry, as_policy
 from .state import TrainingState
 
-__all__ = ["CheckpointManager", "SaveHandle", "CheckpointFallbackWarning"]
+__all__ = ["CheckpointManager", "SaveHandle", "CheckpointFallbackWarning", "LockTakeoverWarning"]
 
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 log = logging.getLogger("ckptcore")
@@ -127,7 +139,18 @@ class CheckpointManager:
             The newest committed checkpoint is always kept.
         async_save: Write in a background thread after snapshotting the state.
         storage_options: Passed to fsspec.
-        lock: Hold a writer lock on the root while saving (recommended).
+        lock: Hold a writer lock on the root while saving (recommended).  On object stores the
+            lock is a lease renewed by a daemon thread every ``heartbeat_seconds`` and taken
+            over when not renewed within ``lease_seconds``, or at once when its holder's process
+            on this machine is gone (docs/RELIABILITY.md, "The writer lock").
+        lease_seconds: How long an unrenewed lease stays valid (default 30 s,
+            ``CKPTCORE_LEASE_SECONDS``).
+        heartbeat_seconds: How often the lease is renewed (default 10 s,
+            ``CKPTCORE_HEARTBEAT_SECONDS``, at most a third of a ``lease_seconds`` given alone);
+            must be below ``lease_seconds``.
+        save_on_preemption: Catch SIGTERM (main thread only; the previous handler is chained,
+            and restored by ``close()``), so that :meth:`save_if_preempted` saves the current
+            step before the machine goes away.
 
     Example:
         >>> mgr = ckptcore.CheckpointManager("memory://run1", keep=3)  # doctest: +SKIP
@@ -136,12 +159,15 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str, *, keep: Any = None, async_save: bool = False,
-                 storage_options: Mapping[str, Any] | None = None, lock: bool = True):
+                 storage_options: Mapping[str, Any] | None = None, lock: bool = True,
+                 lease_seconds: float | None = None, heartbeat_seconds: float | None = None,
+                 save_on_preemption: bool = True):
         self.root = Store(check_url(root, "root"), dict(storage_options or {}))
         self.policy = as_policy(keep)
         self.async_save = async_save
         self._options = dict(storage_options or {})
-        self._lock = WriterLock(self.root) if lock else None
+        self._lock = (WriterLock(self.root, lease_seconds=lease_seconds,
+                                 heartbeat_seconds=heartbeat_seconds) if lock else None)
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: Future | None = None
         self._error: BaseException | None = None
@@ -150,8 +176,17 @@ class CheckpointManager:
         # Steps a successful restore() fell back over because their data failed its checksums or
         # was missing.  A frozenset, swapped whole: the background save thread reads it.
         self._skipped: frozenset[int] = frozenset()
+        # Every step the last successful restore() fell back over (damaged or unreadable here):
+        # none of them counts as "the newest step" a save may not go below.
+        self._fell_back: frozenset[int] = frozenset()
+        self._saved: set[int] = set()  # steps this manager committed: a second save replaces them
+        self._listed: list[int] | None = None  # committed steps, as of this manager's last write
+        self._preempted = False
+        self._asked = False  # whether the loop ever checked for preemption (see _on_sigterm)
         self._closed = False
         _live.add(self)
+        if save_on_preemption:
+            _catch_sigterm(self)
 
     # -- listing --------------------------------------------------------------------------------
     def step_url(self, step: int) -> str:
@@ -170,23 +205,56 @@ class CheckpointManager:
     # -- saving ---------------------------------------------------------------------------------
     def save(self, step: int, state: TrainingState | None = None, *,
              metrics: Mapping[str, float] | None = None, **objects: Any) -> SaveHandle:
-        """Save ``state`` (or framework objects, captured now) as checkpoint ``step``."""
+        """Save ``state`` (or framework objects, captured now) as checkpoint ``step``.
+
+        ``step`` may not be below the newest committed step (``ValueError``: restore first, or
+        :meth:`rewind` on purpose).  Saving a step this manager already saved in this run
+        replaces it atomically (logged); a step committed by another run or manager is never
+        replaced (``CheckpointExistsError``).
+        """
+        return self._save(step, state, metrics, objects, sync=not self.async_save)
+
+    def _save(self, step, state, metrics, objects, *, sync: bool) -> SaveHandle:
         self._check_open()
         name = self._name(step)
         metrics = check_metrics(metrics)  # before anything is written or committed
         self._wait_inflight()  # at most one save in flight; raises a previous background error
         self._acquire()
+        overwrite = self._check_order(step)
         if step in self._skipped:
             self._replace_skipped(step)
         snapshot = self._snapshot(step, state, metrics, objects)
         url = self.root.child(name).url
-        if not self.async_save:
-            return SaveHandle(step, url, _completed(self._write(step, url, snapshot)))
+        if sync:
+            return SaveHandle(step, url, _completed(self._write(step, url, snapshot, overwrite)))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptcore-save")
-        fut = self._pool.submit(self._write, step, url, snapshot)
+        fut = self._pool.submit(self._write, step, url, snapshot, overwrite)
         self._inflight = fut
         return SaveHandle(step, url, fut)
+
+    def _committed(self) -> list[int]:
+        """Committed steps; from this manager's last listing while its lock keeps others out."""
+        if self._listed is None or self._lock is None:
+            self._listed = self.steps()
+        return self._listed
+
+    def _check_order(self, step: int) -> bool:
+        """Refuse a step below the newest committed one; whether ``step`` is to be replaced."""
+        steps = self._committed()
+        good = [s for s in steps if s not in self._fell_back]
+        if good and step < good[-1]:
+            raise ValueError(
+                f"save({step}): step {step} is below the newest committed step {good[-1]} under "
+                f"{self.root.url}, so a restore() would resume from step {good[-1]}, not from this "
+                f"run. If this run started over without restoring, call mgr.restore(...) first; to "
+                f"go back on purpose, call mgr.rewind({step}) before saving: it deletes every "
+                f"checkpoint from step {step} on (each deletion is logged)")
+        if step in self._saved and step in steps:
+            log.info("save(%d): replacing checkpoint step %d (%s), which this manager saved "
+                     "earlier in this run", step, step, self.step_url(step))
+            return True
+        return False
 
     def _acquire(self) -> None:
         if self._lock is not None:
@@ -215,6 +283,7 @@ class CheckpointManager:
                           f"({problems[0]}); restore() fell back over it",
                           CheckpointFallbackWarning, stacklevel=3)
             log.warning("replacing damaged checkpoint step %d (%s): %s", step, url, problems[0])
+            self._listed = None
             self._delete(step)
 
     def _snapshot(self, step, state, metrics, objects) -> TrainingState:
@@ -248,8 +317,22 @@ class CheckpointManager:
         # deepcopy's memo maps id(original) -> copy, so the tree is rebuilt around these copies.
         return copy.deepcopy(state, {id(a): c for a, c in zip(enc.arrays, copies)})
 
-    def _write(self, step: int, url: str, state: TrainingState) -> api.CheckpointInfo:
-        info = api.save_state(url, state, storage_options=self._options)
+    def _write(self, step: int, url: str, state: TrainingState,
+               overwrite: bool = False) -> api.CheckpointInfo:
+        try:
+            info = api.save_state(url, state, storage_options=self._options, overwrite=overwrite)
+        except CheckpointExistsError as e:
+            if step not in self.steps():
+                raise CheckpointExistsError(
+                    f"{e}. The folder of step {step} under {self.root.url} holds the leftovers of "
+                    f"an interrupted save or deletion: mgr.gc() removes them once they are older "
+                    f"than its grace period, mgr.rewind({step}) at once") from e
+            raise CheckpointExistsError(
+                f"{e}. Step {step} was committed by another run or manager under {self.root.url}, "
+                f"and a manager replaces only the steps it saved itself: to resume from it, call "
+                f"mgr.restore() and save the steps after it; to discard it, call mgr.rewind({step}) "
+                "(deletes it and every newer checkpoint) and save again") from e
+        self._saved.add(step)
         self._entries[step] = CheckpointEntry(step, info.created,
                                               _saved_metrics(step, state.metadata))
         if self._lock is not None:
@@ -284,7 +367,7 @@ class CheckpointManager:
         return self._entries[step]
 
     def _apply_retention(self) -> None:
-        steps = self.steps()
+        steps = self._listed = self.steps()
         if not steps:
             return
         # A damaged step restore() fell back over is neither judged nor "the newest": else it
@@ -301,6 +384,7 @@ class CheckpointManager:
             if s not in keep:
                 log.info("retention: deleting checkpoint step %d under %s", s, self.root.url)
                 self._delete(s)
+                steps.remove(s)
 
     def _delete(self, step: int) -> None:
         name = self._name(step)
@@ -312,13 +396,52 @@ class CheckpointManager:
         ckpt.delete(MANIFEST_NAME)  # uncommit first: a half-deleted step is never "committed"
         ckpt.delete_tree()
         self._entries.pop(step, None)
+        self._saved.discard(step)
 
     def delete(self, step: int) -> None:
         """Remove checkpoint ``step`` (manifest first, then its data)."""
         self._check_open()
         self._wait_inflight()
         self._acquire()
+        log.info("delete: deleting checkpoint step %d (%s)", step, self.step_url(step))
+        self._listed = None
         self._delete(step)
+
+    def rewind(self, step: int) -> list[int]:
+        """Go back to before ``step``: delete every committed checkpoint at ``step`` or after.
+
+        The explicit way to save below the newest step (``save()`` refuses it): a run that
+        restarts from an older step on purpose calls ``mgr.rewind(step)`` once, then saves
+        ``step`` and on.  Deletes newest first (a crash midway leaves the older steps, a prefix
+        of the run), each deletion logged; returns the deleted steps, newest first.
+
+        Example:
+            >>> mgr.restore(step=500, model=model)   # go back to step 500...  # doctest: +SKIP
+            >>> mgr.rewind(501)                      # ...forget what came after  # doctest: +SKIP
+        """
+        self._name(step)  # a non-negative int
+        self._check_open()
+        self._wait_inflight()
+        self._acquire()
+        gone = [s for s in reversed(self.steps()) if s >= step]
+        for s in gone:
+            log.info("rewind(%d): deleting checkpoint step %d (%s)", step, s, self.step_url(s))
+            self._delete(s)
+        # Manifest-less step folders from there on (an interrupted deletion) would block saving
+        # their steps again: they are leftovers, and the run is going back over them now.
+        self.root.fs.invalidate_cache()
+        for e in self.root.listdir():
+            m = layout.STEP.fullmatch(e.name)
+            if m and not e.is_link and int(m.group(1)) >= step:
+                log.info("rewind(%d): removing leftover %s", step, self.root.child(e.name).url)
+                try:
+                    self.root.child(e.name).delete_tree()
+                except FileNotFoundError:
+                    pass  # an object store's folder vanishes with its last object
+        self._listed = None
+        self._fell_back = self._fell_back - set(gone)
+        self._skipped = self._skipped - set(gone)
+        return gone
 
     def gc(self, *, grace: float | None = None) -> list[str]:
         """Remove leftovers of interrupted saves older than ``grace`` seconds; return what went.
@@ -334,8 +457,12 @@ class CheckpointManager:
         return layout.remove_leftovers(self.root, grace)
 
     # -- restoring ------------------------------------------------------------------------------
-    def restore(self, step: int | None = None, **objects: Any) -> TrainingState:
+    def restore(self, step: int | None = None, *, keys: Any = None, **objects: Any) -> TrainingState:
         """Load a checkpoint (the newest that verifies, by default) and restore ``objects`` from it.
+
+        ``keys`` loads only some sections (``keys=["model", "optimizer"]``), as
+        :func:`ckptcore.load_state` does: the way to leave a saved part (the data position, the
+        optimizer) out on purpose.  Called without objects, it only returns the state.
 
         With ``step=None`` a newest checkpoint that is corrupt or incomplete is skipped with a
         :class:`CheckpointFallbackWarning` naming it; an explicit ``step`` never falls back.  A
@@ -343,16 +470,24 @@ class CheckpointManager:
         still fails to verify, so the resumed run can save where the corrupt checkpoint was
         (docs/RELIABILITY.md, "Restore and fallback").
         """
+        if keys is not None:  # a usage error, not a step to fall back over
+            wanted = [keys] if isinstance(keys, str) else list(keys)
+            unknown = [k for k in wanted if k not in TrainingState.SECTIONS]
+            if unknown:
+                raise ValueError(f"unknown section(s) {unknown}; choose from {TrainingState.SECTIONS}")
+            keys = wanted
         if step is not None:
-            return api.load_state(self.step_url(step), storage_options=self._options, **objects)
+            return api.load_state(self.step_url(step), storage_options=self._options, keys=keys,
+                                  **objects)
         steps = self.steps()
         if not steps:
             raise CheckpointNotFoundError(f"{self.root.url}: no committed checkpoints")
         last: Exception | None = None
         damaged: set[int] = set()
+        passed: set[int] = set()
         for s in reversed(steps):
             try:
-                state = api.load_state(self.step_url(s), storage_options=self._options)
+                state = api.load_state(self.step_url(s), storage_options=self._options, keys=keys)
             except StorageError:
                 raise  # the store is out of reach: an older step would be no better, nor a fallback
             except Exception as e:  # noqa: BLE001 - any step that fails to decode or verify
@@ -361,15 +496,53 @@ class CheckpointManager:
                 log.warning("restore: checkpoint step %d (%s) does not load (%s: %s); falling back",
                             s, self.step_url(s), type(e).__name__, e)
                 last = e
+                passed.add(s)
                 if _is_damage(e):
                     damaged.add(s)
                 continue
             api.restore_objects(state, objects)
             # Only a run that did resume from an older step may later save over these.
             self._skipped = frozenset(damaged)
+            self._fell_back = frozenset(passed)
             return state
         raise CorruptCheckpointError(f"{self.root.url}: none of the {len(steps)} checkpoints "
                                      f"verifies; the last error was: {last}") from last
+
+    # -- preemption -----------------------------------------------------------------------------
+    @property
+    def preempted(self) -> bool:
+        """True once SIGTERM arrived (with ``save_on_preemption``): save and stop training."""
+        self._asked = True
+        return self._preempted
+
+    def save_if_preempted(self, step: int, state: TrainingState | None = None, *,
+                          metrics: Mapping[str, float] | None = None, **objects: Any) -> bool:
+        """The one call a training loop makes after each step to survive preemption.
+
+        Without a SIGTERM, returns False at once and does nothing.  After one, saves ``step``
+        synchronously (even with ``async_save=True``; a step already committed is not saved
+        again), waits for every save in flight, and returns True: the caller then stops
+        training (``break``) and exits normally within the grace period.
+
+        Example:
+            >>> for batch in batches:                                  # doctest: +SKIP
+            ...     step += 1; train_step(batch)
+            ...     if mgr.save_if_preempted(step, model=model, optimizer=opt, cursor=cursor):
+            ...         break
+        """
+        self._asked = True
+        if not self._preempted:
+            return False
+        self._check_open()
+        self._wait_inflight()
+        if step in self._committed():
+            log.warning("SIGTERM: step %d is already saved (%s); stop training now",
+                        step, self.step_url(step))
+        else:
+            self._save(step, state, metrics, objects, sync=True)
+            log.warning("SIGTERM: saved step %d (%s); stop training now", step, self.step_url(step))
+        self._wait_inflight()
+        return True
 
     # -- lifetime -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -384,6 +557,7 @@ class CheckpointManager:
             self._wait_inflight()
         finally:
             self._closed = True
+            _release_sigterm(self)
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             if self._lock is not None:
@@ -397,6 +571,73 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root.url!r}, keep={self.policy!r}, async_save={self.async_save})"
+
+
+# -- SIGTERM ----------------------------------------------------------------------------------------
+# One handler for the process, shared by every manager that wants it: installed by the first,
+# restored to what it replaced when the last one closes (managers may close in any order).
+_preemptible: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+_previous: Any = None  # the handler ours replaced
+_owner = 0  # the pid that installed it: a forked child (a data-loader worker) is not the trainer
+_in_handler = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Runs in the main thread between two bytecodes: it only sets flags (no I/O, no locks).
+    global _in_handler
+    if _in_handler:  # a chained handler that chains back to us
+        return
+    _in_handler = True
+    try:
+        if os.getpid() != _owner:
+            # A forked child (a data-loader worker) inherited the handler but trains nothing: its
+            # parent stops it with SIGTERM, which must keep its previous effect here.
+            previous = _previous if _previous is not None else signal.SIG_DFL
+            signal.signal(signal.SIGTERM, previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+        managers = list(_preemptible)
+        for mgr in managers:
+            mgr._preempted = True
+        previous = _previous
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL and not any(m._asked for m in managers):
+            # No loop ever checks for preemption: nobody would save and stop, so keep SIGTERM's
+            # usual effect (the process ends, as it would without ckptcore).
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        _in_handler = False
+
+
+def _catch_sigterm(mgr: CheckpointManager) -> None:
+    global _previous, _owner
+    current = signal.getsignal(signal.SIGTERM)
+    if current is not _on_sigterm:
+        if threading.current_thread() is not threading.main_thread():
+            log.info("save_on_preemption: %r was created outside the main thread, where no "
+                     "SIGTERM handler can be installed; SIGTERM is not caught", mgr)
+            return
+        if current is None:  # a handler installed from C: it could not be put back
+            log.info("save_on_preemption: SIGTERM has a handler not installed from Python; "
+                     "leaving it alone, SIGTERM is not caught")
+            return
+        _previous, _owner = current, os.getpid()
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    _preemptible.add(mgr)
+
+
+def _release_sigterm(mgr: CheckpointManager) -> None:
+    global _previous
+    _preemptible.discard(mgr)
+    if (not _preemptible and signal.getsignal(signal.SIGTERM) is _on_sigterm
+            and threading.current_thread() is threading.main_thread()):
+        signal.signal(signal.SIGTERM, _previous if _previous is not None else signal.SIG_DFL)
+        _previous = None
 
 
 def _drain() -> None:
