@@ -151,11 +151,15 @@ class Checkpoint(paddle.callbacks.Callback):
         epochs = self._epochs()
         for s in self._samplers():
             s._end_epoch = epochs
-        if self._manager.latest_step() is not None:
-            self._restore()
-        if epochs is not None and self._epoch >= epochs and self.cursor is None:
-            raise ValueError(f"the checkpoint in {self.root} has already completed {self._epoch} epochs "
-                             f"(fit was asked for {epochs}); pass a larger epochs= or a new root")
+        try:
+            if self._manager.latest_step() is not None:
+                self._restore()
+            if epochs is not None and self._epoch >= epochs and self.cursor is None:
+                raise ValueError(f"the checkpoint in {self.root} has already completed {self._epoch} epochs "
+                                 f"(fit was asked for {epochs}); pass a larger epochs= or a new root")
+        except BaseException:
+            self._abandon()  # fit ends here without on_train_end
+            raise
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._flush(aligned=True)
@@ -340,5 +344,17 @@ class Checkpoint(paddle.callbacks.Callback):
             return
         if self.save_best_only and not self._improved():
             return
-        self._manager.save(self._batches, self._state(), metrics=self._metrics or None)
+        try:
+            self._manager.save(self._batches, self._state(), metrics=self._metrics or None)
+        except BaseException:
+            self._abandon()  # hapi has no hook for a failed fit
+            raise
         self._saved_at = self._batches
+
+    def _abandon(self) -> None:
+        """Release the writer lock and the SIGTERM handler of a fit that is ending in an error."""
+        manager, self._manager = self._manager, None
+        try:
+            manager.close()
+        except Exception as e:  # noqa: BLE001 - the error in flight is the one to report
+            _log.warning("Checkpoint: closing the manager after an error failed too: %s", e)
