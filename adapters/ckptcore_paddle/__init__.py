@@ -56,11 +56,12 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
-            strict: bool = True, rng: bool = True, scheduler: Any = None, scaler: Any = None) -> RestoreReport:
+            strict: bool = True, rng: bool = True, scheduler: Any = None, scaler: Any = None,
+            warn_data: bool = True) -> RestoreReport:
     """Put a captured state back into Paddle objects, bit for bit (see ``_capture.py``)."""
     from ._capture import restore as _restore
     return _restore(state, model, optimizer, cursor=cursor, strict=strict, rng=rng, scheduler=scheduler,
-                    scaler=scaler)
+                    scaler=scaler, warn_data=warn_data)
 
 
 def import_paddle_files(pdparams: str | os.PathLike, pdopt: str | os.PathLike | None = None) -> TrainingState:
@@ -113,7 +114,8 @@ class PaddleAdapter(PackageAdapter):
 
     def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
         _check_keywords("restore", objects, _RESTORE_KEYWORDS)
-        return restore(state, **objects)
+        # load_state and the manager warn about a data position left unapplied themselves.
+        return restore(state, warn_data=False, **objects)
 
 
 ADAPTER = PaddleAdapter()
