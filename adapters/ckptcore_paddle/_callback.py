@@ -218,6 +218,8 @@ class Checkpoint(paddle.callbacks.Callback):
         finally:
             if self._stopped:
                 self.model.stop_training = False  # hapi never resets it; a later fit would stop early
+            for s in self._samplers():
+                s._end_epoch = None  # the loader is the caller's again: a loop after fit is not empty
             if self._manager is not None:
                 self._manager.close()
                 self._manager = None

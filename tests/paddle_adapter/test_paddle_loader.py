@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,3 +175,15 @@ def test_s3_root_sigkilled_then_sigtermed_resumes_at_once_and_ends_bitwise(tmp_p
     assert {**a["losses"], **b["losses"], **c["losses"]} == ref
     assert all(b["losses"][k] == ref[k] for k in b["losses"])  # steps 9-10 trained again, identically
     _assert_same_npz(tmp_path / "ref.npz", tmp_path / "c.npz")
+
+
+def test_the_readme_paddle_block_runs_as_written(tmp_path, run_python):
+    """hapi fit for 2 epochs into ckpts/, then the custom loop resumes from its checkpoint and
+    trains the third (in a process of its own: the manager's SIGTERM handler stays with it)."""
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    work = tmp_path / "work"
+    work.mkdir()
+    out = run_python(Path(__file__).with_name("_readme.py"), readme, work)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["epoch"] == 3 and result["step"] == 3 * 3  # 70 samples in batches of 32: 3 an epoch
+    assert result["steps"] == [3, 6]  # hapi's epoch checkpoints (save_freq=200 never came round)
