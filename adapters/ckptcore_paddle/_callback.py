@@ -1,14 +1,22 @@
 """Checkpoint: a ``paddle.Model.fit`` (hapi) callback that saves through CheckpointManager and
 resumes exactly at the next unseen batch.
 
+Use it with a :class:`ckptcore_paddle.DataLoader` (``Checkpoint(root, cursor=loader)``), which hands hapi
+the cursor's batches; a ``paddle.io.DataLoader`` over a :class:`~ckptcore_paddle.ResumableBatchSampler`
+also works (the callback then advances the sampler).  On SIGTERM (``save_on_preemption=True``, the
+default) the callback lets the batch in progress finish, ends hapi's loop after it, saves that batch
+through ``CheckpointManager.save_if_preempted`` once hapi's own callbacks are done with it, and
+stops ``fit``.  Every save carries ``metrics=`` from hapi's logs; ``save_best_only`` writes only
+improvements of ``monitor``.
+
 How resuming works in hapi (Paddle 3.x)
 ---------------------------------------
 ``fit`` has no ``initial_epoch``: its loop is ``for epoch in range(epochs)`` over the DataLoader it
 was given, calling ``on_train_begin`` once first.  The callback therefore
 
 * restores the newest checkpoint in ``on_train_begin``: model, optimizer, its LR scheduler, the
-  cursor and the RNGs (and the AMP GradScaler, if ``prepare`` enabled AMP).  The loader's
-  :class:`~ckptcore_paddle.ResumableBatchSampler` then starts its next ``iter()`` at the cursor,
+  cursor and the RNGs (and the AMP GradScaler, if ``prepare`` enabled AMP).  The loader then
+  starts its next ``iter()`` at the cursor,
   so hapi's first loop pass is the rest of the interrupted epoch, and ``len(loader)`` is that
   pass's length (hapi's ``accumulate_grad_batches`` update rule compares the step with it);
 * counts epochs with the cursor, not with hapi's loop index: ``fit(..., epochs=E)`` means E epochs
