@@ -1,18 +1,18 @@
 """ckptcore adapter for PaddlePaddle (dynamic graph).
 
 Importing this package does not import Paddle; it loads on the first call that needs it (and
-``Checkpoint``, a ``paddle.callbacks.Callback``, on first access), while :func:`import_paddle_files`,
+``DataLoader`` and ``Checkpoint``, subclasses of Paddle classes, on first access), while :func:`import_paddle_files`,
 :func:`export_paddle_files` and :class:`ResumableBatchSampler` never need it.  The registry finds
 :data:`ADAPTER` through the ``ckptcore.adapters`` entry point (``paddle = "ckptcore_paddle:ADAPTER"``).
 
 Example:
     >>> import ckptcore_paddle                                                # doctest: +SKIP
+    >>> loader = ckptcore_paddle.DataLoader(dataset, cursor, num_workers=2)   # doctest: +SKIP
+    >>> for x, y in loader: ...  # the cursor moves past each batch the loop receives  # doctest: +SKIP
+    >>> model.fit(loader, epochs=3, callbacks=[ckptcore_paddle.Checkpoint("ckpts", cursor=loader)])  # doctest: +SKIP
     >>> state = ckptcore_paddle.capture(net, opt, cursor=cursor)              # doctest: +SKIP
     >>> ckptcore_paddle.restore(state, new_net, new_opt, cursor=cursor)       # doctest: +SKIP
     >>> state = ckptcore_paddle.import_paddle_files("m.pdparams", "m.pdopt")  # doctest: +SKIP
-    >>> sampler = ckptcore_paddle.ResumableBatchSampler(cursor)               # doctest: +SKIP
-    >>> loader = paddle.io.DataLoader(dataset, batch_sampler=sampler)         # doctest: +SKIP
-    >>> model.fit(loader, epochs=3, callbacks=[ckptcore_paddle.Checkpoint("ckpts", cursor=sampler)])  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ._callback import Checkpoint
     from ._data import ResumableBatchSampler
+    from ._loader import DataLoader
 
 __all__ = ["ADAPTER", "capture", "restore", "import_paddle_files", "export_paddle_files",
-           "ResumableBatchSampler", "Checkpoint"]
+           "DataLoader", "ResumableBatchSampler", "Checkpoint"]
 
 # Public classes, imported on first access (Checkpoint subclasses a Paddle class).
-_LAZY = {"ResumableBatchSampler": "._data", "Checkpoint": "._callback"}
+_LAZY = {"DataLoader": "._loader", "ResumableBatchSampler": "._data", "Checkpoint": "._callback"}
 
 # Classes this adapter handles, by (top-level package, class name) anywhere in the MRO.
 _HANDLED = {"Layer", "DataParallel", "Model"}
@@ -55,11 +56,12 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
-            strict: bool = True, rng: bool = True, scheduler: Any = None, scaler: Any = None) -> RestoreReport:
+            strict: bool = True, rng: bool = True, scheduler: Any = None, scaler: Any = None,
+            warn_data: bool = True) -> RestoreReport:
     """Put a captured state back into Paddle objects, bit for bit (see ``_capture.py``)."""
     from ._capture import restore as _restore
     return _restore(state, model, optimizer, cursor=cursor, strict=strict, rng=rng, scheduler=scheduler,
-                    scaler=scaler)
+                    scaler=scaler, warn_data=warn_data)
 
 
 def import_paddle_files(pdparams: str | os.PathLike, pdopt: str | os.PathLike | None = None) -> TrainingState:
@@ -112,7 +114,8 @@ class PaddleAdapter(PackageAdapter):
 
     def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
         _check_keywords("restore", objects, _RESTORE_KEYWORDS)
-        return restore(state, **objects)
+        # load_state and the manager warn about a data position left unapplied themselves.
+        return restore(state, warn_data=False, **objects)
 
 
 ADAPTER = PaddleAdapter()

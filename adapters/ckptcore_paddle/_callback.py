@@ -1,14 +1,22 @@
 """Checkpoint: a ``paddle.Model.fit`` (hapi) callback that saves through CheckpointManager and
 resumes exactly at the next unseen batch.
 
+Use it with a :class:`ckptcore_paddle.DataLoader` (``Checkpoint(root, cursor=loader)``), which hands hapi
+the cursor's batches; a ``paddle.io.DataLoader`` over a :class:`~ckptcore_paddle.ResumableBatchSampler`
+also works (the callback then advances the sampler).  On SIGTERM (``save_on_preemption=True``, the
+default) the callback lets the batch in progress finish, ends hapi's loop after it, saves that batch
+through ``CheckpointManager.save_if_preempted`` once hapi's own callbacks are done with it, and
+stops ``fit``.  Every save carries ``metrics=`` from hapi's logs; ``save_best_only`` writes only
+improvements of ``monitor``.
+
 How resuming works in hapi (Paddle 3.x)
 ---------------------------------------
 ``fit`` has no ``initial_epoch``: its loop is ``for epoch in range(epochs)`` over the DataLoader it
 was given, calling ``on_train_begin`` once first.  The callback therefore
 
 * restores the newest checkpoint in ``on_train_begin``: model, optimizer, its LR scheduler, the
-  cursor and the RNGs (and the AMP GradScaler, if ``prepare`` enabled AMP).  The loader's
-  :class:`~ckptcore_paddle.ResumableBatchSampler` then starts its next ``iter()`` at the cursor,
+  cursor and the RNGs (and the AMP GradScaler, if ``prepare`` enabled AMP).  The loader then
+  starts its next ``iter()`` at the cursor,
   so hapi's first loop pass is the rest of the interrupted epoch, and ``len(loader)`` is that
   pass's length (hapi's ``accumulate_grad_batches`` update rule compares the step with it);
 * counts epochs with the cursor, not with hapi's loop index: ``fit(..., epochs=E)`` means E epochs
@@ -32,7 +40,10 @@ persisted under ``state.extra["paddle"]["fit"]``.  Only rank 0 writes; every ran
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import warnings
 from typing import Any, Mapping
 
 import paddle
@@ -45,8 +56,12 @@ from ckptcore.state import TrainingState
 
 from ._capture import capture
 from ._data import ResumableBatchSampler, samplers_of
+from ._loader import DataLoader
 
 __all__ = ["Checkpoint"]
+
+_log = logging.getLogger("ckptcore")
+_NOT_METRICS = frozenset({"step", "batch_size"})
 
 
 class Checkpoint(paddle.callbacks.Callback):
@@ -57,8 +72,8 @@ class Checkpoint(paddle.callbacks.Callback):
             non-empty str or path-like, else ``ValueError`` / ``TypeError`` before anything is created.
         save_freq: ``"epoch"`` (at the end of every epoch) or an int N (every N batches, and at
             the end of every epoch).  A checkpoint is also written when ``fit`` ends.
-        cursor: The :class:`~ckptcore_paddle.ResumableBatchSampler` of the training DataLoader
-            (or the ``DataCursor``/``CursorShard`` it follows).  Without one only ``"epoch"`` is
+        cursor: The training :class:`ckptcore_paddle.DataLoader` (or its ``DataCursor``), or the
+            :class:`~ckptcore_paddle.ResumableBatchSampler` of a ``paddle.io.DataLoader``.  Without one only ``"epoch"`` is
             exact (a ``shuffle=True`` DataLoader draws each epoch's order from numpy's global RNG
             as the epoch starts, and the checkpoint holds that RNG), an int ``save_freq`` is
             refused, and resuming a run that already completed ``epochs`` raises ValueError
@@ -66,37 +81,63 @@ class Checkpoint(paddle.callbacks.Callback):
         keep: Retention, as for :class:`~ckptcore.CheckpointManager` (default:
             ``ckptcore.adapter.CALLBACK_KEEP``, the newest 3, as in every adapter's callback).
         async_save: Write in a background thread.
-        storage_options: Passed to fsspec.
+        storage_options: Passed to fsspec (through the manager).
+        lock: Take the root's writer lock (the manager's ``lock=``).
+        save_on_preemption: Catch SIGTERM (the manager's ``save_on_preemption=``): after the batch
+            in progress, save it and stop ``fit`` cleanly (``model.stop_training``).  With a
+            cursor the save is exact mid-epoch; without one, a SIGTERM mid-epoch stops without
+            saving (the last epoch checkpoint stays the one to resume from, and that is logged).
+        monitor: The metric ``save_best_only`` watches, by the name in hapi's logs (``"loss"``,
+            ``"acc"``...; evaluation results as ``"eval_<name>"``).
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (``"max"`` when ``monitor`` contains ``"acc"``).
+        save_best_only: Write a due checkpoint only when ``monitor`` improved on the best so far
+            (the best persists across resumes).  Preemption saves are always written.
+
+    Every checkpoint carries ``metrics=``: the numbers of the latest training logs and evaluation
+    logs (prefixed ``eval_``), so ``keep=ckptcore.KeepBest("eval_loss")`` works.
 
     After ``on_train_begin``, ``restored`` is the state that was restored (None on a fresh start)
     and ``initial_epoch`` the number of epochs it had completed.
 
     Example:
         >>> cursor = ckptcore.DataCursor(len(train_ds), 64, seed=0)                       # doctest: +SKIP
-        >>> sampler = ckptcore_paddle.ResumableBatchSampler(cursor)                       # doctest: +SKIP
-        >>> loader = paddle.io.DataLoader(train_ds, batch_sampler=sampler)                # doctest: +SKIP
+        >>> loader = ckptcore_paddle.DataLoader(train_ds, cursor, num_workers=2)          # doctest: +SKIP
         >>> model.fit(loader, epochs=10,                                                  # doctest: +SKIP
-        ...           callbacks=[ckptcore_paddle.Checkpoint("ckpts", save_freq=100, cursor=sampler)])
+        ...           callbacks=[ckptcore_paddle.Checkpoint("ckpts", save_freq=100, cursor=loader)])
     """
 
     def __init__(self, root: str | os.PathLike, *, save_freq: str | int = "epoch", cursor: Any = None,
-                 keep: Any = CALLBACK_KEEP, async_save: bool = False, storage_options: Mapping[str, Any] | None = None):
+                 keep: Any = CALLBACK_KEEP, async_save: bool = False, storage_options: Mapping[str, Any] | None = None,
+                 lock: bool = True, save_on_preemption: bool = True, monitor: str = "loss", mode: str = "auto",
+                 save_best_only: bool = False):
         # Checked before anything else: "" would put checkpoints in "/" and None in a folder "None".
         root = check_url(root, "root")
         super().__init__()
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
                                      or save_freq < 1):
             raise ValueError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}")
-        if cursor is not None and not isinstance(cursor, (ResumableBatchSampler, DataCursor, CursorShard)):
-            raise TypeError("cursor must be a ckptcore_paddle.ResumableBatchSampler, DataCursor or CursorShard, "
-                            f"got {type(cursor).__name__}")
+        if cursor is not None and not isinstance(cursor, (DataLoader, ResumableBatchSampler, DataCursor,
+                                                           CursorShard)):
+            raise TypeError("cursor must be a ckptcore_paddle.DataLoader, ResumableBatchSampler, DataCursor or "
+                            f"CursorShard, got {type(cursor).__name__}")
+        if not isinstance(monitor, str) or not monitor:
+            raise TypeError(f"monitor must be a non-empty str, got {monitor!r}")
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
         if cursor is None and save_freq != "epoch":
             raise ValueError("saving every N batches needs the data position to resume exactly: pass "
-                             "cursor=<the ResumableBatchSampler of the training DataLoader>")
+                             "cursor=<the training ckptcore_paddle.DataLoader>")
         self.root = root
         self.save_freq = save_freq
         self.cursor = cursor
         self.keep, self.async_save, self.storage_options = keep, async_save, dict(storage_options or {})
+        self.lock, self.save_on_preemption = bool(lock), bool(save_on_preemption)
+        self.monitor, self.save_best_only = monitor, bool(save_best_only)
+        self.mode = mode if mode != "auto" else ("max" if "acc" in monitor else "min")
+        self.best: float | None = None
+        self._metrics: dict[str, float] = {}
+        self._position: dict[str, Any] | None = None
+        self._preempted = False
         self.restored: TrainingState | None = None
         self.initial_epoch = 0
         self._manager: CheckpointManager | None = None
@@ -109,17 +150,24 @@ class Checkpoint(paddle.callbacks.Callback):
         if self._manager is not None:  # a previous fit raised before on_train_end: let its lock go
             self._manager.close()
         self._manager = CheckpointManager(self.root, keep=self.keep, async_save=self.async_save,
-                                          storage_options=self.storage_options)
+                                          storage_options=self.storage_options, lock=self.lock,
+                                          save_on_preemption=self.save_on_preemption)
         self._batches = self._epoch = self._pass_batches = 0
         self._saved_at, self._due, self._stopped, self.restored = None, False, False, None
+        self._metrics, self.best, self._preempted = {}, None, False
+        self._position = None if self.cursor is None else self._cursor().state_dict()
         epochs = self._epochs()
         for s in self._samplers():
             s._end_epoch = epochs
-        if self._manager.latest_step() is not None:
-            self._restore()
-        if epochs is not None and self._epoch >= epochs and self.cursor is None:
-            raise ValueError(f"the checkpoint in {self.root} has already completed {self._epoch} epochs "
-                             f"(fit was asked for {epochs}); pass a larger epochs= or a new root")
+        try:
+            if self._manager.latest_step() is not None:
+                self._restore()
+            if epochs is not None and self._epoch >= epochs and self.cursor is None:
+                raise ValueError(f"the checkpoint in {self.root} has already completed {self._epoch} epochs "
+                                 f"(fit was asked for {epochs}); pass a larger epochs= or a new root")
+        except BaseException:
+            self._abandon()  # fit ends here without on_train_end
+            raise
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._flush(aligned=True)
@@ -130,13 +178,39 @@ class Checkpoint(paddle.callbacks.Callback):
 
     def on_train_batch_end(self, step: int, logs: Any = None) -> None:
         self._advance()
+        if self.cursor is not None:  # what has been trained: the loader may hand out the next batch first
+            self._position = self._cursor().state_dict()
         self._batches += 1
         self._pass_batches += 1
+        self._note(logs)
         if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
             self._due = True
+        if self._manager is not None and getattr(self._manager, "preempted", False) and not self._preempted:
+            # Stop after this batch; the save waits for on_epoch_end, after hapi's LRScheduler
+            # callback has stepped for this batch.  hapi reads num_iters after each batch and
+            # breaks its loop when it runs out (stop_training alone ends only the epoch loop).
+            self._preempted = True
+            self.model.num_iters = 1
+            self.model.stop_training = self._stopped = True
+
+    def on_eval_end(self, logs: Any = None) -> None:
+        self._note(logs, prefix="eval_")
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self._epoch = self._cursor().epoch if self.cursor is not None else self._epoch + 1
+        # Without a cursor only a whole epoch is a position; a preempted pass may have ended early.
+        complete = not self._preempted or self._pass_batches >= self._steps()
+        if self.cursor is not None:
+            self._epoch = self._cursor().epoch
+        elif complete:
+            self._epoch += 1
+        if self._preempted:
+            if self.cursor is not None or complete:
+                self._save_preempted()
+            else:
+                _log.warning("Checkpoint: SIGTERM in the middle of an epoch without a cursor: stopping "
+                             "without a save (the last epoch checkpoint resumes exactly; pass cursor= to "
+                             "save mid-epoch)")
+            return
         self._due = True
         epochs = self._epochs()
         if epochs is not None and self._epoch >= epochs and epoch + 1 < epochs:
@@ -144,12 +218,16 @@ class Checkpoint(paddle.callbacks.Callback):
 
     def on_train_end(self, logs: Any = None) -> None:
         try:
-            if self._saved_at != self._batches:
+            if self._preempted:
+                self._due = False  # on_epoch_end saved what can be resumed exactly
+            elif self._saved_at != self._batches:
                 self._due = True
             self._flush(aligned=True)
         finally:
             if self._stopped:
                 self.model.stop_training = False  # hapi never resets it; a later fit would stop early
+            for s in self._samplers():
+                s._end_epoch = None  # the loader is the caller's again: a loop after fit is not empty
             if self._manager is not None:
                 self._manager.close()
                 self._manager = None
@@ -164,14 +242,18 @@ class Checkpoint(paddle.callbacks.Callback):
 
     def _cursor(self) -> DataCursor:
         c = self.cursor
-        return c.cursor if isinstance(c, (ResumableBatchSampler, CursorShard)) else c
+        return c.cursor if isinstance(c, (DataLoader, ResumableBatchSampler, CursorShard)) else c
 
     def _samplers(self) -> list[ResumableBatchSampler]:
+        if isinstance(self.cursor, DataLoader):
+            return [self.cursor.batch_sampler]
         return [] if self.cursor is None else samplers_of(self.cursor)
 
     def _advance(self) -> None:
         if self.cursor is None:
             return
+        if any(s._auto for s in self._samplers()):
+            return  # a ckptcore_paddle.DataLoader advanced it as it handed the batch out
         if isinstance(self.cursor, ResumableBatchSampler):
             self.cursor.advance()
             return
@@ -191,20 +273,78 @@ class Checkpoint(paddle.callbacks.Callback):
 
     def _objects(self) -> dict[str, Any]:
         objects: dict[str, Any] = {"model": self.model}
-        if self.cursor is not None:
-            objects["cursor"] = self._cursor()
         scaler = self._scaler()
         if scaler is not None:
             objects["scaler"] = scaler
         return objects
 
     def _restore(self) -> None:
-        state = self._manager.restore(**self._objects())
+        objects = self._objects()
+        if self.cursor is not None:
+            objects["cursor"] = self._cursor()
+        state = self._manager.restore(**objects)
         fit = ((state.extra or {}).get("paddle") or {}).get("fit") or {}
         self._batches = int(fit.get("batches", state.step))
         self._epoch = int(fit.get("epoch", state.epoch))
         self._saved_at = self._batches
         self.restored, self.initial_epoch = state, self._epoch
+        best = fit.get("best")
+        self.best = None if best is None else float(best)
+        if self.cursor is not None:
+            self._position = self._cursor().state_dict()
+
+    def _note(self, logs: Any, prefix: str = "") -> None:
+        """Keep the numbers of hapi's latest logs (a loss comes as a one-element list)."""
+        for k, v in (logs or {}).items():
+            if k in _NOT_METRICS or not isinstance(k, str):
+                continue
+            if isinstance(v, (list, tuple)) and len(v) == 1:
+                v = v[0]
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(f):
+                self._metrics[prefix + k] = f
+
+    def _improved(self) -> bool:
+        value = self._metrics.get(self.monitor)
+        if value is None:
+            msg = (f"Checkpoint(save_best_only=True): no {self.monitor!r} in hapi's logs "
+                   f"(it has {sorted(self._metrics) or 'nothing yet'}); checkpoint {self._batches} skipped")
+            _log.warning("%s", msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            return False
+        if self.best is not None and not (value < self.best if self.mode == "min" else value > self.best):
+            _log.info("Checkpoint: %s=%g does not improve on %g; checkpoint %d skipped",
+                      self.monitor, value, self.best, self._batches)
+            return False
+        self.best = value
+        return True
+
+    def _save_preempted(self) -> None:
+        if self._saved_at == self._batches or paddle.distributed.get_rank() != 0:
+            return
+        if self._manager.save_if_preempted(self._batches, self._state(), metrics=self._metrics or None):
+            self._saved_at = self._batches
+
+    def _steps(self) -> int:
+        return int((self.params or {}).get("steps") or 0)
+
+    def _state(self) -> TrainingState:
+        objects = self._objects()
+        # Views, not copies: a synchronous save writes them before training goes on, and an
+        # asynchronous manager copies a given state into its reused staging buffers first.
+        state = capture(objects.pop("model"), scaler=objects.get("scaler"), copy=False)
+        epoch = self._position["epoch"] if self._position is not None else self._epoch
+        if self._position is not None:
+            state.data = dict(self._position)
+        state.step, state.epoch = self._batches, epoch
+        fit = {"batches": self._batches, "epoch": epoch}
+        if self.best is not None:
+            fit["best"] = self.best
+        state.extra.setdefault("paddle", {})["fit"] = fit
+        return state
 
     def _flush(self, *, aligned: bool) -> None:
         if not self._due or not aligned:
@@ -212,13 +352,19 @@ class Checkpoint(paddle.callbacks.Callback):
         self._due = False
         if self._saved_at == self._batches or paddle.distributed.get_rank() != 0:
             return
-        epoch = self._cursor().epoch if self.cursor is not None else self._epoch
-        objects = self._objects()
-        # Views, not copies: a synchronous save writes them before training goes on, and an
-        # asynchronous manager copies a given state into its reused staging buffers first.
-        state = capture(objects.pop("model"), cursor=objects.get("cursor"), scaler=objects.get("scaler"),
-                        copy=False)
-        state.step, state.epoch = self._batches, epoch
-        state.extra.setdefault("paddle", {})["fit"] = {"batches": self._batches, "epoch": epoch}
-        self._manager.save(self._batches, state)
+        if self.save_best_only and not self._improved():
+            return
+        try:
+            self._manager.save(self._batches, self._state(), metrics=self._metrics or None)
+        except BaseException:
+            self._abandon()  # hapi has no hook for a failed fit
+            raise
         self._saved_at = self._batches
+
+    def _abandon(self) -> None:
+        """Release the writer lock and the SIGTERM handler of a fit that is ending in an error."""
+        manager, self._manager = self._manager, None
+        try:
+            manager.close()
+        except Exception as e:  # noqa: BLE001 - the error in flight is the one to report
+            _log.warning("Checkpoint: closing the manager after an error failed too: %s", e)

@@ -38,21 +38,27 @@ tensors by their own name, ``optimizer/<param>/<slot>``, ``optimizer``, ``schedu
 from __future__ import annotations
 
 import functools
+import logging
+import sys
+import warnings
 from typing import Any
 
 import numpy as np
 import paddle
 
-from ckptcore.adapter import RestorePlan, qualified
-from ckptcore.errors import RestoreError
+from ckptcore.adapter import RestorePlan, qualified, warn_unapplied
+from ckptcore.errors import RestoreError, UnappliedStateWarning
 from ckptcore.rng import capture_rng, restore_rng
 from ckptcore.state import AccumulationState, RestoreReport, TrainingState
 
+from ._data import check_not_stale
 from ._optimizer import (attached_scheduler, capture_optimizer, capture_scaler, capture_schedule, plan_optimizer,
                          plan_scaler, plan_schedule)
 from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
 from ._tensors import assign, named_tensors, numpy_dtype, to_numpy, unwrap
+
+log = logging.getLogger("ckptcore")
 
 
 def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,
@@ -97,6 +103,7 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
     if rng:
         state.rng = {**capture_rng(), **capture_framework_rng()}
     if cursor is not None:
+        check_not_stale(cursor)  # before anything is saved: a sampler never advanced holds position 0
         state.data = dict(cursor.state_dict())
     state.metadata = {"versions": {"paddle": paddle.__version__, "numpy": np.__version__},
                       "model_class": type(layer).__name__,
@@ -128,13 +135,24 @@ def _any_bit(arr: np.ndarray) -> bool:
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
-            strict: bool = True, rng: bool = True, scheduler: Any = None, scaler: Any = None) -> RestoreReport:
+            strict: bool = True, rng: bool = True, scheduler: Any = None, scaler: Any = None,
+            warn_data: bool = True) -> RestoreReport:
     """Put ``state`` back into ``model`` (and the other objects given), bit for bit.
 
     Everything is checked before anything is assigned.  A shape or dtype mismatch is a RestoreError
     naming the tensor, whatever ``strict`` says; names present on only one side raise RestoreError
     when ``strict`` and are returned in the RestoreReport otherwise.  ``rng=False`` leaves every
     RNG as it is.  Objects not passed are left alone.
+
+    Saved parts with no target at all are the caller's choice, not a mismatch: they warn
+    (:class:`ckptcore.errors.UnappliedStateWarning`, through :func:`ckptcore.adapter.warn_unapplied`)
+    and never raise, as in every adapter: a data position without ``cursor`` (unless
+    ``warn_data=False``: ``load_state`` and the manager warn about it themselves), an optimizer
+    section without an optimizer, a schedule without a scheduler, a GradScaler state without
+    ``scaler``.  A non-strict report still names them.  The reverse warns too: a state saved
+    without an optimizer leaves a target optimizer entirely as it is (no RestoreError).
+    Gradients in flight (``state.accumulation``) live on the model's parameters, so they are
+    always restored.
 
     Raises:
         RestoreError: a mismatch as described.
@@ -151,22 +169,59 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     tensors, aliases = named_tensors(layer)
     _plan_model(plan, state, extra, tensors, aliases)
     _plan_grads(plan, state, extra, tensors)
-    if optimizer is not None:
+    unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done
+    no_slots = optimizer is not None and state.optimizer is None
+    if optimizer is not None and not no_slots:
         plan_optimizer(plan, optimizer, state.optimizer, tensors, saved_params=set(state.model))
+    elif state.optimizer is not None:
+        unapplied["optimizer"] = "pass optimizer=... (or restore into a paddle.Model prepared with one)"
+        if not strict:
+            plan.unexpected(qualified("optimizer"))
+    elif no_slots and not strict:
+        plan.missing(qualified("optimizer"))
     sch = scheduler if scheduler is not None else (attached_scheduler(optimizer) if optimizer else None)
-    if sch is not None:
+    if sch is not None and not (no_slots and state.schedule is None):
         plan_schedule(plan, sch, state.schedule, extra.get("scheduler"))
+    elif sch is None and state.schedule is not None:
+        unapplied["schedule"] = ("pass scheduler=... (or an optimizer whose learning_rate is the "
+                                 "LRScheduler)")
+    saved_scaler = (state.optimizer.extra if state.optimizer else {}).get("grad_scaler", extra.get("grad_scaler"))
     if scaler is not None:
-        plan_scaler(plan, scaler, (state.optimizer.extra if state.optimizer else {}).get(
-            "grad_scaler", extra.get("grad_scaler")))
+        plan_scaler(plan, scaler, saved_scaler)
+    elif saved_scaler:
+        unapplied["grad scaler"] = "pass scaler=... (the paddle.amp.GradScaler)"
     if cursor is not None:
         if state.data:
             plan.then(functools.partial(cursor.load_state_dict, state.data))
         else:
             plan.missing(qualified("data"))
+    elif state.data and warn_data:
+        unapplied["data"] = "pass cursor=... (the run's DataCursor) to continue at the saved sample"
     if rng and state.rng:
         plan.then(functools.partial(_restore_rng, state.rng))
-    return plan.apply(strict)
+    report = plan.apply(strict)
+    warn_unapplied(unapplied, stacklevel=_user_level())
+    if no_slots:
+        _warn_no_slots(optimizer)
+    return report
+
+
+def _warn_no_slots(opt: Any) -> None:
+    message = (f"the checkpoint holds no optimizer slots (it was saved without its optimizer), so the "
+               f"{type(opt).__name__} optimizer keeps its own accumulators and schedule: the run does not "
+               "continue where it stopped. Save with the optimizer (optimizer=... or a prepared "
+               "paddle.Model) to resume it; load with keys=['model'] to restore the model alone on purpose.")
+    log.warning("%s", message)
+    warnings.warn(message, UnappliedStateWarning, stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """The ``stacklevel``, seen from a function this module calls, of the first frame outside
+    ckptcore and its adapters: the user's ``restore``/``load_state`` line, or hapi's ``fit``."""
+    frame, level = sys._getframe(2), 3
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ckptcore"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _restore_rng(rng: dict[str, Any]) -> None:

@@ -10,11 +10,19 @@ be saved several batches ahead of the model, and a resumed run would skip those 
 * ``iter(sampler)`` copies the cursor and yields the copy's batches, from the cursor's position to
   the end of that epoch (one epoch per ``iter()``, the order :class:`~ckptcore.DataCursor` defines,
   which every ckptcore adapter follows).  The cursor itself does not move.
-* :meth:`ResumableBatchSampler.advance` moves the cursor by one (global) batch, and is called once
-  per batch *trained*: by :class:`ckptcore_paddle.Checkpoint` in ``paddle.Model.fit``, or by a
-  custom loop after its optimizer step (after every micro-batch when accumulating gradients).
-  A checkpoint taken after ``advance()`` records exactly the batches trained, whatever the loader
-  has prefetched; the next ``iter()`` starts at the first batch not trained.
+* :meth:`ResumableBatchSampler.advance` moves the cursor by one (global) batch.
+  :class:`ckptcore_paddle.DataLoader` calls it as it hands each batch to the loop (so a plain
+  ``for x, y in loader:`` needs nothing else); with a ``paddle.io.DataLoader`` of your own, a
+  custom loop calls it after its optimizer step (after every micro-batch when accumulating
+  gradients).  A checkpoint taken then records exactly the batches handed to the loop, whatever
+  the loader has prefetched; the next ``iter()`` starts at the first batch not handed out.
+
+Forgetting ``advance()``
+------------------------
+A sampler that has handed out batches but was never advanced would save position 0 all through
+its first epoch.  Capturing its cursor therefore raises ``ValueError`` (at the first save, naming
+the two fixes), and when such a sampler is iterated again after a whole epoch it rolls the cursor
+over to the next epoch (logged) rather than repeating the same one.
 
 Sharding
 --------
@@ -28,13 +36,16 @@ This module does not import Paddle: the DataLoader needs only ``iter()`` and ``l
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterator
 from typing import Any, Mapping
 
 from ckptcore.cursor import CursorShard, DataCursor
 
-__all__ = ["ResumableBatchSampler"]
+__all__ = ["ResumableBatchSampler", "check_not_stale"]
+
+_log = logging.getLogger("ckptcore")
 
 _live: weakref.WeakSet[ResumableBatchSampler] = weakref.WeakSet()
 
@@ -73,6 +84,8 @@ class ResumableBatchSampler:
         >>> for x, y in loader:                                                    # doctest: +SKIP
         ...     train_step(x, y)
         ...     sampler.advance()  # this batch is trained: the cursor may move past it
+
+    ``ckptcore_paddle.DataLoader(dataset, cursor)`` builds the loader and advances for you.
     """
 
     def __init__(self, cursor: DataCursor | CursorShard, *, rank: int | None = None,
@@ -93,6 +106,8 @@ class ResumableBatchSampler:
         self.world_size = 1 if world_size is None else self._view.world_size
         self._pass: _Pass | None = None
         self._end_epoch: int | None = None  # set by Checkpoint: epochs from here on are empty
+        self._auto = False  # set by ckptcore_paddle.DataLoader, which advances as it hands batches out
+        self._handed = self._advanced = 0  # since creation or load_state_dict: the staleness check
         _live.add(self)
 
     @property
@@ -108,21 +123,24 @@ class ResumableBatchSampler:
         prev = self._pass
         if prev is not None and prev.done and prev.yielded and not prev.advanced \
                 and prev.epoch == self.cursor.epoch:
-            raise ValueError(
-                "ResumableBatchSampler: the previous epoch's batches were all handed out but advance() "
-                "was never called, so this epoch would repeat it; call sampler.advance() after training "
-                "on each batch (ckptcore_paddle.Checkpoint does it in paddle.Model.fit)")
+            # The loop consumed a whole epoch without advance(): move on rather than repeat it.
+            # Saving this cursor is refused (check_not_stale), so no wrong position is ever written.
+            _log.warning("ResumableBatchSampler: a whole epoch was handed out but advance() was never "
+                         "called; rolling the cursor over to epoch %d (use ckptcore_paddle.DataLoader, "
+                         "or call sampler.advance() after each batch)", prev.epoch + 1)
+            for _ in range(prev.yielded):
+                self.cursor.next_batch()
         snap = DataCursor.from_state(self.cursor.state_dict())  # the cursor itself stays put
         view = snap.shard(self.rank, self.world_size) if self.world_size > 1 else snap
         length = 0 if self._finished() else snap.steps_remaining_in_epoch
         self._pass = p = _Pass(snap.epoch, length)
         return self._generate(view, p)
 
-    @staticmethod
-    def _generate(view: Any, p: _Pass) -> Iterator[list[int]]:
+    def _generate(self, view: Any, p: _Pass) -> Iterator[list[int]]:
         for _ in range(p.length):
             batch = view.next_batch()
             p.yielded += 1
+            self._handed += 1
             yield batch.tolist()
         p.done = True
 
@@ -156,15 +174,27 @@ class ResumableBatchSampler:
         for _ in range(batches):
             self.cursor.next_batch()
         p.advanced += batches
+        self._advanced += batches
+
+    def _stale(self) -> bool:
+        """Batches were handed out but the cursor never moved past any: its position is stale."""
+        return not self._auto and self._handed > 0 and self._advanced == 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The cursor's state (a global position: the same on every rank)."""
+        """The cursor's state (a global position: the same on every rank).
+
+        Raises:
+            ValueError: the sampler handed out batches but was never advanced (see
+                :func:`check_not_stale`).
+        """
+        check_not_stale(self)
         return self.cursor.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Move the cursor to a saved position; the next ``iter()`` starts there."""
         self.cursor.load_state_dict(state)
         self._pass = None
+        self._handed = self._advanced = 0
 
     def __repr__(self) -> str:
         shard = f", rank={self.rank}, world_size={self.world_size}" if self.world_size > 1 else ""
@@ -177,3 +207,24 @@ def samplers_of(cursor: Any) -> list[ResumableBatchSampler]:
         return [cursor]
     base = cursor.cursor if isinstance(cursor, CursorShard) else cursor
     return [s for s in list(_live) if s.cursor is base]
+
+
+def check_not_stale(cursor: Any) -> None:
+    """Refuse to save the position of a cursor whose sampler hands out batches but never advances.
+
+    Called whenever a cursor is captured for a save.  Such a cursor still holds the position it had
+    before the loop started, so a run resumed from it would train those batches again.
+
+    Raises:
+        ValueError: naming the two ways to keep the cursor current.
+    """
+    if cursor is None:
+        return
+    stale = [s for s in samplers_of(cursor) if s._stale()]
+    if stale:
+        raise ValueError(
+            f"the cursor's ResumableBatchSampler has handed out {stale[0]._handed} batch(es) but "
+            "advance() was never called, so the saved data position would be stale (the batches "
+            "already trained would be trained again after a resume). Build the loader with "
+            "ckptcore_paddle.DataLoader(dataset, cursor, ...), which advances the cursor as it hands "
+            "each batch to the loop, or call sampler.advance() after each training step")

@@ -81,15 +81,17 @@ def test_len_is_what_this_pass_yields():
     assert len(resumed) == 4 and len(list(resumed)) == 4 and len(resumed) == 4
 
 
-def test_forgetting_advance_is_an_error_not_a_repeated_epoch():
+def test_forgetting_advance_refuses_saves_and_never_repeats_an_epoch():
     sampler = ResumableBatchSampler(_cursor())
-    list(sampler)
-    with pytest.raises(ValueError, match="advance"):
-        iter(sampler)
+    first = list(sampler)
+    with pytest.raises(ValueError, match="stale"):
+        sampler.state_dict()  # what a save asks for: refused rather than position 0
     with pytest.raises(ValueError, match="handed out"):
         sampler.advance(7)  # the pass handed out 6
+    second = list(sampler)  # the whole epoch was consumed: the next iter() moves on, no RuntimeError
+    assert [first, second] == _reference(2) and sampler.cursor.epoch == 1
     sampler.advance(6)
-    assert sampler.cursor.epoch == 1 and len(list(sampler)) == 6  # late, but nothing repeated
+    assert sampler.cursor.epoch == 2 and sampler.state_dict()["epoch"] == 2  # advanced: trusted again
 
 
 def test_advance_cannot_outrun_fetching():

@@ -1,0 +1,154 @@
+"""DataLoader: a ``paddle.io.DataLoader`` over a DataCursor's batches that keeps the cursor current.
+
+The loop everyone writes is ``for x, y in loader: ... mgr.save(step, ..., cursor=cursor)``.  With a
+plain ``paddle.io.DataLoader`` and a :class:`~ckptcore_paddle.ResumableBatchSampler` the cursor only
+moves when the loop calls ``sampler.advance()``.  This loader does it itself, at the one moment
+that is right whatever is prefetched: when a batch is *handed to the loop* (``next()`` on the
+loader's iterator returns it).  The sampler's indices are drawn ahead by a buffer thread or worker
+processes, but the cursor counts only what the loop has received, so a save anywhere in the loop
+body after the training step records exactly the batches trained, and the next ``iter()`` starts
+at the first batch the loop has not seen.  A save in the body before that batch's training step
+records it as trained; save after the step (as ``DataCursor`` says: a cursor advances when it hands
+a batch out).
+
+Worker processes are forked from the training process, and a fork shares the descriptor holding a
+CheckpointManager's writer lock on local disk: after a SIGKILL the orphaned workers would keep the
+root locked until they notice their parent is gone.  Each worker therefore drops its copies of
+those descriptors first (the parent's lock is untouched: a lock ends when its last descriptor does).
+
+Kept apart from ``_data.py`` because it subclasses a Paddle class: importing it imports Paddle.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, Mapping
+
+import paddle
+
+from ckptcore.cursor import CursorShard, DataCursor
+
+from ._data import ResumableBatchSampler
+
+__all__ = ["DataLoader"]
+
+# What the cursor decides; passing them too would be ambiguous.
+_CURSOR_DECIDES = ("batch_sampler", "batch_size", "shuffle", "drop_last")
+
+
+class DataLoader(paddle.io.DataLoader):
+    """A ``paddle.io.DataLoader`` of ``dataset`` in the order of ``cursor`` that advances it.
+
+    Args:
+        dataset: A map-style ``paddle.io.Dataset`` of ``cursor.num_samples`` samples.
+        cursor: A :class:`~ckptcore.DataCursor` (or ``cursor.shard(rank, world_size)`` for data
+            parallelism: each rank loads its part of every global batch).  It decides the batch
+            size, the shuffling and ``drop_last``.
+        **dataloader_kwargs: Passed to ``paddle.io.DataLoader`` (``num_workers``,
+            ``collate_fn``, ``use_buffer_reader``, ``prefetch_factor``, ``return_list``...).
+
+    Each ``iter(loader)`` yields the rest of the cursor's current epoch, and the cursor moves past
+    each batch as the loop receives it: save with ``cursor=cursor`` (or ``cursor=loader``) after the
+    training step and a resumed run continues at the next batch, bit for bit.  Loop over epochs
+    with ``while cursor.epoch < epochs:`` so that a resumed run finishes the interrupted one.
+
+    Raises:
+        TypeError: ``cursor`` is not a DataCursor/CursorShard, or a keyword the cursor decides
+            (``batch_size``, ``shuffle``, ``drop_last``, ``batch_sampler``) is passed.
+        ValueError: the dataset's length differs from ``cursor.num_samples``.
+
+    Example:
+        >>> cursor = ckptcore.DataCursor(len(train_ds), 64, seed=0)                 # doctest: +SKIP
+        >>> loader = ckptcore_paddle.DataLoader(train_ds, cursor, num_workers=2)     # doctest: +SKIP
+        >>> mgr.restore(model=net, optimizer=opt, cursor=cursor)  # if there is one  # doctest: +SKIP
+        >>> while cursor.epoch < 10:                                                 # doctest: +SKIP
+        ...     for x, y in loader:
+        ...         step += 1; train_step(x, y)
+        ...         if step % 100 == 0:
+        ...             mgr.save(step, model=net, optimizer=opt, cursor=cursor)
+    """
+
+    def __init__(self, dataset: Any, cursor: DataCursor | CursorShard, **dataloader_kwargs: Any):
+        if not isinstance(cursor, (DataCursor, CursorShard)):
+            raise TypeError(f"cursor must be a ckptcore.DataCursor or CursorShard, got {type(cursor).__name__}")
+        given = [k for k in _CURSOR_DECIDES if k in dataloader_kwargs]
+        if given:
+            raise TypeError(f"ckptcore_paddle.DataLoader: the cursor decides {', '.join(given)}; set them on "
+                            "the DataCursor (DataCursor(num_samples, batch_size, shuffle=, drop_last=, seed=))")
+        base = cursor.cursor if isinstance(cursor, CursorShard) else cursor
+        try:
+            n = len(dataset)
+        except TypeError:
+            n = None  # an IterableDataset: paddle refuses a batch sampler for it below
+        if n is not None and n != base.num_samples:
+            raise ValueError(f"the dataset has {n} samples but the cursor walks {base.num_samples}; "
+                             "build the cursor with DataCursor(len(dataset), batch_size, ...)")
+        sampler = ResumableBatchSampler(cursor)
+        sampler._auto = True
+        dataloader_kwargs["worker_init_fn"] = _WorkerInit(dataloader_kwargs.get("worker_init_fn"))
+        super().__init__(dataset, batch_sampler=sampler, **dataloader_kwargs)
+        self.cursor = base
+
+    def __iter__(self) -> Iterator[Any]:
+        return _Handing(super().__iter__(), self.batch_sampler)
+
+    def __call__(self) -> Iterator[Any]:
+        return self.__iter__()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor's state, so the loader itself can be passed as ``cursor=``."""
+        return self.cursor.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Move the cursor to a saved position; the next ``iter()`` starts there."""
+        self.batch_sampler.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"ckptcore_paddle.DataLoader({self.batch_sampler.cursor!r})"
+
+
+class _WorkerInit:
+    """A worker's first act: close the inherited writer-lock descriptors, then the user's init."""
+
+    def __init__(self, user: Callable[[int], Any] | None):
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        _close_inherited_locks()
+        if self.user is not None:
+            self.user(worker_id)
+
+
+def _close_inherited_locks() -> None:
+    from ckptcore._lock import LOCK_NAME
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:  # no procfs: nothing to find this way
+        return
+    for fd in map(int, fds):
+        try:
+            if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == LOCK_NAME:
+                os.close(fd)
+        except OSError:
+            continue
+
+
+class _Handing:
+    """Paddle's loader iterator, advancing the cursor as each batch leaves it for the loop."""
+
+    def __init__(self, it: Any, sampler: ResumableBatchSampler):
+        self._it, self._sampler = it, sampler
+
+    def __iter__(self) -> _Handing:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._it)  # StopIteration ends the pass; the cursor has rolled over by then
+        self._sampler.advance()
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._sampler)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)  # e.g. _reset/_shutdown of Paddle's iterators
