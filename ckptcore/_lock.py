@@ -44,6 +44,26 @@ __all__ = ["WriterLock", "LockTakeoverWarning", "LOCK_NAME"]
 
 LOCK_NAME = ".ckptcore.lock"
 _HELD: set[tuple[int, int]] = set()  # (st_dev, st_ino) of lock files this process's locks hold
+# The finalizers of the flocks this process holds.  A forked child (a data-loader worker, a pool)
+# inherits their descriptors, and a flock lives while any descriptor of it is open: after the
+# parent is SIGKILLed, orphaned children would keep the root locked.  So a child closes its copies
+# at once (the parent's lock is unaffected) and forgets them.
+_FLOCK_FDS: dict[int, weakref.finalize] = {}
+
+
+def _forget_in_child() -> None:
+    for fd, closer in list(_FLOCK_FDS.items()):
+        closer.detach()  # never truncate the parent's holder record, nor close a reused number
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _FLOCK_FDS.clear()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 # Leases held by this process, by token: a lease naming this pid whose token is not here belongs
 # to a manager that was dropped or closed without releasing it (its holder is provably gone).
 _LIVE: weakref.WeakValueDictionary[str, WriterLock] = weakref.WeakValueDictionary()
@@ -56,6 +76,7 @@ class LockTakeoverWarning(UserWarning):
 
 def _close_held(fd: int, key: tuple[int, int]) -> None:
     _HELD.discard(key)
+    _FLOCK_FDS.pop(fd, None)
     try:
         os.ftruncate(fd, 0)  # an empty file: released cleanly, nobody to warn about
     except OSError:
@@ -192,6 +213,7 @@ class WriterLock:
         # flock.  Not at exit: the kernel drops it then anyway, and a save may still be draining.
         self._closer = weakref.finalize(self, _close_held, fd, key)
         self._closer.atexit = False
+        _FLOCK_FDS[fd] = self._closer
 
     def _open_lock_file(self, path: str) -> int:
         """Open (creating) the lock file, never through a link and never blocking on a FIFO."""

@@ -319,3 +319,40 @@ def test_a_lease_removed_by_hand_is_taken_again_on_s3(s3_backend):
         mgr.save(2, make_state(2))
         assert f":{os.getpid()}:" in json.loads(s3_backend.read("run", ".ckptcore.lock"))["holder"]
     assert ".ckptcore.lock" not in s3_backend.listdir("run")
+
+
+_ORPHAN = r'''
+import os, signal, sys, time, warnings
+import numpy as np
+import ckptcore
+root = sys.argv[1]
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # the training process: holds the lock, forks a long-lived worker, then is killed
+    mgr = ckptcore.CheckpointManager(root, save_on_preemption=False)
+    mgr.save(1, ckptcore.TrainingState(model={"w": np.zeros(3)}))
+    if os.fork() == 0:  # a data-loader worker that outlives its parent
+        time.sleep(6)
+        os._exit(0)
+    os.write(w, b"x")
+    time.sleep(60)
+    os._exit(0)
+os.read(r, 1)
+os.kill(pid, signal.SIGKILL)
+os.waitpid(pid, 0)
+warnings.simplefilter("ignore")
+with ckptcore.CheckpointManager(root) as mgr:
+    mgr.save(2, ckptcore.TrainingState(model={"w": np.zeros(3)}))
+    print(mgr.steps())
+'''
+
+
+def test_orphaned_forked_children_do_not_keep_a_killed_writers_lock(tmp_path):
+    """A forked child (a loader worker) closes its copy of the flock descriptor, so after the
+    writer is SIGKILLed a new manager takes the root over at once, while the orphan still runs."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _ORPHAN, str(tmp_path / "root")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[1, 2]"

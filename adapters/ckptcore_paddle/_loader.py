@@ -11,10 +11,9 @@ at the first batch the loop has not seen.  A save in the body before that batch'
 records it as trained; save after the step (as ``DataCursor`` says: a cursor advances when it hands
 a batch out).
 
-Worker processes are forked from the training process, and a fork shares the descriptor holding a
-CheckpointManager's writer lock on local disk: after a SIGKILL the orphaned workers would keep the
-root locked until they notice their parent is gone.  Each worker therefore drops its copies of
-those descriptors first (the parent's lock is untouched: a lock ends when its last descriptor does).
+Worker processes are forked from the training process; a fork would share the descriptor holding a
+CheckpointManager's writer lock on local disk, which ckptcore closes in every forked child (see
+``ckptcore/_lock.py``), so orphaned workers of a killed run never keep its root locked.
 
 Kept apart from ``_data.py`` because it subclasses a Paddle class: importing it imports Paddle.
 """
@@ -22,7 +21,7 @@ Kept apart from ``_data.py`` because it subclasses a Paddle class: importing it 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import paddle
 
@@ -85,7 +84,6 @@ class DataLoader(paddle.io.DataLoader):
                              "build the cursor with DataCursor(len(dataset), batch_size, ...)")
         sampler = ResumableBatchSampler(cursor)
         sampler._auto = True
-        dataloader_kwargs["worker_init_fn"] = _WorkerInit(dataloader_kwargs.get("worker_init_fn"))
         super().__init__(dataset, batch_sampler=sampler, **dataloader_kwargs)
         self.cursor = base
 
@@ -105,32 +103,6 @@ class DataLoader(paddle.io.DataLoader):
 
     def __repr__(self) -> str:
         return f"ckptcore_paddle.DataLoader({self.batch_sampler.cursor!r})"
-
-
-class _WorkerInit:
-    """A worker's first act: close the inherited writer-lock descriptors, then the user's init."""
-
-    def __init__(self, user: Callable[[int], Any] | None):
-        self.user = user
-
-    def __call__(self, worker_id: int) -> None:
-        _close_inherited_locks()
-        if self.user is not None:
-            self.user(worker_id)
-
-
-def _close_inherited_locks() -> None:
-    from ckptcore._lock import LOCK_NAME
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:  # no procfs: nothing to find this way
-        return
-    for fd in map(int, fds):
-        try:
-            if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == LOCK_NAME:
-                os.close(fd)
-        except OSError:
-            continue
 
 
 class _Handing:
