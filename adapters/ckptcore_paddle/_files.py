@@ -300,6 +300,8 @@ def _exportable(name: str, value: Any) -> np.ndarray:
 
 
 def _write_pickle(path: str, obj: dict[str, Any]) -> None:
+    # paddle.save creates the folder it writes into; so does this (ckpt export to a new folder).
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import ckptcore
 import ckptcore_paddle
 from ckptcore.adapter import FileFormat
 from ckptcore.errors import CorruptCheckpointError, UnsafeCheckpointError
@@ -311,3 +312,11 @@ def test_the_pdparams_format_reads_and_writes_through_the_cli_contract(files, tm
         fmt.read(src, compress=True)
     with pytest.raises(TypeError, match="compress"):
         fmt.write(direct, str(tmp_path / "x"), compress=True)
+
+
+def test_export_creates_the_target_folder(tmp_path):
+    """Like paddle.save, export_paddle_files writes into a folder that does not exist yet."""
+    state = ckptcore.TrainingState(model={"w": np.arange(3, dtype="float32")}, framework="paddle")
+    written = export_paddle_files(state, tmp_path / "new" / "dir" / "m")
+    assert Path(written[0]).is_file() and Path(written[0]).parent == tmp_path / "new" / "dir"
+    assert np.array_equal(import_paddle_files(written[0]).model["w"], state.model["w"])
