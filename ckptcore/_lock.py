@@ -193,8 +193,6 @@ class WriterLock:
                 if key in _HELD:
                     hint = (" by another CheckpointManager of this process: close() it first (or "
                             "use `with`)")
-                elif holder.startswith(f"{socket.gethostname()}:{os.getpid()}:"):
-                    hint = " (a process forked from this one may still hold it)"
                 raise LockedError(f"{self.store.url}: another writer holds the lock ({holder}){hint}; "
                                   "one CheckpointManager may write a root at a time") from None
             previous = os.pread(fd, 512, 0).decode(errors="replace").strip()

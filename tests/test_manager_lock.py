@@ -64,9 +64,9 @@ def test_a_manager_dropped_without_close_releases_its_local_lock(local_backend):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_keeps_the_lock_and_the_error_says_so(local_backend):
-    # The documented caveat: a child forked while the lock is held shares it.  After the parent
-    # closes its manager the child still holds it; the error must not blame this process.
+def test_a_forked_child_does_not_keep_the_lock(local_backend):
+    # A child forked while the lock is held closes its copy of the descriptor at fork: once the
+    # parent closes its manager, the root is free although the child still runs.
     first = open_manager(local_backend)
     first.save(1, make_state(1))
     r, w = os.pipe()
@@ -78,15 +78,12 @@ def test_a_forked_child_keeps_the_lock_and_the_error_says_so(local_backend):
     os.close(r)
     try:
         first.close()
-        with pytest.raises(LockedError, match="forked") as err:
-            open_manager(local_backend).save(2, make_state(2))
-        assert "close() it first" not in str(err.value)
+        with open_manager(local_backend) as mgr:
+            mgr.save(2, make_state(2))
     finally:
         os.write(w, b"x")
         os.close(w)
         os.waitpid(pid, 0)
-    with open_manager(local_backend) as mgr:
-        mgr.save(2, make_state(2))
 
 
 def _start_holder(root, options, tmp_path, name="holder"):
