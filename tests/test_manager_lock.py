@@ -70,12 +70,15 @@ def test_a_forked_child_does_not_keep_the_lock(local_backend):
     first = open_manager(local_backend)
     first.save(1, make_state(1))
     r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: hold the inherited descriptor until told to go
+    if pid == 0:  # the child: runs (its fork handlers done) until told to go
         os.close(w)
+        os.write(ready_w, b"x")
         os.read(r, 1)
         os._exit(0)
     os.close(r)
+    os.read(ready_r, 1)  # the child closes its copy in its fork handler, before it runs any code
     try:
         first.close()
         with open_manager(local_backend) as mgr:
@@ -329,9 +332,9 @@ if pid == 0:  # the training process: holds the lock, forks a long-lived worker,
     mgr = ckptcore.CheckpointManager(root, save_on_preemption=False)
     mgr.save(1, ckptcore.TrainingState(model={"w": np.zeros(3)}))
     if os.fork() == 0:  # a data-loader worker that outlives its parent
+        os.write(w, b"x")  # running: its fork handler has closed its copy of the lock
         time.sleep(6)
         os._exit(0)
-    os.write(w, b"x")
     time.sleep(60)
     os._exit(0)
 os.read(r, 1)
