@@ -330,16 +330,8 @@ def restore_schedule(sch: Any, schedule: ScheduleState, legacy: dict[str, Any] |
     if extra_names and not attrs and sch.last_epoch >= 0:
         # Saved by Paddle itself (a .pdopt): T_cur/T_i are not in it, so replay the wrap-arounds that
         # step() does, in integers (step(epoch) uses a float logarithm that misses exact boundaries).
-        sch.T_cur, sch.T_i = _warm_restart_position(int(sch.last_epoch), int(sch.T_0), int(sch.T_mult))
-
-
-def _warm_restart_position(epoch: int, t0: int, t_mult: int) -> tuple[int, int]:
-    if t_mult == 1:
-        return epoch % t0, t0
-    t_cur, t_i = epoch, t0
-    while t_cur >= t_i:
-        t_cur, t_i = t_cur - t_i, t_i * t_mult
-    return t_cur, t_i
+        from ckptcore.migrate.schedules import sgdr_position  # pure integer arithmetic
+        sch.T_cur, sch.T_i = sgdr_position(int(sch.last_epoch), int(sch.T_0), int(sch.T_mult))
 
 
 # ----------------------------------------------------------------------------- GradScaler
