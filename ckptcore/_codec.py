@@ -13,6 +13,7 @@ dict can never be mistaken for a reference:
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 import re
@@ -42,7 +43,21 @@ _TIME = re.compile(r"(datetime64|timedelta64)(\[[0-9]*(?:Y|M|W|D|h|m|s|ms|us|ns|
 
 def dtype_name(dtype: np.dtype, *, where: str = "array") -> str:
     """The format's name for ``dtype``; ``TypeError`` for dtypes that cannot be stored as raw bytes."""
-    dtype = np.dtype(dtype)
+    # numpy's dtype.name is slow Python, and a state repeats a few dtypes thousands of times.
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):
+        pass
+    name = _dtype_name(np.dtype(dtype), where)
+    if isinstance(dtype, np.dtype) and len(_NAMES) < 256:
+        _NAMES[dtype] = name
+    return name
+
+
+_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype, where: str) -> str:
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
         raise TypeError(f"{where}: dtype {dtype} cannot be stored (object and structured dtypes "
                         "would need pickle); convert it to a plain numeric, string or bytes dtype")
@@ -99,10 +114,25 @@ def to_little_endian(arr: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ tree
-@dataclass(frozen=True)
 class TensorRef:
-    index: int
-    scalar: bool = False
+    """A reference from the tree to tensor ``index`` of the tensor table (``scalar``: a numpy
+    scalar, stored as a 0-d tensor).  A plain slotted class, not a dataclass: a manifest holds one
+    per tensor, and a frozen dataclass costs a microsecond each to build."""
+
+    __slots__ = ("index", "scalar")
+
+    def __init__(self, index: int, scalar: bool = False) -> None:
+        self.index, self.scalar = index, scalar
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, TensorRef) and self.index == other.index
+                and self.scalar == other.scalar)
+
+    def __hash__(self) -> int:
+        return hash((self.index, self.scalar))
+
+    def __repr__(self) -> str:
+        return f"TensorRef(index={self.index!r}, scalar={self.scalar!r})"
 
 
 @dataclass
@@ -112,17 +142,20 @@ class Encoded:
     tree: dict[str, Any]
     arrays: list[np.ndarray]
     names: list[str]
+    dtypes: list[str]  # the format's dtype name of each array
 
 
 class _Encoder:
     def __init__(self) -> None:
         self.arrays: list[np.ndarray] = []
         self.names: list[str] = []
+        self.dtypes: list[str] = []
         self._seen: set[str] = set()
 
     def _add(self, arr: np.ndarray, path: tuple) -> int:
-        name = "/".join(str(p) for p in path)
-        dtype_name(arr.dtype, where=f"tensor {name!r}")
+        name = "/".join(map(str, path))
+        dtype = _NAMES.get(arr.dtype) or dtype_name(arr.dtype, where=f"tensor {name!r}")
+        self.dtypes.append(dtype)
         unique, n = name, 1
         while unique in self._seen:  # "a/b" as a key and as a nested path would collide
             unique, n = f"{name}#{n}", n + 1
@@ -139,20 +172,24 @@ class _Encoder:
         # numpy scalars first: np.float64, np.str_ and np.bytes_ subclass float, str and bytes,
         # and would otherwise come back as plain Python values.
         if isinstance(value, np.generic):
-            idx = self._add(np.asarray(value), path)
-            return msgpack.ExtType(EXT_SCALAR, msgpack.packb(idx))
+            return _ext(EXT_SCALAR, self._add(np.asarray(value), path))
         if value is None or isinstance(value, (bool, bytes, float)):
             return value
         if isinstance(value, (str, int)):
             return _check_atom(value, path)
         if isinstance(value, np.ndarray):
-            return msgpack.ExtType(EXT_TENSOR, msgpack.packb(self._add(value, path)))
+            return _ext(EXT_TENSOR, self._add(value, path))
         if isinstance(value, dict):
             out = {}
             for k, v in value.items():
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
-                    raise TypeError(f"{_where(path)}: dict keys must be str or int, got {k!r}")
-                out[_check_atom(k, path)] = self.encode(v, path + (k,))
+                # ASCII str keys (nearly all) need no UTF-8 check; anything else gets the full one.
+                if type(k) is not str or not k.isascii():
+                    if not isinstance(k, (str, int)) or isinstance(k, bool):
+                        raise TypeError(f"{_where(path)}: dict keys must be str or int, got {k!r}")
+                    _check_atom(k, path)
+                # Arrays inline (a model map holds thousands): no recursive call per tensor.
+                out[k] = (_ext(EXT_TENSOR, self._add(v, path + (k,))) if type(v) is np.ndarray
+                          else self.encode(v, path + (k,)))
             return out
         if isinstance(value, list):
             return [self.encode(v, path + (i,)) for i, v in enumerate(value)]
@@ -161,6 +198,17 @@ class _Encoder:
             return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
         raise TypeError(f"{_where(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__}; "
                         "use numpy arrays, numbers, strings, bytes, lists, tuples and dicts")
+
+
+# The packed index of tensors 0..127 is one byte; msgpack.ExtType's own constructor is Python code
+# that checks its arguments (which are right by construction here), so tuple's is called instead.
+_INDEX = [bytes([i]) for i in range(128)]
+_new_ext = tuple.__new__
+
+
+def _ext(code: int, index: int) -> msgpack.ExtType:
+    data = _INDEX[index] if index < 128 else msgpack.packb(index)
+    return _new_ext(msgpack.ExtType, (code, data))
 
 
 def _check_atom(value: str | int, path: tuple) -> str | int:
@@ -191,10 +239,26 @@ MAX_DEPTH = 64
 
 
 def _unpack_raw(data: bytes) -> Any:
-    # No ext_hook: a hook that re-entered msgpack for every nested TUPLE let ~200 nested
-    # extensions exhaust the C stack (SIGSEGV) before any Python depth check ran.  Extensions
-    # come back as msgpack.ExtType and are resolved by the bounded walk below, one level at a time.
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+    # TUPLE extensions come back as msgpack.ExtType and are resolved by the bounded walk below,
+    # one level at a time: a hook that re-entered msgpack for every nested TUPLE let ~200 nested
+    # extensions exhaust the C stack (SIGSEGV) before any Python depth check ran.  References
+    # (TENSOR, SCALAR) never nest, so the hook turns them into TensorRef at once: a manifest has
+    # one per tensor, and an ExtType each (a Python namedtuple) would cost more than the rest.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True, ext_hook=_ext_hook)
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code not in (EXT_TENSOR, EXT_SCALAR):
+        return msgpack.ExtType(code, data)
+    idx = _FIXINT.get(data)
+    if idx is None:
+        try:
+            idx = msgpack.unpackb(data)
+        except Exception as e:
+            raise SchemaError(f"bad tensor reference payload ({type(e).__name__})") from e
+        if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
+            raise SchemaError(f"bad tensor reference {_short(idx)}")
+    return TensorRef(idx, code == EXT_SCALAR)
 
 
 def unpack(data: bytes) -> Any:
@@ -206,18 +270,22 @@ def unpack(data: bytes) -> Any:
 
 
 def unpack_raw(data: bytes) -> Any:
-    """msgpack -> Python, extensions left as ``msgpack.ExtType`` (see :func:`resolve`)."""
+    """msgpack -> Python, references as TensorRef, other extensions left as ``msgpack.ExtType``
+    (see :func:`resolve`)."""
     try:
         return _unpack_raw(data)
+    except SchemaError:
+        raise
     except Exception as e:  # msgpack raises ValueError, ExtraData, FormatError, StackError, ...
         raise SchemaError(f"not valid msgpack: {type(e).__name__}: {e}") from e
 
 
-def resolve(value: Any) -> Any:
+def resolve(value: Any, refs: list[TensorRef] | None = None) -> Any:
     """Turn the extensions of a raw-unpacked tree into TensorRef and tuples, checking map keys
-    and the nesting depth; ``SchemaError`` for anything malformed."""
+    and the nesting depth; ``SchemaError`` for anything malformed.  Every reference made is
+    appended to ``refs`` (in tree order), so that nobody has to walk the tree again to find them."""
     try:
-        return _resolve(value, 0)
+        return _Resolver(refs if refs is not None else []).walk(value, 0)
     except SchemaError:
         raise
     except RecursionError as e:
@@ -226,44 +294,51 @@ def resolve(value: Any) -> Any:
         raise SchemaError(f"not valid msgpack: {type(e).__name__}: {e}") from e
 
 
-def _resolve(value: Any, depth: int) -> Any:
-    """Replace ExtType by TensorRef/tuple, checking keys and depth; lists are rebuilt in place."""
-    if isinstance(value, (str, int, float, bytes)) or value is None:
-        return value
-    if depth >= MAX_DEPTH:
-        raise SchemaError(f"the state tree nests containers more than {MAX_DEPTH} levels deep")
-    if isinstance(value, list):
-        for i, v in enumerate(value):
-            if not isinstance(v, (str, int, float, bytes)) and v is not None:
-                value[i] = _resolve(v, depth + 1)
-        return value
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise SchemaError(f"a map key is a {type(k).__name__}; keys are str or int")
-            if not isinstance(v, (str, int, float, bytes)) and v is not None:
-                value[k] = _resolve(v, depth + 1)
-        return value
-    if isinstance(value, msgpack.ExtType):
-        return _resolve_ext(value.code, value.data, depth)
-    raise SchemaError(f"unexpected msgpack value {type(value).__name__}")  # pragma: no cover
+_ATOMS = (str, int, float, bytes, type(None))
+# The payload of a reference to tensor 0..127 is one positive-fixint byte: decoded without msgpack.
+_FIXINT = {bytes([i]): i for i in range(128)}
 
 
-def _resolve_ext(code: int, data: bytes, depth: int) -> Any:
-    if code in (EXT_TENSOR, EXT_SCALAR):
-        try:
-            idx = msgpack.unpackb(data)
-        except Exception as e:
-            raise SchemaError(f"bad tensor reference payload ({type(e).__name__})") from e
-        if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
-            raise SchemaError(f"bad tensor reference {_short(idx)}")
-        return TensorRef(idx, scalar=code == EXT_SCALAR)
-    if code == EXT_TUPLE:
-        items = _unpack_raw(data)
-        if not isinstance(items, list):
-            raise SchemaError("bad tuple payload")
-        return tuple(_resolve(items, depth))
-    raise SchemaError(f"unknown msgpack extension type {code}")
+class _Resolver:
+    def __init__(self, refs: list[TensorRef]) -> None:
+        self.refs = refs
+
+    def walk(self, value: Any, depth: int) -> Any:
+        """Replace ExtType by tuples (references are TensorRef already: see :func:`_ext_hook`),
+        checking keys and depth and collecting references; containers are rebuilt in place."""
+        if isinstance(value, _ATOMS):
+            return value
+        if type(value) is TensorRef:
+            self.refs.append(value)
+            return value
+        if depth >= MAX_DEPTH:
+            raise SchemaError(f"the state tree nests containers more than {MAX_DEPTH} levels deep")
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                if type(v) is TensorRef:
+                    self.refs.append(v)
+                elif not isinstance(v, _ATOMS):
+                    value[i] = self.walk(v, depth + 1)
+            return value
+        if isinstance(value, dict):
+            refs = self.refs
+            for k, v in value.items():
+                if type(k) is not str and (type(k) is not int):
+                    if not isinstance(k, (str, int)) or isinstance(k, bool):
+                        raise SchemaError(f"a map key is a {type(k).__name__}; keys are str or int")
+                if type(v) is TensorRef:
+                    refs.append(v)
+                elif not isinstance(v, _ATOMS):
+                    value[k] = self.walk(v, depth + 1)
+            return value
+        if isinstance(value, msgpack.ExtType):
+            if value.code != EXT_TUPLE:
+                raise SchemaError(f"unknown msgpack extension type {value.code}")
+            items = _unpack_raw(value.data)
+            if not isinstance(items, list):
+                raise SchemaError("bad tuple payload")
+            return tuple(self.walk(items, depth))
+        raise SchemaError(f"unexpected msgpack value {type(value).__name__}")  # pragma: no cover
 
 
 def _repr_limited() -> Any:
@@ -283,16 +358,22 @@ def _short(value: Any) -> str:
 
 
 def substitute(tree: Any, fetch: Callable[[TensorRef], Any]) -> Any:
-    """Replace every TensorRef in ``tree`` by ``fetch(ref)``."""
-    if isinstance(tree, TensorRef):
+    """Replace every TensorRef in ``tree`` by ``fetch(ref)`` (a new tree; ``tree`` is unchanged)."""
+    kind = type(tree)
+    if kind is dict:
+        # Leaves are by far the most common values (10,000 tensors in one map): test them inline.
+        return {k: (v if type(v) in _LEAVES else fetch(v) if type(v) is TensorRef
+                    else substitute(v, fetch)) for k, v in tree.items()}
+    if kind is TensorRef:
         return fetch(tree)
-    if isinstance(tree, dict):
-        return {k: substitute(v, fetch) for k, v in tree.items()}
-    if isinstance(tree, list):
+    if kind is list:
         return [substitute(v, fetch) for v in tree]
-    if isinstance(tree, tuple):
+    if kind is tuple:
         return tuple(substitute(v, fetch) for v in tree)
     return tree
+
+
+_LEAVES = frozenset({str, int, float, bytes, bool, type(None)})
 
 
 def refs(tree: Any) -> list[TensorRef]:
@@ -331,7 +412,7 @@ def encode_state(state: TrainingState) -> Encoded:
         "params": {k: v.to_dict() for k, v in state.params.items()},
     }
     tree = {k: enc.encode(v, (k,)) for k, v in tree.items()}
-    return Encoded(tree, enc.arrays, enc.names)
+    return Encoded(tree, enc.arrays, enc.names, enc.dtypes)
 
 
 def _section(tree: dict, key: str, kind: type, default: Any) -> Any:
@@ -381,10 +462,19 @@ def _text(d: dict, key: str, where: str, *, optional: bool = False) -> str | Non
 
 
 def _tensors(d: dict, where: str) -> dict[str, np.ndarray]:
+    refs = _REFS_ARE_TENSORS.get()
     for k, v in d.items():
+        if type(v) is np.ndarray or (refs and type(v) is TensorRef and not v.scalar):
+            continue
         if not isinstance(v, np.ndarray):
             raise SchemaError(f"{where}[{_short(k)}] is a {type(v).__name__}, not a tensor")
     return d
+
+
+# Whether references to n-d tensors count as tensors while a tree is decoded: when a manifest's
+# tree is checked, before any tensor is read.
+_REFS_ARE_TENSORS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "ckptcore_refs_are_tensors", default=False)
 
 
 def _optimizer(o: dict) -> OptimizerState:
@@ -418,13 +508,22 @@ def _param_info(name: Any, d: Any) -> ParamInfo:
                      layout=_text(d, "layout", where, optional=True), attrs=_map(d, "attrs", where))
 
 
-def decode_state(tree: Any) -> TrainingState:
-    """Build a TrainingState from a tree whose references are already substituted.
+def decode_state(tree: Any, *, refs: bool = False) -> TrainingState:
+    """Build a TrainingState from a tree whose references are already substituted (``refs``:
+    or still in place, standing for their tensors, to check a manifest's tree before reading).
 
     Every field is type- and range-checked: a malformed tree is a ``SchemaError`` naming the field.
     """
     if not isinstance(tree, dict):
         raise SchemaError("state tree must be a map")
+    token = _REFS_ARE_TENSORS.set(refs)
+    try:
+        return _decode(tree)
+    finally:
+        _REFS_ARE_TENSORS.reset(token)
+
+
+def _decode(tree: dict) -> TrainingState:
     try:
         o = _section(tree, "optimizer", dict, None)
         s = _section(tree, "schedule", dict, None)

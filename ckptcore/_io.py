@@ -11,10 +11,9 @@ are writable views of the page cache with no copy.
 from __future__ import annotations
 
 import contextvars
-import functools
 import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -22,7 +21,7 @@ import crc32c
 import numpy as np
 
 from . import _codec, _knobs
-from ._manifest import Manifest, ShardEntry, TensorEntry
+from ._manifest import Manifest, ShardEntry, TensorEntry, TensorTable
 from ._storage import Store, _close_quietly, _named, fsync_close, open_regular, start_writeback
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
@@ -31,7 +30,6 @@ progress: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.Con
     "ckptcore_progress", default=None)
 _ZEROS = bytes(4096)
 _COMBINE_MIN = 1 << 18  # below this, re-running the CRC over the bytes is cheaper than combining (~12 us)
-_VERIFY_BATCH = 1 << 22
 
 
 # -------------------------------------------------------------------------------- crc32c combine
@@ -65,23 +63,30 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     return _mulmod(p, crc1) ^ crc2
 
 
-# Per-dtype memos: numpy's dtype.name is slow Python, and 10,000 small tensors share a few dtypes.
-_dtype_name = functools.lru_cache(maxsize=256)(_codec.dtype_name)
-_parse_dtype = functools.lru_cache(maxsize=256)(_codec.parse_dtype)
+_dtype_name = _codec.dtype_name  # memoized per dtype there
 
 
 # ------------------------------------------------------------------------------------- writing
-def _chunks(buf: memoryview, size: int) -> Iterator[memoryview]:
+def _chunks(buf: np.ndarray, size: int) -> Iterator[np.ndarray]:
     for start in range(0, len(buf), size):
         yield buf[start:start + size]
 
 
-def _as_bytes(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.reshape(-1).view(np.uint8))
+def _as_bytes(arr: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array, as a flat uint8 array (crc32c and file writes take any
+    buffer; a memoryview on top would only cost another object per tensor)."""
+    return arr.reshape(-1).view(np.uint8)
 
 
 def plan_shards(sizes: Sequence[int], shard_size: int, alignment: int) -> list[list[tuple[int, int]]]:
     """Group tensors (by index) into shards of at most ``shard_size`` bytes: ``[[(index, offset)]]``."""
+    if sizes:
+        # Most states fit one shard: their offsets are a cumulative sum of the aligned sizes.
+        arr = np.asarray(sizes, np.int64)
+        offsets = np.zeros(len(arr), np.int64)
+        np.cumsum(-(-arr[:-1] // alignment) * alignment, out=offsets[1:])
+        if int(offsets[-1]) + int(arr[-1]) <= shard_size:
+            return [list(zip(range(len(sizes)), offsets.tolist()))]
     shards: list[list[tuple[int, int]]] = []
     end = 0
     for i, size in enumerate(sizes):
@@ -108,27 +113,41 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
     try:
         pos, kicked, shard_crc, out = 0, 0, 0, []
         report = progress.get()
+        write, crc32 = f.write, crc32c.crc32c
         for idx, offset in layout:
-            while pos < offset:
+            if pos < offset:  # alignment padding (less than one alignment unit)
                 pad = _ZEROS[: offset - pos]
-                f.write(pad)
-                shard_crc = crc32c.crc32c(pad, shard_crc)
-                pos += len(pad)
-            buf = _as_bytes(arrays[idx])
-            crc = 0
-            for part in _chunks(buf, chunk):
-                # Checksum a piece, then write it while it is still in the CPU cache.
-                crc = crc32c.crc32c(part, crc)
-                f.write(part)
-                pos += len(part)
-                if kick and pos - kicked >= kick:
-                    start_writeback(f, kicked, pos - kicked)
-                    kicked = pos
+                write(pad)
+                shard_crc = crc32(pad, shard_crc)
+                pos = offset
+            arr = arrays[idx]
+            n = arr.nbytes
+            # Plain numeric arrays are buffers of their bytes already; other dtypes (datetimes,
+            # ml_dtypes) export no buffer, and large ones are written in slices of bytes.
+            buf = arr if n <= chunk and arr.dtype.kind in "biufc" else _as_bytes(arr)
+            if n <= chunk:
+                # The common case (10,000 small tensors): one checksum, one buffered write.
+                crc = crc32(buf)
+                write(buf)
+                pos += n
                 if report:
-                    report(len(part))
-            n = len(buf)
-            shard_crc = (crc32c_combine(shard_crc, crc, n) if n >= _COMBINE_MIN
-                         else crc32c.crc32c(buf, shard_crc))
+                    report(n)
+            else:
+                crc = 0
+                for part in _chunks(buf, chunk):
+                    # Checksum a piece, then write it while it is still in the CPU cache.
+                    crc = crc32(part, crc)
+                    write(part)
+                    pos += len(part)
+                    if kick and pos - kicked >= kick:
+                        start_writeback(f, kicked, pos - kicked)
+                        kicked = pos
+                    if report:
+                        report(len(part))
+            if kick and pos - kicked >= kick:
+                start_writeback(f, kicked, pos - kicked)
+                kicked = pos
+            shard_crc = crc32c_combine(shard_crc, crc, n) if n >= _COMBINE_MIN else crc32(buf, shard_crc)
             out.append((idx, offset, crc))
     except OSError as e:  # a failed write (ENOSPC, EIO): the save fails, naming the shard
         _close_quietly(f, store.join(path))
@@ -141,23 +160,31 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
 
 
 def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[str],
-                  token: str) -> tuple[list[ShardEntry], list[TensorEntry]]:
-    """Write ``arrays`` (little-endian, C-contiguous) into shards under ``store``."""
+                  token: str, dtypes: Sequence[str] | None = None
+                  ) -> tuple[list[ShardEntry], TensorTable]:
+    """Write ``arrays`` (little-endian, C-contiguous) into shards under ``store``; ``dtypes`` are
+    their format names when the caller has them already (see ``_codec.Encoded``)."""
     alignment = int(_knobs.get("alignment"))
-    layout = plan_shards([a.nbytes for a in arrays], int(_knobs.get("shard_size")), alignment)
+    sizes = [a.nbytes for a in arrays]
+    layout = plan_shards(sizes, int(_knobs.get("shard_size")), alignment)
     paths = [f"shard-{i:05d}-{token}.bin" for i in range(len(layout))]
     ctx = contextvars.copy_context()
-    with ThreadPoolExecutor(max(1, min(int(_knobs.get("threads")), len(layout)))) as pool:
-        written = list(pool.map(lambda j: ctx.copy().run(_write_one, store, paths[j], arrays, layout[j]),
-                                range(len(layout))))
-    tensors: list[TensorEntry | None] = [None] * len(arrays)
+    if len(layout) == 1:  # no pool for one shard: its thread would only add a hand-over
+        written = [ctx.copy().run(_write_one, store, paths[0], arrays, layout[0])]
+    else:
+        with ThreadPoolExecutor(max(1, min(int(_knobs.get("threads")), len(layout)))) as pool:
+            written = list(pool.map(lambda j: ctx.copy().run(_write_one, store, paths[j], arrays,
+                                                             layout[j]), range(len(layout))))
+    n = len(arrays)
+    shard, offset, crc = [0] * n, [0] * n, [0] * n
     for j, w in enumerate(written):
-        for idx, offset, crc in w.tensors:
-            a = arrays[idx]
-            tensors[idx] = TensorEntry(name=names[idx], dtype=_dtype_name(a.dtype),
-                                       shape=tuple(a.shape), shard=j, offset=offset,
-                                       length=a.nbytes, checksum=crc)
-    return [w.shard for w in written], tensors  # type: ignore[return-value]
+        for idx, off, c in w.tensors:
+            shard[idx], offset[idx], crc[idx] = j, off, c
+    if dtypes is None:
+        dtypes = [_dtype_name(a.dtype) for a in arrays]
+    table = TensorTable.from_columns(list(names), dtypes, [a.shape for a in arrays], shard,
+                                     offset, sizes, crc)
+    return [w.shard for w in written], table
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -202,113 +229,162 @@ def _map_local(store: Store, shard: ShardEntry) -> memoryview:
     return memoryview(mm)
 
 
-def _fetch_remote(store: Store, shard: ShardEntry, entries: list[TensorEntry]) -> dict[str, memoryview]:
-    """Read the byte ranges of ``entries`` from one remote shard, merging neighbours."""
+def _fetch_remote(store: Store, shard: ShardEntry, entries: Sequence[TensorEntry]) -> list[memoryview]:
+    """Read the byte ranges of ``entries`` from one remote shard, merging neighbours; the views
+    come back in the order of ``entries``."""
     spans: list[list] = []
-    out: dict[str, memoryview] = {t.name: memoryview(b"") for t in entries if t.length == 0}
+    out: list[memoryview] = [memoryview(b"")] * len(entries)
     # Empty tensors need no bytes; a zero-length range is an error (or the whole object) on S3.
-    for t in sorted((t for t in entries if t.length), key=lambda t: t.offset):
+    for k in sorted((k for k, t in enumerate(entries) if t.length), key=lambda k: entries[k].offset):
+        t = entries[k]
         if spans and t.offset - spans[-1][1] <= (1 << 20):
             spans[-1][1] = max(spans[-1][1], t.offset + t.length)
-            spans[-1][2].append(t)
+            spans[-1][2].append(k)
         else:
-            spans.append([t.offset, t.offset + t.length, [t]])
+            spans.append([t.offset, t.offset + t.length, [k]])
     if not spans:
         return out
     try:
         blobs = store.read_ranges(shard.path, [(s[0], s[1]) for s in spans])
     except FileNotFoundError as e:  # removed after its size was checked
         raise IncompleteCheckpointError(f"{store.join(shard.path)}: shard file is missing") from e
-    for (start, end, ts), blob in zip(spans, blobs):
+    for (start, end, ks), blob in zip(spans, blobs):
         if len(blob) != end - start:
             raise IncompleteCheckpointError(f"{store.join(shard.path)}: short read "
                                             f"({len(blob)} of {end - start} bytes)")
-        view = memoryview(bytearray(blob))  # writable arrays, like the local path
-        for t in ts:
-            out[t.name] = view[t.offset - start: t.offset - start + t.length]
+        # Writable arrays, like the local path; a bytearray the store filled is ours already.
+        view = memoryview(blob if isinstance(blob, bytearray) else bytearray(blob))
+        for k in ks:
+            t = entries[k]
+            out[k] = view[t.offset - start: t.offset - start + t.length]
     return out
 
 
-def _verify(store: Store, shard: ShardEntry, t: TensorEntry, buf: memoryview) -> None:
-    actual = crc32c.crc32c(buf)
-    report = progress.get()
-    if report:
-        report(len(buf))
-    if actual != t.checksum:
-        raise CorruptCheckpointError(
-            f"{store.join(shard.path)}: tensor {t.name!r} is corrupt (crc32c expected "
-            f"{t.checksum:#010x}, got {actual:#010x})",
-            file=store.join(shard.path), tensor=t.name, expected=t.checksum, actual=actual)
+def _corrupt(store: Store, shard: ShardEntry, name: str, expected: int, actual: int
+             ) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{store.join(shard.path)}: tensor {name!r} is corrupt (crc32c expected "
+        f"{expected:#010x}, got {actual:#010x})",
+        file=store.join(shard.path), tensor=name, expected=expected, actual=actual)
 
 
 def read_tensors(store: Store, manifest: Manifest, indices: Sequence[int], *,
                  verify: bool = True, errors: list | None = None) -> dict[int, np.ndarray]:
     """Load the tensors at ``indices``.  With ``errors`` given, damage is collected there
     (one entry per bad shard or tensor) instead of raised."""
-    by_shard: dict[int, list[int]] = {}
-    for i in indices:
-        by_shard.setdefault(manifest.tensors[i].shard, []).append(i)
-    bufs: dict[int, memoryview] = {}
-    checks = []
-    for s, idxs in by_shard.items():
-        shard = manifest.shards[s]
-        try:
-            entries = [manifest.tensors[i] for i in idxs]
-            if store.local:
-                whole = _map_local(store, shard)
-                views = {t.name: whole[t.offset:t.offset + t.length] for t in entries}
-            else:
-                _check_size(store, shard)
-                views = _fetch_remote(store, shard, entries)
-        except (IncompleteCheckpointError, CorruptCheckpointError) as e:
-            if errors is None:
-                raise
-            errors.append(e)
-            continue
-        for i in idxs:
-            bufs[i] = views[manifest.tensors[i].name]
-            checks.append((i, shard, manifest.tensors[i], bufs[i]))
-    if verify:
-        _run_checks(store, checks, errors, bufs)
-    return {i: _to_array(manifest.tensors[i], buf) for i, buf in bufs.items()}
+    reading = Reading(store, manifest, indices, verify=verify, errors=errors)
+    try:
+        return reading.result()
+    finally:
+        reading.close()
 
 
-def _run_checks(store: Store, checks: list, errors: list | None, bufs: dict) -> None:
-    # One pool task per ~4 MiB of tensors, not per tensor: for 10,000 small tensors the futures
-    # alone cost more (~0.2 s) than checksumming them.
-    batches, size = [[]], 0
-    for check in checks:
-        if size >= _VERIFY_BATCH:
-            batches.append([])
-            size = 0
-        batches[-1].append(check)
-        size += len(check[3])
-    ctx = contextvars.copy_context()
-    with ThreadPoolExecutor(int(_knobs.get("threads"))) as pool:
-        futures = [pool.submit(ctx.copy().run, _verify_batch, store, b) for b in batches if b]
-        for fut in futures:
-            for i, e in fut.result():
+class Reading:
+    """The tensors of one load: their arrays at once (views of the mapped or fetched shards), and
+    their checksums verified in the background, in batches of about ``verify_batch`` bytes
+    submitted in shard order to a pool (``crc32c`` releases the GIL; on a cold local read the
+    checksum is also what faults the pages in).
+
+    :meth:`result` waits for every batch; :meth:`wait_for` only for one tensor's, which lets a
+    restore assign early tensors while later ones are still being read (see
+    ``ckptcore.adapter.RestorePlan.apply``).  :meth:`close` always ends the pool.
+    """
+
+    def __init__(self, store: Store, manifest: Manifest, indices: Sequence[int], *,
+                 verify: bool = True, errors: list | None = None) -> None:
+        self.store, self.manifest, self.errors = store, manifest, errors
+        self.arrays: dict[int, np.ndarray] = {}
+        self._batch_of: dict[int, int] = {}
+        self._futures: list[Future] = []
+        self._pool: ThreadPoolExecutor | None = None
+        table = manifest.tensors
+        shard_col = table.column("shard")
+        by_shard: dict[int, list[int]] = {}
+        for i in indices:
+            by_shard.setdefault(shard_col[i], []).append(i)
+        # (tensor, shard, buffer, offset in it, length): arrays are views of the buffers.
+        checks: list[tuple[int, int, memoryview, int, int]] = []
+        for s in sorted(by_shard):
+            try:
+                checks += self._locate(s, by_shard[s])
+            except (IncompleteCheckpointError, CorruptCheckpointError) as e:
                 if errors is None:
-                    raise e
+                    raise
                 errors.append(e)
-                bufs.pop(i, None)
+        dtypes, shapes = table.np_dtypes(), table.shapes
+        arrays, ndarray, empty = self.arrays, np.ndarray, np.empty
+        for i, _, buf, offset, n in checks:
+            # positional arguments: ndarray's keyword parsing costs more than the view itself
+            arrays[i] = ndarray(shapes[i], dtypes[i], buf, offset) if n else empty(shapes[i], dtypes[i])
+        if verify and checks:
+            self._start(checks)
 
+    def _locate(self, s: int, idxs: list[int]) -> list[tuple[int, int, memoryview, int, int]]:
+        shard, table = self.manifest.shards[s], self.manifest.tensors
+        offset, length = table.column("offset"), table.column("length")
+        if self.store.local:
+            whole = _map_local(self.store, shard)
+            return [(i, s, whole, offset[i], length[i]) for i in idxs]
+        _check_size(self.store, shard)
+        views = _fetch_remote(self.store, shard, [table.entry(i) for i in idxs])
+        return [(i, s, v, 0, len(v)) for i, v in zip(idxs, views)]
 
-def _verify_batch(store: Store, batch: list) -> list[tuple[int, CorruptCheckpointError]]:
-    bad = []
-    for i, shard, t, buf in batch:
-        try:
-            _verify(store, shard, t, buf)
-        except CorruptCheckpointError as e:
-            bad.append((i, e))
-    return bad
+    def _start(self, checks: list[tuple[int, int, memoryview, int, int]]) -> None:
+        # One pool task per ~4 MiB of tensors, not per tensor: for 10,000 small tensors the
+        # futures alone would cost more than checksumming them.
+        limit = max(1, int(_knobs.get("verify_batch")))
+        batches: list[list] = [[]]
+        size = 0
+        batch_of = self._batch_of
+        for check in checks:
+            if size >= limit:
+                batches.append([])
+                size = 0
+            batches[-1].append(check)
+            batch_of[check[0]] = len(batches) - 1
+            size += check[4]
+        ctx = contextvars.copy_context()
+        self._pool = ThreadPoolExecutor(max(1, min(int(_knobs.get("threads")), len(batches))),
+                                        thread_name_prefix="ckptcore-verify")
+        self._futures = [self._pool.submit(ctx.copy().run, self._verify_batch, b) for b in batches]
 
+    def _verify_batch(self, batch: list) -> dict[int, CorruptCheckpointError]:
+        table, shards = self.manifest.tensors, self.manifest.shards
+        expected = table.column("checksum")
+        report = progress.get()
+        crc = crc32c.crc32c
+        bad = {}
+        for i, s, buf, offset, n in batch:
+            actual = crc(buf[offset:offset + n])
+            if report:
+                report(n)
+            if actual != expected[i]:
+                bad[i] = _corrupt(self.store, shards[s], table.names[i], expected[i], actual)
+        return bad
 
-def _to_array(t: TensorEntry, buf: memoryview) -> np.ndarray:
-    dtype = _parse_dtype(t.dtype)
-    if t.length == 0:
-        return np.empty(t.shape, dtype)
-    return np.frombuffer(buf, dtype=dtype).reshape(t.shape)
+    def wait_for(self, i: int) -> None:
+        """Return once tensor ``i`` is verified; raise its ``CorruptCheckpointError`` if it is bad."""
+        b = self._batch_of.get(i)
+        if b is not None:
+            e = self._futures[b].result().get(i)
+            if e is not None:
+                raise e
+
+    def result(self) -> dict[int, np.ndarray]:
+        """Every array, once every batch is verified: the first damage found (in tensor order) is
+        raised, or with ``errors`` given, collected there and its tensor left out."""
+        for fut in self._futures:
+            for i, e in fut.result().items():
+                if self.errors is None:
+                    raise e
+                self.errors.append(e)
+                self.arrays.pop(i, None)
+        return self.arrays
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 def verify_shards(store: Store, manifest: Manifest, errors: list) -> None:

@@ -34,6 +34,12 @@ _DEFAULTS = {
     "lease_seconds": 30.0,
     # How often a live writer's heartbeat thread renews its lease (seconds).
     "heartbeat_seconds": 10.0,
+    # The manifest format version writers produce: 2 (columnar tensor table) by default; 1 for
+    # checkpoints that older ckptcore releases must read.  Readers read both.
+    "format_version": 2,
+    # A verified load checksums tensors in pool tasks of about this many bytes, in shard order; a
+    # restore into live objects assigns each tensor as soon as its batch is verified.
+    "verify_batch": 4 * 1024 * 1024,
 }
 _ENV = {k: "CKPTCORE_" + k.upper() for k in _DEFAULTS}
 _overrides: dict[str, float] = {}

@@ -27,11 +27,13 @@ Restoring goes in two phases, so a failed restore leaves every target untouched:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -215,6 +217,34 @@ def mismatch_message(missing: Sequence[str], unexpected: Sequence[str]) -> str:
             + ". Pass strict=False to restore what matches and get a RestoreReport.")
 
 
+class RestoreGate(Protocol):
+    """What a streaming load (``ckptcore.load_state`` with framework objects) offers
+    :meth:`RestorePlan.apply`: waiting until a value read from the checkpoint is verified."""
+
+    def wait_for(self, value: Any) -> None:
+        """Return once ``value`` is verified; raise ``CorruptCheckpointError`` if it is damaged."""
+
+    def wait_all(self) -> None:
+        """Return once every tensor of the load is verified (raise the first damage found)."""
+
+
+_GATE: contextvars.ContextVar[RestoreGate | None] = contextvars.ContextVar(
+    "ckptcore_restore_gate", default=None)
+
+
+@contextlib.contextmanager
+def restore_gate(gate: RestoreGate) -> Iterator[None]:
+    """Make every :meth:`RestorePlan.apply` in this context wait on ``gate`` before each put.
+
+    Set by the core's ``load_state`` while it restores into framework objects, so the framework's
+    copies into its variables overlap with the reading and verification of later tensors."""
+    token = _GATE.set(gate)
+    try:
+        yield
+    finally:
+        _GATE.reset(token)
+
+
 class RestorePlan:
     """Everything a restore will do, checked before any of it is done.
 
@@ -222,10 +252,14 @@ class RestorePlan:
     names missing on either side, and deferred actions (setting a schedule, positioning a cursor).
     :meth:`apply` then raises one :class:`~ckptcore.errors.RestoreError` listing every mismatch, or
     performs all assignments, then all actions, in the order recorded.
+
+    Inside ``ckptcore.load_state(url, model=...)`` the tensors are still being verified while
+    :meth:`apply` runs: each put waits until its own values are, so a damaged tensor raises
+    ``CorruptCheckpointError`` before it is assigned (the puts before it have run).
     """
 
     def __init__(self) -> None:
-        self._puts: list[Callable[[], None]] = []
+        self._puts: list[tuple[Callable[[], None], tuple[Any, ...]]] = []
         self._actions: list[Callable[[], None]] = []
         self._missing: list[str] = []
         self._unexpected: list[str] = []
@@ -243,7 +277,22 @@ class RestorePlan:
                 whatever ``strict`` says, since nothing can put it there.
         """
         check_fits(name, value, shape, dtype)
-        self._puts.append(put)
+        self._puts.append((put, (value,)))
+
+    def assign_many(self, items: Iterable[tuple[str, Any, Iterable[int] | None, Any]],
+                    put: Callable[[], None]) -> None:
+        """Plan one ``put()`` that writes several values at once (a framework's bulk assignment):
+        ``items`` are ``(name, value, shape, dtype)``, each checked as :meth:`assign` does, and a
+        streaming restore runs ``put`` once all of these values are verified.
+
+        Raises:
+            RestoreError: a saved array does not fit its target (names the tensor).
+        """
+        values = []
+        for name, value, shape, dtype in items:
+            check_fits(name, value, shape, dtype)
+            values.append(value)
+        self._puts.append((put, tuple(values)))
 
     def then(self, action: Callable[[], None]) -> None:
         """Plan an action to run after every assignment (a schedule, a cursor, gradients)."""
@@ -273,8 +322,14 @@ class RestorePlan:
         if strict and (self._missing or self._unexpected):
             raise RestoreError(mismatch_message(self._missing, self._unexpected))
         self._applied = True
-        for put in self._puts:
+        gate = _GATE.get()
+        for put, values in self._puts:
+            if gate is not None:
+                for value in values:
+                    gate.wait_for(value)
             put()
+        if gate is not None:  # actions may read any part of the state
+            gate.wait_all()
         for action in self._actions:
             action()
         return self.report

@@ -11,15 +11,15 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from . import _codec, _io, _knobs
-from .adapter import warn_unapplied
+from .adapter import restore_gate, warn_unapplied
 from ._version import __version__
 from ._commit import commit
-from ._manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from ._manifest import FORMAT_VERSION, MANIFEST_NAME, READ_VERSIONS, Manifest
 from ._storage import Store
 from .errors import (CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError,
                      SchemaError)
@@ -62,21 +62,68 @@ class CheckpointInfo:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
+class _TensorInfos(Sequence[TensorInfo]):
+    """``CheckpointInfo.tensors``: a read-only tuple-like of :class:`TensorInfo`, built on first
+    use from the manifest's columns (a save of 10,000 tensors need not build 10,000 of them for
+    an info nobody reads).  Equal to the tuple of the same entries."""
+
+    __slots__ = ("_manifest", "_items")
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+        self._items: tuple[TensorInfo, ...] | None = None
+
+    def _all(self) -> tuple[TensorInfo, ...]:
+        if self._items is None:
+            m = self._manifest
+            t = m.tensors
+            paths = [s.path for s in m.shards]
+            self._items = tuple(
+                TensorInfo(name=name, dtype=dtype, shape=shape, nbytes=n, shard=paths[j], checksum=c)
+                for name, dtype, shape, n, j, c in zip(
+                    t.names, t.dtype_names(), t.shapes, t.column("length"), t.column("shard"),
+                    t.column("checksum")))
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._manifest.tensors)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _TensorInfos):
+            return self._all() == other._all()
+        if isinstance(other, (tuple, list)):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
 def _info(url: str, m: Manifest) -> CheckpointInfo:
-    tree = _codec.substitute(m.tree, lambda r: f"<tensor {m.tensors[r.index].name}>")
+    tree = m.tree
+    # Only the small sections are shown as values; tensors in them are named, not loaded.
+    named = {k: _codec.substitute(tree.get(k), lambda r: f"<tensor {m.tensors.names[r.index]}>")
+             for k in ("data", "metadata")}
     sections = tuple(k for k in TrainingState.SECTIONS
                      if tree.get(k) not in (None, {}, [], "") and k not in ("step", "epoch"))
     return CheckpointInfo(
         url=url, format_version=m.version, created=m.created,
         step=_codec.count_field(tree, "step"), epoch=_codec.count_field(tree, "epoch"),
         framework=m.framework.get("name"), framework_versions=m.framework.get("versions") or {},
-        sections=sections,
-        tensors=tuple(TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.length,
-                                 shard=m.shards[t.shard].path, checksum=t.checksum) for t in m.tensors),
-        nbytes=sum(t.length for t in m.tensors), shards=tuple(s.path for s in m.shards),
+        sections=sections, tensors=_TensorInfos(m),  # type: ignore[arg-type]
+        nbytes=m.tensors.nbytes(), shards=tuple(s.path for s in m.shards),
         writer=m.writer, library=m.library,
-        data=tree.get("data") if isinstance(tree.get("data"), dict) else {},
-        metadata=tree.get("metadata") if isinstance(tree.get("metadata"), dict) else {})
+        data=named["data"] if isinstance(named["data"], dict) else {},
+        metadata=named["metadata"] if isinstance(named["metadata"], dict) else {})
 
 
 def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
@@ -99,6 +146,10 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
         TypeError: the state holds a value that cannot be stored (the message names it).
     """
+    version = int(_knobs.get("format_version"))
+    if version not in READ_VERSIONS:
+        raise ValueError(f"the format_version knob is {version}; this ckptcore writes "
+                         f"{', '.join(map(str, READ_VERSIONS))}")
     state, _ = capture_state(state, objects)  # borrowed arrays are fine: written before we return
     enc = _codec.encode_state(state)
     arrays = [_codec.to_little_endian(a) for a in enc.arrays]
@@ -106,7 +157,7 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     token = uuid.uuid4().hex[:16]
 
     def write(target: Store) -> Manifest:
-        shards, tensors = _io.write_payload(target, arrays, enc.names, token)
+        shards, tensors = _io.write_payload(target, arrays, enc.names, token, enc.dtypes)
         return Manifest(
             created=time.time(),
             writer={"id": token, "host": socket.gethostname(), "pid": os.getpid()},
@@ -114,8 +165,8 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
                      "python": platform.python_version()},
             framework={"name": state.framework,
                        "versions": dict(state.metadata.get("versions") or {})},
-            alignment=int(_knobs.get("alignment")), shards=tuple(shards), tensors=tuple(tensors),
-            tree=enc.tree)
+            alignment=int(_knobs.get("alignment")), shards=tuple(shards), tensors=tensors,
+            tree=enc.tree, version=version, referenced=tuple(range(len(arrays))))
 
     manifest = commit(store, write, token=token, overwrite=overwrite)
     return _info(store.url, manifest)
@@ -170,9 +221,10 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
     for attempt in range(_READ_ATTEMPTS):
         manifest = read_manifest(store)
         tree = _select(manifest.tree, keys)
-        wanted = sorted({r.index for r in _codec.refs(tree)})
+        wanted = (manifest.referenced_indices() if keys is None
+                  else sorted({r.index for r in _codec.refs(tree)}))
         try:
-            arrays = _io.read_tensors(store, manifest, wanted, verify=verify)
+            reading = _io.Reading(store, manifest, wanted, verify=verify)
             break
         except (IncompleteCheckpointError, FileNotFoundError):
             # An overwrite may have replaced the checkpoint between our reading its manifest and
@@ -181,10 +233,58 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
                 raise
             log.info("load_state: %s was overwritten while it was read; reading the new one "
                      "(attempt %d of %d)", store.url, attempt + 2, _READ_ATTEMPTS)
-    tree = _codec.substitute(tree, lambda r: arrays[r.index][()] if r.scalar else arrays[r.index])
-    state = _codec.decode_state(tree)
-    restore_objects(state, objects)
+    try:
+        stream = verify and _streams(manifest, objects)
+        arrays = reading.arrays if stream else reading.result()
+        tree = _codec.substitute(tree, lambda r: arrays[r.index][()] if r.scalar else arrays[r.index])
+        state = _codec.decode_state(tree)
+        if stream:
+            # Tensors are assigned as soon as their own batch is verified, while later batches
+            # are still being read (RestorePlan.apply waits on this gate before each put).
+            with restore_gate(_Gate(reading, arrays)):
+                try:
+                    restore_objects(state, objects)
+                except Exception:
+                    reading.result()  # damage, if any, is the error to report, not its symptom
+                    raise
+            reading.result()  # what no put took (RNG states, extra...) is verified before we return
+        else:
+            restore_objects(state, objects)
+    finally:
+        reading.close()
     return state
+
+
+def _streams(manifest: Manifest, objects: Mapping[str, Any]) -> bool:
+    """Whether a restore into ``objects`` may overlap verification with assignment: framework
+    objects of the framework that saved the state (a conversion between frameworks computes on
+    every tensor first, so it gets verified ones)."""
+    if "model" not in objects:
+        return False
+    saved = manifest.framework.get("name")
+    return saved is None or saved == adapter_for(objects["model"]).name
+
+
+class _Gate:
+    """What ``RestorePlan.apply`` waits on before each put: the verification of that value's own
+    tensor, when it is one of the loaded arrays; of every tensor, for any other value."""
+
+    def __init__(self, reading: _io.Reading, arrays: Mapping[int, np.ndarray]) -> None:
+        self._reading = reading
+        self._index = {id(a): i for i, a in arrays.items()}
+        self._done = False
+
+    def wait_for(self, value: Any) -> None:
+        i = self._index.get(id(value))
+        if i is None:
+            self.wait_all()
+        elif not self._done:
+            self._reading.wait_for(i)
+
+    def wait_all(self) -> None:
+        if not self._done:
+            self._reading.result()
+            self._done = True
 
 
 _READ_ATTEMPTS = 5

@@ -1,10 +1,11 @@
 """A corpus of crafted checkpoints whose manifests are checksum-valid but hostile or damaged.
 
-Each case starts from a real checkpoint written by ``ckptcore.save_state`` (two shards, every
+Each case starts from a real checkpoint written by ``ckptcore.save_state`` (several shards, every
 section of the state filled, a tuple in the RNG state, a numpy scalar), decodes its manifest body
 *without* trusting it (extensions stay raw ``msgpack.ExtType``), changes one thing, and writes the
 body back with a fresh CRC-32C: the envelope check passes, so only validation stands between the
-crafted value and the reader.  A few cases change the files instead (links, FIFOs, devices,
+crafted value and the reader.  ``BODY_CASES`` edit a version-1 manifest (one map per tensor),
+``V2_CASES`` a version-2 one (the tensor table as packed columns).  A few cases change the files instead (links, FIFOs, devices,
 directories, a sparse 3 GiB manifest).
 
 ``build(name, case_dir, outside_dir)`` writes case ``name`` as ``case_dir/ckpt``; link targets go
@@ -50,8 +51,9 @@ def good_state(step: int = 7) -> ckptcore.TrainingState:
     )
 
 
-def write_good(path: Path, step: int = 7) -> None:
-    with _knobs.override(shard_size=256):  # several shards
+def write_good(path: Path, step: int = 7, version: int = 1) -> None:
+    """A good checkpoint of format ``version`` (1 for the cases that edit one map per tensor)."""
+    with _knobs.override(shard_size=256, format_version=version):  # several shards
         ckptcore.save_state(str(path), good_state(step))
 
 
@@ -355,7 +357,8 @@ BODY_CASES: dict[str, Callable[[dict], Any]] = {
 
 # Cases that write the manifest's envelope (or bytes) themselves: name -> function(ckpt dir, body).
 ENVELOPE_CASES: dict[str, Callable[[Path, dict], None]] = {
-    "version-2": lambda d, b: write_manifest(d, b, version=2),
+    "version-3": lambda d, b: write_manifest(d, b, version=3),
+    "version-2-with-v1-table": lambda d, b: write_manifest(d, b, version=2),
     "version-str": lambda d, b: write_manifest(d, b, version="1"),
     "version-missing": lambda d, b: write_manifest(d, b, version=None),
     "version-huge": lambda d, b: write_manifest(d, b, version=2 ** 64 - 1),
@@ -379,6 +382,151 @@ ENVELOPE_CASES: dict[str, Callable[[Path, dict], None]] = {
         {"checksum": "crc32c", "shards": [], "tensors": [], "tree": {"x": nested_tuples(200)}},
         use_bin_type=True)),
     "body-nested-lists-100k": lambda d, b: write_manifest(d, None, raw_body=b"\x81\xa4tree" + b"\x91" * 100_000 + b"\xc0"),
+}
+
+
+# Version 2: the tensor table as columns (docs/FORMAT.md, section 5).  Tensors 0 and 1
+# (dense/kernel, 4x3 float32 at offset 0; dense/bias, 3 float32 at 64) share shard 0, which ends
+# at byte 76.
+V2_COLUMNS = {"dtype": "<u4", "ndim": "u1", "shape": "<u8", "shard": "<u4", "offset": "<u8",
+              "length": "<u8", "checksum": "<u4"}
+
+
+def _col(key: str, i: int, value: int) -> Callable[[dict], None]:
+    """Set element ``i`` of integer column ``key``."""
+    def edit(b: dict) -> None:
+        arr = np.frombuffer(b["tensors"][key], V2_COLUMNS[key]).copy()
+        arr[i] = value
+        b["tensors"][key] = arr.tobytes()
+    return edit
+
+
+def _bytes(key: str, change: Callable[[bytes], Any]) -> Callable[[dict], None]:
+    """Replace column ``key`` (raw bytes) by ``change(bytes)``, whatever it returns."""
+    def edit(b: dict) -> None:
+        b["tensors"][key] = change(b["tensors"][key])
+    return edit
+
+
+def _table(key: str, value: Any) -> Callable[[dict], None]:
+    def edit(b: dict) -> None:
+        if value is ...:
+            del b["tensors"][key]
+        else:
+            b["tensors"][key] = value(b["tensors"][key]) if callable(value) else value
+    return edit
+
+
+def _dims0(*dims: int) -> Callable[[dict], None]:
+    """Tensor 0 (two dimensions) gets ``dims`` instead."""
+    def edit(b: dict) -> None:
+        arr = np.frombuffer(b["tensors"]["shape"], "<u8").copy()
+        arr[:2] = dims
+        b["tensors"]["shape"] = arr.tobytes()
+    return edit
+
+
+def _v2_scalar_ref_to_vector(b: dict) -> None:
+    """The SCALAR reference (rng/numpy, a 0-d uint32) stays; its tensor becomes shape [1] (same
+    length), so the only fault is a scalar reference to a tensor that is not 0-d."""
+    j = msgpack.unpackb(b["tree"]["rng"]["numpy"].data)
+    t = b["tensors"]
+    ndim = np.frombuffer(t["ndim"], "u1").copy()
+    dims = np.frombuffer(t["shape"], "<u8")
+    at = int(ndim[:j].sum())
+    ndim[j] = 1
+    t["ndim"], t["shape"] = ndim.tobytes(), np.insert(dims, at, 1).astype("<u8").tobytes()
+
+
+def _v2_many_tensors(b: dict) -> None:  # 100,000 entries, each past the end of shard 0
+    n, t = 100_000, b["tensors"]
+    t["names"] = [f"t{i}" for i in range(n)]
+    t["dtypes"] = ["float32"]
+    t["dtype"], t["ndim"] = bytes(4 * n), bytes([1]) * n
+    t["shape"] = np.full(n, 1, "<u8").tobytes()
+    t["shard"], t["checksum"] = bytes(4 * n), bytes(4 * n)
+    t["offset"] = (10 ** 9 + 64 * np.arange(n, dtype="<u8")).tobytes()
+    t["length"] = np.full(n, 4, "<u8").tobytes()
+
+
+def _v2_ndim_bomb(b: dict) -> None:  # ndim claims 64 x 10^6 dimensions; the shape column is tiny
+    n, t = 1_000_000, b["tensors"]
+    t["names"] = Raw(b"\xdd" + n.to_bytes(4, "big") + b"".join(
+        msgpack.packb(f"t{i}") for i in range(n)))
+    t["dtype"], t["shard"], t["checksum"] = bytes(4 * n), bytes(4 * n), bytes(4 * n)
+    t["ndim"], t["offset"], t["length"] = bytes([64]) * n, bytes(8 * n), bytes(8 * n)
+
+
+V2_CASES: dict[str, Callable[[dict], Any]] = {
+    # the table's form
+    "v2-table-list": _set("tensors", [1, 2]),
+    "v2-table-str": _set("tensors", "columns"),
+    "v2-names-missing": _table("names", ...),
+    "v2-dtypes-missing": _table("dtypes", ...),
+    "v2-column-missing-length": _table("length", ...),
+    "v2-column-missing-shape": _table("shape", ...),
+    "v2-names-map": _table("names", {"a": 1}),
+    "v2-names-short": _table("names", lambda x: x[:-1]),
+    "v2-names-long": _table("names", lambda x: x + ["extra"]),
+    "v2-name-int": _table("names", lambda x: [5] + x[1:]),
+    "v2-name-none": _table("names", lambda x: [None] + x[1:]),
+    "v2-name-dup": _table("names", lambda x: [x[1]] + x[1:]),
+    "v2-column-str": _table("offset", "0,64,128"),
+    "v2-column-list": _table("shape", [4, 3]),
+    "v2-column-int": _table("checksum", 7),
+    "v2-column-nil": _table("dtype", None),
+    "v2-column-ext": _table("shard", Ext(1, b"\x00")),
+    "v2-column-short-dtype": _bytes("dtype", lambda x: x[:-4]),
+    "v2-column-short-shard": _bytes("shard", lambda x: x[:-4]),
+    "v2-column-short-offset": _bytes("offset", lambda x: x[:-8]),
+    "v2-column-short-length": _bytes("length", lambda x: x[:-8]),
+    "v2-column-short-checksum": _bytes("checksum", lambda x: x[:-4]),
+    "v2-column-short-ndim": _bytes("ndim", lambda x: x[:-1]),
+    "v2-column-long-offset": _bytes("offset", lambda x: x + bytes(8)),
+    "v2-column-odd-offset": _bytes("offset", lambda x: x + b"\x01"),
+    "v2-column-odd-shape": _bytes("shape", lambda x: x[:-3]),
+    "v2-column-odd-checksum": _bytes("checksum", lambda x: x[:-1]),
+    "v2-column-truncated-shape": _bytes("shape", lambda x: x[:-8]),
+    "v2-column-extra-shape": _bytes("shape", lambda x: x + bytes(8)),
+    "v2-columns-empty": lambda b: b["tensors"].update(
+        {k: b"" for k in V2_COLUMNS}),
+    # dtypes
+    "v2-dtype-index-out": _col("dtype", 0, 99),
+    "v2-dtype-index-2^32-1": _col("dtype", 0, 2 ** 32 - 1),
+    "v2-dtypes-empty": _table("dtypes", []),
+    "v2-dtypes-object": _table("dtypes", lambda x: ["O"] + x[1:]),
+    "v2-dtypes-int": _table("dtypes", lambda x: [4] + x[1:]),
+    "v2-dtypes-byteorder": _table("dtypes", lambda x: ["<f4"] + x[1:]),
+    "v2-dtypes-huge-unicode": _table("dtypes", lambda x: ["U999999999"] + x[1:]),
+    "v2-dtypes-huge-48MiB": _table("dtypes", lambda x: [Raw(*_huge_str())] + x[1:]),
+    # shapes and lengths
+    "v2-ndim-65": _col("ndim", 0, 65),
+    "v2-ndim-255": _col("ndim", 0, 255),
+    "v2-ndim-bomb-1M": _v2_ndim_bomb,
+    "v2-shape-dim-2^64-1": _dims0(2 ** 64 - 1, 1),
+    "v2-shape-2^40x2^40": _dims0(2 ** 40, 2 ** 40),
+    "v2-shape-2^32x2^32-wraps-to-0": _dims0(2 ** 32, 2 ** 32),
+    "v2-shape-empty-2^64-1": lambda b: (_dims0(0, 2 ** 64 - 1)(b), _col("length", 0, 0)(b)),
+    "v2-shape-2^61x4-f4": lambda b: (_dims0(2 ** 61, 4)(b), _col("length", 0, 0)(b)),
+    "v2-shape-length-mismatch": _dims0(4, 4),
+    "v2-length-plus-4": _col("length", 0, 52),
+    "v2-length-2^64-1": _col("length", 0, 2 ** 64 - 1),
+    "v2-length-2^63": _col("length", 0, 2 ** 63),
+    # byte ranges
+    "v2-offset-past-end": _col("offset", 0, 10 ** 6),
+    "v2-offset-2^64-1": _col("offset", 0, 2 ** 64 - 1),
+    "v2-offset-wraps": _col("offset", 0, 2 ** 64 - 8),
+    "v2-shard-index-out": _col("shard", 0, 99),
+    "v2-shard-index-2^32-1": _col("shard", 0, 2 ** 32 - 1),
+    "v2-overlap": _col("offset", 0, 20),  # kernel [20, 68) overlaps bias [64, 76)
+    "v2-shard-size-smaller": _s(0, size=70),
+    "v2-shard-size-larger": _s(0, size=77),
+    # references against the table
+    "v2-ref-out-of-range": _tree(("model", "dense/bias"), ref(10 ** 6)),
+    "v2-ref-twice": _dup_ref,
+    "v2-ref-scalar-to-vector": _v2_scalar_ref_to_vector,
+    # large
+    "v2-huge-table-100k": _v2_many_tensors,
 }
 
 
@@ -431,12 +579,18 @@ FILE_CASES: dict[str, Callable[[Path, Path], None]] = {
     "manifest-sparse-3GiB": _sparse_manifest,
 }
 
-CASES = sorted([*BODY_CASES, *ENVELOPE_CASES, *FILE_CASES])
+CASES = sorted([*BODY_CASES, *V2_CASES, *ENVELOPE_CASES, *FILE_CASES])
 
 
 def build(name: str, case_dir: Path, outside: Path) -> Path:
     """Write case ``name`` under ``case_dir`` and return the checkpoint folder."""
     ckpt = case_dir / "ckpt"
+    if name in V2_CASES:
+        write_good(ckpt, version=2)
+        body = read_body(ckpt)
+        new = V2_CASES[name](body)
+        write_manifest(ckpt, body if new is None or isinstance(new, tuple) else new, version=2)
+        return ckpt
     write_good(ckpt)
     body = read_body(ckpt)
     if name in BODY_CASES:

@@ -246,7 +246,7 @@ def _write_manifest(backend, name: str, outer: dict | None = None, body: dict | 
             if value.startswith(DEEP):  # nesting deeper than msgpack.packb will produce
                 body_bytes = body_bytes.replace(msgpack.packb(value),
                                                 b"\x91" * int(value[len(DEEP):]) + b"\x90")
-        envelope = {"format": "ckptcore", "version": FORMAT_VERSION, "body": body_bytes,
+        envelope = {"format": "ckptcore", "version": 1, "body": body_bytes,
                     "body_crc32c": crc32c.crc32c(body_bytes)}
         envelope.update(outer or {})
         raw = msgpack.packb(envelope, use_bin_type=True)
@@ -265,8 +265,11 @@ def _strings(tree):
 
 
 def _good(backend, name: str = "c") -> tuple[dict, bytes]:
-    """Save a small real checkpoint; return its manifest body (ext types kept raw) and raw bytes."""
-    ckptcore.save_state(backend.url(name), small_state(1), storage_options=backend.storage_options)
+    """Save a small real checkpoint of format version 1 (one map per tensor: these cases edit
+    them; version 2's columnar table has its own cases in tests/hostile_manifests.py); return its
+    manifest body (ext types kept raw) and raw bytes."""
+    with _knobs.override(format_version=1):
+        ckptcore.save_state(backend.url(name), small_state(1), storage_options=backend.storage_options)
     raw = backend.read(name, MANIFEST_NAME)
     outer = msgpack.unpackb(raw, raw=False)
     return msgpack.unpackb(outer["body"], raw=False, strict_map_key=False), raw
@@ -401,7 +404,7 @@ def _assert_typed(url: str, opts: dict, error: type, match: str | None = None) -
             pytest.fail(f"{fn.__name__} accepted a bad manifest")
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, "1", None, 1.5, 2**64 - 1])
+@pytest.mark.parametrize("version", [0, 3, 99, "1", "2", None, 1.5, 2.0, True, 2**64 - 1])
 def test_unknown_format_version(backend, version):
     body, _ = _good(backend)
     _write_manifest(backend, "c", outer={"version": version}, body=body)
@@ -471,7 +474,8 @@ def test_declared_sizes_beyond_the_file_are_rejected_before_allocation(backend):
 
 def test_optional_tree_keys_take_their_defaults(local_backend):
     """A v1 manifest from before optional keys existed (e.g. schedule.state) still loads."""
-    ckptcore.save_state(local_backend.url("c"), sample_state(4))
+    with _knobs.override(format_version=1):
+        ckptcore.save_state(local_backend.url("c"), sample_state(4))
     raw = local_backend.read("c", MANIFEST_NAME)
     body = msgpack.unpackb(msgpack.unpackb(raw, raw=False)["body"], raw=False, strict_map_key=False)
     tree = body["tree"]

@@ -1,4 +1,6 @@
-"""Golden checkpoints of format v1 (tests/golden/v1, made by tests/golden/make_golden.py).
+"""Golden checkpoints of formats v1 and v2 (tests/golden/v1, v2, made by tests/golden/make_golden.py).
+
+Both hold the same state; v1 lists tensors as one map each, v2 as columns.
 
 The expected values are written out here independently of the generator; the ml_dtypes and
 float16 tensors are pinned to their raw IEEE-style bit patterns, so a reader in another
@@ -21,8 +23,15 @@ from ckptcore import AccumulationState, OptimizerState, ParamInfo, ScheduleState
 
 from _support import assert_state_same
 
-GOLDEN = pathlib.Path(__file__).parent / "golden" / "v1"
+ROOT = pathlib.Path(__file__).parent / "golden"
+VERSIONS = [1, 2]
 NAMES = ["full", "sharded"]
+CASES = [(v, n) for v in VERSIONS for n in NAMES]
+IDS = [f"v{v}-{n}" for v, n in CASES]
+
+
+def _dir(version: int, name: str) -> pathlib.Path:
+    return ROOT / f"v{version}" / name
 
 # (name, dtype, shape, raw little-endian bytes) in tensor-table order.
 _F32 = "<f4"
@@ -78,40 +87,69 @@ def expected_state() -> TrainingState:
     )
 
 
-def _manifest(name: str) -> tuple[dict, dict]:
-    outer = msgpack.unpackb((GOLDEN / name / "manifest.msgpack").read_bytes(), raw=False)
+def _manifest(version: int, name: str) -> tuple[dict, dict]:
+    outer = msgpack.unpackb((_dir(version, name) / "manifest.msgpack").read_bytes(), raw=False)
     return outer, msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_golden_loads_byte_for_byte(name):
-    state = ckptcore.load_state(GOLDEN / name)
+def _entries(body: dict) -> list[dict]:
+    """The tensor table as one map per tensor, decoded here from either version's layout
+    (docs/FORMAT.md, section 5) without ckptcore."""
+    t = body["tensors"]
+    if isinstance(t, list):
+        return t
+    col = {k: np.frombuffer(t[k], dt).tolist() for k, dt in (
+        ("dtype", "<u4"), ("ndim", "u1"), ("shape", "<u8"), ("shard", "<u4"), ("offset", "<u8"),
+        ("length", "<u8"), ("checksum", "<u4"))}
+    out, pos = [], 0
+    for i, name in enumerate(t["names"]):
+        n = col["ndim"][i]
+        out.append({"name": name, "dtype": t["dtypes"][col["dtype"][i]],
+                    "shape": col["shape"][pos:pos + n], "shard": col["shard"][i],
+                    "offset": col["offset"][i], "length": col["length"][i],
+                    "checksum": col["checksum"][i]})
+        pos += n
+    assert pos == len(col["shape"])
+    return out
+
+
+@pytest.mark.parametrize("version, name", CASES, ids=IDS)
+def test_golden_loads_byte_for_byte(version, name):
+    state = ckptcore.load_state(_dir(version, name))
     assert_state_same(state, expected_state())
     got = {"model/" + k: v for k, v in state.model.items()}
     for tname, dtype, shape, raw in TENSORS:
         if tname in got:
             assert got[tname].tobytes() == raw and got[tname].shape == shape, tname
     assert type(state.optimizer.extra["loss_scale"]) is np.float32
-    assert ckptcore.verify(GOLDEN / name) == []
+    assert ckptcore.verify(_dir(version, name)) == []
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_golden_partial_load(name):
-    got = ckptcore.load_state(GOLDEN / name, keys=["model"])
+@pytest.mark.parametrize("version, name", CASES, ids=IDS)
+def test_golden_partial_load(version, name):
+    got = ckptcore.load_state(_dir(version, name), keys=["model"])
     assert_state_same(got, expected_state(), sections=("model", "step", "epoch", "metadata"))
     assert got.optimizer is None and got.extra == {}
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_golden_manifest_fields(name):
-    outer, body = _manifest(name)
+@pytest.mark.parametrize("version, name", CASES, ids=IDS)
+def test_golden_manifest_fields(version, name):
+    outer, body = _manifest(version, name)
     assert list(outer) == ["format", "version", "body", "body_crc32c"]
-    assert outer["format"] == "ckptcore" and outer["version"] == 1
+    assert outer["format"] == "ckptcore" and outer["version"] == version
     assert outer["body_crc32c"] == crc32c.crc32c(outer["body"])
     assert body["checksum"] == "crc32c" and body["alignment"] == 64
     assert body["created"] == 1700000000.0 and body["writer"]["id"] == "golden"
     assert body["framework"] == {"name": "numpy", "versions": {}}
-    tensors = body["tensors"]
+    if version == 2:
+        table = body["tensors"]
+        assert list(table) == ["names", "dtypes", "dtype", "ndim", "shape", "shard", "offset",
+                               "length", "checksum"]
+        # dtype names are listed once each, in order of first use
+        assert table["dtypes"] == list(dict.fromkeys(d for _, d, _, _ in TENSORS))
+    else:
+        assert isinstance(body["tensors"], list)
+    tensors = _entries(body)
     assert [(t["name"], t["dtype"], tuple(t["shape"])) for t in tensors] == \
            [(n, d, s) for n, d, s, _ in TENSORS]
     assert [t["shard"] for t in tensors] == SHARD_OF[name]
@@ -123,41 +161,53 @@ def test_golden_manifest_fields(name):
     assert tree["model"]["dense/kernel"] == msgpack.ExtType(1, msgpack.packb(0))
     assert tree["optimizer"]["extra"]["loss_scale"] == msgpack.ExtType(3, msgpack.packb(13))
     assert tree["rng"]["python"] == msgpack.ExtType(2, msgpack.packb([3, msgpack.ExtType(2, msgpack.packb([1, 2, 3])), None]))
-    info = ckptcore.inspect(GOLDEN / name)
-    assert (info.format_version, info.step, info.epoch, info.framework) == (1, 7, 2, "numpy")
+    info = ckptcore.inspect(_dir(version, name))
+    assert (info.format_version, info.step, info.epoch, info.framework) == (version, 7, 2, "numpy")
     assert info.created == 1700000000.0 and len(info.tensors) == len(TENSORS)
+    assert [(t.name, t.dtype, t.shape, t.nbytes) for t in info.tensors] == \
+           [(n, d, s, len(raw)) for n, d, s, raw in TENSORS]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_golden_shard_files_are_the_documented_layout(name):
+@pytest.mark.parametrize("version, name", CASES, ids=IDS)
+def test_golden_shard_files_are_the_documented_layout(version, name):
     """Each shard is its tensors' raw bytes at their offsets, zero padding between, nothing after."""
-    _, body = _manifest(name)
-    files = sorted(p.name for p in (GOLDEN / name).iterdir())
+    _, body = _manifest(version, name)
+    files = sorted(p.name for p in _dir(version, name).iterdir())
     assert files == sorted(["manifest.msgpack"] + [s["path"] for s in body["shards"]])
     for i, shard in enumerate(body["shards"]):
-        data = (GOLDEN / name / shard["path"]).read_bytes()
+        data = (_dir(version, name) / shard["path"]).read_bytes()
         assert len(data) == shard["size"] and crc32c.crc32c(data) == shard["checksum"]
         expect = bytearray()
-        for t, (_, _, _, raw) in zip(body["tensors"], TENSORS):
+        for t, (_, _, _, raw) in zip(_entries(body), TENSORS):
             if t["shard"] == i:
                 assert t["offset"] >= len(expect)
                 expect += bytes(t["offset"] - len(expect)) + raw
         assert bytes(expect) == data
 
 
+def test_v1_and_v2_hold_the_same_shards():
+    """Only the manifest's table changed between the versions: the shard bytes are identical."""
+    for name in NAMES:
+        for f in _dir(1, name).iterdir():
+            if f.name != "manifest.msgpack":
+                assert (_dir(2, name) / f.name).read_bytes() == f.read_bytes(), f"{name}/{f.name}"
+
+
 def test_writer_still_produces_the_golden_bytes(tmp_path):
     """The current writer, through the committed generator, reproduces the committed files exactly.
 
-    If this fails after a deliberate format change, bump the format version and add golden/v2
-    (keep v1: it is what old checkpoints look like).
+    Version 1 is written through the ``format_version`` knob, so old releases' checkpoints can
+    still be produced byte for byte.  If this fails after a deliberate format change, bump the
+    format version and add golden/v3 (keep the old ones: they are what old checkpoints look like).
     """
-    spec = importlib.util.spec_from_file_location("make_golden", GOLDEN.parent / "make_golden.py")
+    spec = importlib.util.spec_from_file_location("make_golden", ROOT / "make_golden.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--out", str(tmp_path)]) == 0
-    for name in NAMES:
-        for f in (GOLDEN / name).iterdir():
-            assert (tmp_path / name / f.name).read_bytes() == f.read_bytes(), f"{name}/{f.name} drifted"
+    for version, name in CASES:
+        for f in _dir(version, name).iterdir():
+            got = tmp_path / f"v{version}" / name / f.name
+            assert got.read_bytes() == f.read_bytes(), f"v{version}/{name}/{f.name} drifted"
 
 
 def _format_md_reader():
@@ -171,10 +221,10 @@ def _format_md_reader():
     return namespace["read_checkpoint"]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_format_md_reader_reads_the_golden_checkpoints(name):
+@pytest.mark.parametrize("version, name", CASES, ids=IDS)
+def test_format_md_reader_reads_the_golden_checkpoints(version, name):
     """The spec is enough to read a checkpoint: its own reader, without ckptcore, gets the state."""
-    tree = _format_md_reader()(str(GOLDEN / name))
+    tree = _format_md_reader()(str(_dir(version, name)))
     want = expected_state()
     assert_state_same(TrainingState(
         model=tree["model"], optimizer=OptimizerState(**tree["optimizer"]),
@@ -184,9 +234,10 @@ def test_format_md_reader_reads_the_golden_checkpoints(name):
         params={k: ParamInfo(**v) for k, v in tree["params"].items()}), want)
 
 
-def test_format_md_reader_rejects_damage(tmp_path):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_format_md_reader_rejects_damage(tmp_path, version):
     import shutil
-    shutil.copytree(GOLDEN / "sharded", tmp_path / "c")
+    shutil.copytree(_dir(version, "sharded"), tmp_path / "c")
     shard = sorted((tmp_path / "c").glob("shard-*"))[1]
     data = bytearray(shard.read_bytes())
     data[0] ^= 1

@@ -54,7 +54,7 @@ def watch(allowed: Path):
     assert not outside, f"opened outside the case folder: {outside}"
 
 
-MANIFEST_CASES = [*corpus.BODY_CASES, *corpus.ENVELOPE_CASES,
+MANIFEST_CASES = [*corpus.BODY_CASES, *corpus.V2_CASES, *corpus.ENVELOPE_CASES,
                   "link-manifest-to-outside-copy", "manifest-is-fifo", "manifest-is-directory",
                   "manifest-sparse-3GiB"]
 

@@ -1,13 +1,15 @@
-"""Generate the golden checkpoints under tests/golden/v1/ (run by hand, results committed).
+"""Generate the golden checkpoints under tests/golden/v1/ and v2/ (run by hand, results committed).
 
     python tests/golden/make_golden.py [--force]
 
-The checkpoints pin format v1: tests/test_golden.py loads them with the current code and
-compares every byte against values it computes itself.  Contents are deterministic (integer
+The checkpoints pin formats v1 and v2 (the same state in each, written with the
+``format_version`` knob): tests/test_golden.py loads them with the current code and compares
+every byte against values it computes itself.  Contents are deterministic (integer
 arithmetic only, no RNG); so is everything else in the files: the volatile manifest fields
 (creation time, writer id, host, library versions) are pinned and the shards renamed to fixed
 names after saving, so rerunning this script reproduces the committed bytes exactly.  Only
-regenerate when deliberately changing the format, and then as a new directory (v2/), keeping v1.
+regenerate when deliberately changing the format, and then as a new directory (v3/), keeping the
+old ones (they are what old checkpoints look like).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ckptcore._manifest import MANIFEST_NAME
 HERE = os.path.dirname(os.path.abspath(__file__))
 # name -> shard size: one shard, and several shards with padding between tensors.
 CHECKPOINTS = {"full": 1 << 20, "sharded": 256}
+VERSIONS = (1, 2)
 PINNED = {
     "created": 1700000000.0,
     "writer": {"id": "golden", "host": "golden", "pid": 0},
@@ -98,22 +101,25 @@ def _pin(path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="replace existing golden checkpoints")
-    ap.add_argument("--out", default=os.path.join(HERE, "v1"))
+    ap.add_argument("--out", default=HERE, help="the golden root: writes <out>/v<version>/<name>")
+    ap.add_argument("--version", type=int, choices=VERSIONS, action="append",
+                    help="format version(s) to write (default: all)")
     args = ap.parse_args(argv)
-    for name, shard_size in CHECKPOINTS.items():
-        target = os.path.join(args.out, name)
-        if os.path.exists(target) and not args.force:
-            print(f"{target} exists; pass --force to regenerate", file=sys.stderr)
-            return 1
-        with tempfile.TemporaryDirectory() as tmp:
-            work = os.path.join(tmp, name)
-            with _knobs.override(shard_size=shard_size, alignment=64):
-                ckptcore.save_state(work, golden_state())
-            _pin(work)
-            shutil.rmtree(target, ignore_errors=True)
-            os.makedirs(args.out, exist_ok=True)
-            shutil.copytree(work, target)
-        print(f"wrote {target}: {sorted(os.listdir(target))}")
+    for version in args.version or VERSIONS:
+        for name, shard_size in CHECKPOINTS.items():
+            target = os.path.join(args.out, f"v{version}", name)
+            if os.path.exists(target) and not args.force:
+                print(f"{target} exists; pass --force to regenerate", file=sys.stderr)
+                return 1
+            with tempfile.TemporaryDirectory() as tmp:
+                work = os.path.join(tmp, name)
+                with _knobs.override(shard_size=shard_size, alignment=64, format_version=version):
+                    ckptcore.save_state(work, golden_state())
+                _pin(work)
+                shutil.rmtree(target, ignore_errors=True)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copytree(work, target)
+            print(f"wrote {target}: {sorted(os.listdir(target))}")
     return 0
 
 
