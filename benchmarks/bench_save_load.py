@@ -4,9 +4,13 @@ Builds one training state in memory (default 768 MiB: four 4096x4096 float32
 weights with Adam m and v slots) and a second of 10,000 small tensors, then, in
 one run and in interleaved rounds, times every contender's durable save
 (fsync included, for everyone) and cold-cache load (page cache dropped, every
-page of the result touched).  Also measures the cost of checksums and the
-peak memory a synchronous save adds.  Prints a table and the targets, and
-appends a dated section to benchmarks/RESULTS.md.  See benchmarks/README.md.
+page of the result touched); the small case also times a warm load.  The
+baseline of the large load is a raw sequential ``readinto`` of the same bytes
+into preallocated arrays.  Also measures a cold restore into live objects (the
+NumPy reference adapter) streamed against load-then-assign, the cost of
+checksums and the peak memory a synchronous save adds.  Prints a table and the
+targets, and appends a dated section to benchmarks/RESULTS.md.  See
+benchmarks/README.md.
 
     python benchmarks/bench_save_load.py            # default, a few minutes
     python benchmarks/bench_save_load.py --quick    # smoke run, not recorded
@@ -30,8 +34,11 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+sys.path.append(os.path.join(os.path.dirname(HERE), "adapters"))  # the NumPy adapter, if not installed
+
 import ckptcore  # noqa: E402
 import ckptcore._io  # noqa: E402
+import ckptcore.api  # noqa: E402
 from _common import (cache_method, clean, evict, files_under, flat_arrays,  # noqa: E402
                      fsync_paths, large_state, small_state, summary, timed, touch)
 from _report import print_report, record  # noqa: E402
@@ -140,8 +147,9 @@ def _safetensors(flat):
 class Local:
     """A contender run in this process: ``save(dir)``, then ``load(dir) -> {name: array}``."""
 
-    def __init__(self, name: str, fns, reference: dict[str, np.ndarray]):
+    def __init__(self, name: str, fns, reference: dict[str, np.ndarray], warm: bool = False):
         self.name, (self.save, self.load), self.reference = name, fns, reference
+        self.warm = warm
 
     def run(self, out: str, method: str, check: bool) -> dict:
         clean(out)
@@ -154,8 +162,12 @@ class Local:
         t_load = timed(lambda: got.update(self._load_and_touch(out)))
         if check:
             self._check(got)
+        res = {"save": t_save, "load": t_load, "bytes": nbytes}
+        if self.warm:  # the files are in the page cache now
+            got.clear()
+            res["load_warm"] = timed(lambda: got.update(self._load_and_touch(out)))
         clean(out)
-        return {"save": t_save, "load": t_load, "bytes": nbytes}
+        return res
 
     def _load_and_touch(self, out):
         arrays = self.load(out)
@@ -211,8 +223,8 @@ def run_rounds(contenders, rounds: int, base: str, method: str) -> dict[str, dic
             raw[c.name].append(res)
             print(f"  round {r + 1}/{rounds}  {c.name:<22} save {res['save']:6.3f} s  "
                   f"load {res['load']:6.3f} s", flush=True)
-    return {name: {"save": summary([x["save"] for x in xs]),
-                   "load": summary([x["load"] for x in xs]), "bytes": xs[0]["bytes"]}
+    return {name: {**{op: summary([x[op] for x in xs]) for op in ("save", "load", "load_warm")
+                      if op in xs[0]}, "bytes": xs[0]["bytes"]}
             for name, xs in raw.items()}
 
 
@@ -247,24 +259,35 @@ def peak_memory(args, method: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ main
+CASES = ("large", "small", "restore", "checksums", "memory")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mb", type=float, default=768,
                     help="size of the large state in MiB (default 768: 4 x 3 x 4096^2 float32)")
     ap.add_argument("--small-count", type=int, default=10_000, help="tensors in the small case")
-    ap.add_argument("--repeat", type=int, default=4, help="interleaved rounds per contender")
+    ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds per contender")
     ap.add_argument("--pairs", type=int, default=6,
                     help="back-to-back pairs for the checksum cost (with / without)")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 48 MiB state, 1 round, not recorded in RESULTS.md")
+                    help="smoke run: 48 MiB state, 2 rounds, not recorded in RESULTS.md")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a new one in $TMPDIR)")
     ap.add_argument("--no-frameworks", action="store_true", help="skip TensorFlow and Paddle")
     ap.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     ap.add_argument("--label", default="", help="note added to the recorded section's title")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help=f"comma-separated subset of {','.join(CASES)} (default: all)")
     args = ap.parse_args(argv)
+    args.cases = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(args.cases) - set(CASES))
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    if set(args.cases) != set(CASES):
+        args.no_record = True  # RESULTS.md keeps whole runs only
     if args.quick:
-        args.size_mb, args.repeat, args.pairs, args.no_record = 48, 1, 2, True
+        args.size_mb, args.repeat, args.pairs, args.no_record = 48, 2, 2, True
     return args
 
 
@@ -296,10 +319,53 @@ def small_case(args, method: str) -> dict:
     flat = flat_arrays(small)
     mib = sum(a.nbytes for a in flat.values()) / 2**20
     print(f"small state: {len(flat)} tensors, {mib:.1f} MiB", flush=True)
-    return run_rounds([Local("raw (one file)", _raw_one_file(flat), flat),
-                       Local("ckptcore", _ckptcore(small, True), flat),
-                       Local("numpy.savez", _savez(flat), flat),
-                       Local("safetensors.numpy", _safetensors(flat), flat)],
+    return run_rounds([Local("raw (one file)", _raw_one_file(flat), flat, warm=True),
+                       Local("ckptcore", _ckptcore(small, True), flat, warm=True),
+                       Local("numpy.savez", _savez(flat), flat, warm=True),
+                       Local("safetensors.numpy", _safetensors(flat), flat, warm=True)],
+                      args.repeat, args.dir, method)
+
+
+class Restore:
+    """A cold restore into live objects of the NumPy reference adapter (a model of the large
+    state's weights): ``load_state(url, model=...)``, which streams (each tensor assigned once its
+    own batch is verified), against ``load_state(url)`` then ``restore_objects`` (everything
+    verified, then everything assigned: what a restore did before streaming)."""
+
+    def __init__(self, name: str, model_arrays: dict[str, np.ndarray], streamed: bool):
+        import ckptcore_numpy as cn
+
+        self.name, self.streamed, self.cn = name, streamed, cn
+        self.source = cn.Model(model_arrays)
+        self.target = cn.Model({k: np.zeros_like(v) for k, v in model_arrays.items()})
+
+    def run(self, out: str, method: str, check: bool) -> dict:
+        clean(out)
+        os.makedirs(out)
+        url = os.path.join(out, "ckpt")
+        t_save = timed(lambda: ckptcore.save_state(url, model=self.source, rng=False))
+        evict([out], method)
+        if self.streamed:
+            t_load = timed(lambda: ckptcore.load_state(url, model=self.target, rng=False))
+        else:
+            t_load = timed(lambda: ckptcore.api.restore_objects(
+                ckptcore.load_state(url), {"model": self.target, "rng": False}))
+        if check:
+            for k, v in self.source.params.items():
+                if not np.array_equal(self.target.params[k], v):
+                    raise AssertionError(f"{self.name}: {k} did not round-trip")
+        for v in self.target.params.values():
+            v[...] = 0
+        clean(out)
+        return {"save": t_save, "load": t_load, "bytes": sum(a.nbytes for a in self.source.params.values())}
+
+
+def restore_case(state, args, method: str) -> dict:
+    model = dict(state.model)
+    print(f"restore into a NumPy model: {sum(a.nbytes for a in model.values()) / 2**20:.0f} MiB "
+          f"in {len(model)} tensors", flush=True)
+    return run_rounds([Restore("load + restore_objects", model, streamed=False),
+                       Restore("load_state(model=) streamed", model, streamed=True)],
                       args.repeat, args.dir, method)
 
 
@@ -333,19 +399,28 @@ def main(argv=None) -> int:
     started = time.time()
     print(f"scratch {args.dir}; cold cache by {method}; {args.repeat} round(s)", flush=True)
     # Started first, so TensorFlow and Paddle import while this process builds its state.
-    workers = [] if args.no_frameworks else [Remote("tf.train.Checkpoint", "tf", args, method),
-                                             Remote("paddle.save", "paddle", args, method)]
+    workers = [] if args.no_frameworks or "large" not in args.cases else [
+        Remote("tf.train.Checkpoint", "tf", args, method), Remote("paddle.save", "paddle", args, method)]
+    versions = {"ckptcore": ckptcore.__version__, "numpy": np.__version__}
     try:
-        state = large_state(args.size_mb)
+        needs_large = {"large", "restore", "checksums"} & set(args.cases)
+        state = large_state(args.size_mb) if needs_large else None
         results = {}
-        results["large"], versions = large_case(state, args, method, workers)
-        print(f"[{time.time() - started:.0f} s]", flush=True)
-        results["small"] = small_case(args, method)
-        print(f"[{time.time() - started:.0f} s]", flush=True)
-        results["checksums"] = checksum_case(state, args, method)
-        print(f"[{time.time() - started:.0f} s]", flush=True)
+        if "large" in args.cases:
+            results["large"], versions = large_case(state, args, method, workers)
+            print(f"[{time.time() - started:.0f} s]", flush=True)
+        if "small" in args.cases:
+            results["small"] = small_case(args, method)
+            print(f"[{time.time() - started:.0f} s]", flush=True)
+        if "restore" in args.cases:
+            results["restore"] = restore_case(state, args, method)
+            print(f"[{time.time() - started:.0f} s]", flush=True)
+        if "checksums" in args.cases:
+            results["checksums"] = checksum_case(state, args, method)
+            print(f"[{time.time() - started:.0f} s]", flush=True)
         del state
-        results["peak_memory"] = peak_memory(args, method)
+        if "memory" in args.cases:
+            results["peak_memory"] = peak_memory(args, method)
     finally:
         for w in workers:
             w.close()

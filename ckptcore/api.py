@@ -208,6 +208,12 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
     is checked against its checksum before anything is returned.  ``keys``
     loads only some sections (e.g. ``["model"]``) and reads only their bytes.
 
+    Restoring into framework objects streams: each tensor is assigned as soon as its own
+    verification batch has passed, while later ones are still being read.  A damaged tensor
+    raises ``CorruptCheckpointError`` before it is assigned, but tensors before it may already
+    be in the objects: restore them again after that error (``CheckpointManager.restore()``
+    verifies a whole step before assigning anything).  See docs/RELIABILITY.md.
+
     Example:
         >>> state = ckptcore.load_state("memory://doc/ckpt-1", keys=["model"])  # doctest: +SKIP
 

@@ -142,7 +142,7 @@ def test_a_newer_format_is_never_replaced(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     corpus.write_good(root / "step-000000000001", step=1)
-    os.rename(corpus.build("version-2", tmp_path / "case", tmp_path), root / "step-000000000002")
+    os.rename(corpus.build("version-3", tmp_path / "case", tmp_path), root / "step-000000000002")
     with ckptcore.CheckpointManager(str(root)) as mgr, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mgr.restore()
