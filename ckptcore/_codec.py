@@ -152,8 +152,9 @@ class _Encoder:
         self.dtypes: list[str] = []
         self._seen: set[str] = set()
 
-    def _add(self, arr: np.ndarray, path: tuple) -> int:
-        name = "/".join(map(str, path))
+    def _add(self, arr: np.ndarray, path: tuple, name: str | None = None) -> int:
+        if name is None:
+            name = "/".join(map(str, path))
         dtype = _NAMES.get(arr.dtype) or dtype_name(arr.dtype, where=f"tensor {name!r}")
         self.dtypes.append(dtype)
         unique, n = name, 1
@@ -181,6 +182,7 @@ class _Encoder:
             return _ext(EXT_TENSOR, self._add(value, path))
         if isinstance(value, dict):
             out = {}
+            prefix = "/".join(map(str, path)) + "/"
             for k, v in value.items():
                 # ASCII str keys (nearly all) need no UTF-8 check; anything else gets the full one.
                 if type(k) is not str or not k.isascii():
@@ -188,8 +190,8 @@ class _Encoder:
                         raise TypeError(f"{_where(path)}: dict keys must be str or int, got {k!r}")
                     _check_atom(k, path)
                 # Arrays inline (a model map holds thousands): no recursive call per tensor.
-                out[k] = (_ext(EXT_TENSOR, self._add(v, path + (k,))) if type(v) is np.ndarray
-                          else self.encode(v, path + (k,)))
+                out[k] = (_ext(EXT_TENSOR, self._add(v, path, prefix + str(k)))
+                          if type(v) is np.ndarray else self.encode(v, path + (k,)))
             return out
         if isinstance(value, list):
             return [self.encode(v, path + (i,)) for i, v in enumerate(value)]

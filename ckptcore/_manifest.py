@@ -14,6 +14,7 @@ of :class:`TensorEntry` built on demand.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -91,15 +92,16 @@ class TensorTable(Sequence[TensorEntry]):
                      offset: Sequence[int], length: Sequence[int],
                      checksum: Sequence[int]) -> TensorTable:
         """A table from per-tensor Python values (what a writer has); dtype names are interned."""
-        index: dict[str, int] = {}
-        codes = [index.setdefault(d, len(index)) for d in dtype_names]
+        index = {d: i for i, d in enumerate(dict.fromkeys(dtype_names))}
+        codes = np.fromiter(map(index.__getitem__, dtype_names), np.uint32, len(dtype_names))
         ndim = np.fromiter(map(len, shapes), np.uint8, len(shapes))
-        dims = np.fromiter((d for s in shapes for d in s), np.uint64, int(ndim.sum(dtype=np.int64)))
-        table = cls(names=list(names), dtypes=list(index), dtype=np.array(codes, np.uint32),
+        dims = np.fromiter(itertools.chain.from_iterable(shapes), np.uint64,
+                           int(ndim.sum(dtype=np.int64)))
+        table = cls(names=list(names), dtypes=list(index), dtype=codes,
                     ndim=ndim, dims=dims, shard=np.array(shard, np.uint32),
                     offset=np.array(offset, np.uint64), length=np.array(length, np.uint64),
                     checksum=np.array(checksum, np.uint32))
-        table._shapes = [tuple(s) for s in shapes]
+        table._shapes = [s if type(s) is tuple else tuple(s) for s in shapes]
         return table
 
     @classmethod
