@@ -296,6 +296,7 @@ class Reading:
         self.arrays: dict[int, np.ndarray] = {}
         self._batch_of: dict[int, int] = {}
         self._futures: list[Future] = []
+        self._clean: list[bool] = []
         self._pool: ThreadPoolExecutor | None = None
         table = manifest.tensors
         shard_col = table.column("shard")
@@ -347,6 +348,7 @@ class Reading:
         self._pool = ThreadPoolExecutor(max(1, min(int(_knobs.get("threads")), len(batches))),
                                         thread_name_prefix="ckptcore-verify")
         self._futures = [self._pool.submit(ctx.copy().run, self._verify_batch, b) for b in batches]
+        self._clean = [False] * len(batches)
 
     def _verify_batch(self, batch: list) -> dict[int, CorruptCheckpointError]:
         table, shards = self.manifest.tensors, self.manifest.shards
@@ -365,10 +367,13 @@ class Reading:
     def wait_for(self, i: int) -> None:
         """Return once tensor ``i`` is verified; raise its ``CorruptCheckpointError`` if it is bad."""
         b = self._batch_of.get(i)
-        if b is not None:
-            e = self._futures[b].result().get(i)
-            if e is not None:
-                raise e
+        if b is None or self._clean[b]:
+            return
+        bad = self._futures[b].result()
+        if not bad:
+            self._clean[b] = True  # the next tensors of this batch need no future at all
+        elif i in bad:
+            raise bad[i]
 
     def result(self) -> dict[int, np.ndarray]:
         """Every array, once every batch is verified: the first damage found (in tensor order) is
