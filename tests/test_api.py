@@ -562,3 +562,60 @@ def test_no_warning_when_nothing_is_left_unapplied(tmp_path, case):
             ckptcore.load_state(url, **objects())
         else:
             assert ckptcore.load_state(url).data == cursor.state_dict()  # a state, no restore
+
+
+# ------------------------------------------------------------------------ format versions
+def _rewrite_body(backend, name: str, edit, version: int) -> None:
+    raw = backend.read(name, MANIFEST_NAME)
+    body = msgpack.unpackb(msgpack.unpackb(raw, raw=False)["body"], raw=False, strict_map_key=False)
+    edit(body)
+    body_bytes = msgpack.packb(body, use_bin_type=True)
+    backend.write(msgpack.packb({"format": "ckptcore", "version": version, "body": body_bytes,
+                                 "body_crc32c": crc32c.crc32c(body_bytes)}, use_bin_type=True),
+                  name, MANIFEST_NAME)
+
+
+def test_writers_write_v2_and_v1_on_request(local_backend):
+    state = sample_state(3)
+    for version in (1, 2):
+        with _knobs.override(format_version=version):
+            info = ckptcore.save_state(local_backend.url(f"v{version}"), state)
+        assert info.format_version == version
+        outer = msgpack.unpackb(local_backend.read(f"v{version}", MANIFEST_NAME), raw=False)
+        assert outer["version"] == version
+        assert_state_same(ckptcore.load_state(local_backend.url(f"v{version}")), state)
+    one, two = (ckptcore.inspect(local_backend.url(f"v{v}")) for v in (1, 2))
+    assert [(t.name, t.dtype, t.shape, t.nbytes, t.checksum) for t in one.tensors] == \
+           [(t.name, t.dtype, t.shape, t.nbytes, t.checksum) for t in two.tensors]
+    with _knobs.override(format_version=3), pytest.raises(ValueError, match="format_version"):
+        ckptcore.save_state(local_backend.url("v3"), state)
+
+
+def test_v2_readers_ignore_unknown_table_columns_and_body_keys(local_backend):
+    """A later writer may add optional columns (per-tensor global shapes of sharded tensors, say)
+    and body keys; this reader ignores them (docs/FORMAT.md, section 5)."""
+    state = sample_state(5)
+    ckptcore.save_state(local_backend.url("c"), state)
+    n = len(ckptcore.inspect(local_backend.url("c")).tensors)
+
+    def edit(body):
+        body["tensors"]["global_shape"] = bytes(8 * n)
+        body["tensors"]["future"] = {"anything": [1, 2]}
+        body["future-key"] = "x"
+
+    _rewrite_body(local_backend, "c", edit, version=2)
+    assert_state_same(ckptcore.load_state(local_backend.url("c")), state)
+    assert ckptcore.verify(local_backend.url("c")) == []
+
+
+def test_checkpoint_info_tensors_behave_as_a_tuple(local_backend):
+    info = ckptcore.save_state(local_backend.url("c"), sample_state(2))
+    again = ckptcore.inspect(local_backend.url("c"))
+    items = tuple(info.tensors)
+    assert len(info.tensors) == len(items) > 2 and all(isinstance(t, ckptcore.TensorInfo) for t in items)
+    assert info.tensors == items and items == tuple(again.tensors) and info.tensors == again.tensors
+    assert info.tensors[0] == items[0] and info.tensors[-1] == items[-1] and info.tensors[1:3] == items[1:3]
+    assert list(info.tensors) == list(items) and info.tensors[0] in info.tensors
+    assert info.nbytes == sum(t.nbytes for t in items)
+    with pytest.raises(IndexError):
+        info.tensors[len(items)]
