@@ -127,11 +127,17 @@ def _capture_grads(tensors: dict[str, Any], copy: bool = True) -> tuple[dict[str
     return buffers, zero
 
 
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _any_bit(arr: np.ndarray) -> bool:
-    """Whether any bit is set (so -0.0 counts as a value), reading words rather than bytes."""
-    flat = arr.reshape(-1).view(np.uint8)
-    n = flat.size - flat.size % 8
-    return bool(flat[:n].view(np.uint64).any() or flat[n:].any())
+    """Whether any bit is set (so -0.0 counts as a value): the largest element as an unsigned
+    integer of the same width (``max`` is vectorised, about twice as fast as ``any``)."""
+    flat = arr.reshape(-1)
+    word = _WORDS.get(flat.dtype.itemsize)
+    if word is None:  # complex128 and the like: bytes
+        flat, word = flat.view(np.uint8), np.uint8
+    return bool(flat.view(word).max(initial=0))
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,

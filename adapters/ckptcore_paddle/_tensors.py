@@ -185,6 +185,6 @@ def values(owner: Any, tensors: list[Any], copy: bool) -> list[np.ndarray]:
 def writer(target: Any, view: np.ndarray | None, value: np.ndarray) -> Any:
     """A ``put`` for a RestorePlan: ``value`` copied into ``target``'s buffer through its view, or
     :func:`assign` where there is no view (one copy either way; the plan has checked shape and dtype)."""
-    if view is None:
+    if view is None or not view.flags.writeable:  # a view someone made read-only stays so
         return functools.partial(assign, target, value)
     return functools.partial(np.copyto, view, value)
