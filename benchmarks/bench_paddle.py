@@ -6,8 +6,8 @@ slots exist (about 600 MB of state in all).  In one process, in interleaved roun
 
 * save, capture included: ``ckptcore.save_state(dir, ckptcore_paddle.capture(net, opt, copy=False))``
   (a synchronous save needs no copy of the tensors: it writes them before training goes on) and
-  ``ckptcore.save_state(dir, model=net, optimizer=opt)`` (the keyword path; today it captures
-  copies, as an asynchronous save needs), against ``paddle.save(net.state_dict(), .pdparams)`` +
+  ``ckptcore.save_state(dir, model=net, optimizer=opt)`` (the keyword path: the adapter's
+  ``capture_views`` lets it borrow the tensors too, and it also captures the RNG states), against ``paddle.save(net.state_dict(), .pdparams)`` +
   ``paddle.save(opt.state_dict(), .pdopt)``; every file is fsynced inside the timing (ckptcore does
   it itself; for Paddle we do);
 * restore into a second model and optimizer that have also stepped (so Paddle cannot park the

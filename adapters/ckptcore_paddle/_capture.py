@@ -56,7 +56,7 @@ from ._optimizer import (attached_scheduler, capture_optimizer, capture_scaler, 
                          plan_scaler, plan_schedule)
 from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
-from ._tensors import assign, named_tensors, numpy_dtype, to_numpy, unwrap
+from ._tensors import assign, named_tensors, numpy_dtype, to_numpy, unwrap, values, views, writer
 
 log = logging.getLogger("ckptcore")
 
@@ -81,7 +81,7 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
     optimizer = hapi_opt if optimizer is None else optimizer
     tensors, aliases = named_tensors(layer)
     runtime = {t.name: s for s, t in tensors.items()}
-    state = TrainingState(framework="paddle", model={s: to_numpy(t, copy) for s, t in tensors.items()},
+    state = TrainingState(framework="paddle", model=dict(zip(tensors, values(layer, list(tensors.values()), copy))),
                           params=describe_params(layer, tensors))
     extra: dict[str, Any] = {"param_names": {s: t.name for s, t in tensors.items()}}
     if aliases:
@@ -127,11 +127,17 @@ def _capture_grads(tensors: dict[str, Any], copy: bool = True) -> tuple[dict[str
     return buffers, zero
 
 
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _any_bit(arr: np.ndarray) -> bool:
-    """Whether any bit is set (so -0.0 counts as a value), reading words rather than bytes."""
-    flat = arr.reshape(-1).view(np.uint8)
-    n = flat.size - flat.size % 8
-    return bool(flat[:n].view(np.uint64).any() or flat[n:].any())
+    """Whether any bit is set (so -0.0 counts as a value): the largest element as an unsigned
+    integer of the same width (``max`` is vectorised, about twice as fast as ``any``)."""
+    flat = arr.reshape(-1)
+    word = _WORDS.get(flat.dtype.itemsize)
+    if word is None:  # complex128 and the like: bytes
+        flat, word = flat.view(np.uint8), np.uint8
+    return bool(flat.view(word).max(initial=0))
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
@@ -167,7 +173,7 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     extra = (state.extra or {}).get("paddle") or {}
     plan = RestorePlan()
     tensors, aliases = named_tensors(layer)
-    _plan_model(plan, state, extra, tensors, aliases)
+    _plan_model(plan, state, extra, layer, tensors, aliases)
     _plan_grads(plan, state, extra, tensors)
     unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done
     no_slots = optimizer is not None and state.optimizer is None
@@ -229,7 +235,7 @@ def _restore_rng(rng: dict[str, Any]) -> None:
     restore_rng({k: v for k, v in rng.items() if k in ("python", "numpy")})
 
 
-def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any],
+def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, layer: Any, tensors: dict[str, Any],
                 aliases: dict[str, str]) -> None:
     """Pair each target tensor with the saved array under any of its names."""
     saved = state.model
@@ -238,14 +244,16 @@ def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, tensors: d
     for a, c in aliases.items():
         names_of[c].append(a)
     used: set[str] = set()
+    view_of = dict(zip(tensors, views(layer, list(tensors.values()))))
     for canonical, names in names_of.items():
         src = next((n if n in saved else saved_alias[n] for n in names if n in saved or n in saved_alias), None)
         if src is None:
             plan.missing(qualified("model", canonical))
             continue
-        t, value = tensors[canonical], saved[src]
-        plan.assign(qualified("model", canonical), value, shape=t.shape, dtype=numpy_dtype(t),
-                    put=functools.partial(assign, t, value))
+        t, value, view = tensors[canonical], saved[src], view_of[canonical]
+        # A view carries the target's shape and dtype: no Paddle call per tensor to ask for them.
+        shape, dtype = (t.shape, numpy_dtype(t)) if view is None else (view.shape, view.dtype)
+        plan.assign(qualified("model", canonical), value, shape=shape, dtype=dtype, put=writer(t, view, value))
         used.add(src)
     plan.unexpected_from(saved, used)
 

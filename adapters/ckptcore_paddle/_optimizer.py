@@ -28,7 +28,7 @@ from ckptcore.errors import CaptureError, RestoreError
 from ckptcore.state import OptimizerState, ScheduleState
 from ckptcore.vocab import plain
 
-from ._tensors import assign, numpy_dtype, to_numpy
+from ._tensors import numpy_dtype, to_numpy, values, views, writer
 
 # Accumulator names of Paddle's built-in optimizers (the names their _add_accumulator calls use),
 # longest first so that "moment2_max" wins over "moment2" when a key is matched by suffix.
@@ -100,10 +100,14 @@ def capture_optimizer(opt: Any, runtime_to_struct: dict[str, str], *, step: int 
         return runtime_to_struct[pname]
 
     if opt._accumulators:
+        keys, tensors = [], []
         for acc, per_param in opt._accumulators.items():
             slot = acc[len(prefix):] if prefix and acc.startswith(prefix) else acc
             for pname, var in per_param.items():
-                slots.setdefault(struct_of(pname), {})[slot] = to_numpy(var, copy)
+                keys.append((struct_of(pname), slot))
+                tensors.append(var)
+        for (struct, slot), value in zip(keys, values(opt, tensors, copy)):
+            slots.setdefault(struct, {})[slot] = value
     else:  # set_state_dict() was called but no step taken yet: the values wait in the holder
         for key, value in (opt._accumulators_holder or {}).items():
             pname = _longest_prefix(key, runtime_to_struct)
@@ -212,9 +216,13 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
     owner = {v.name: k for k, v in master.items()}
     seen: set[tuple[str, str]] = set()
 
+    accumulators = [var for per_param in opt._accumulators.values() for var in per_param.values()]
+    view_of = dict(zip(map(id, accumulators), views(opt, accumulators)))
+
     def put(name: str, var: Any, value: np.ndarray) -> None:
-        plan.assign(name, value, shape=var.shape, dtype=numpy_dtype(var),
-                    put=functools.partial(assign, var, value))
+        view = view_of.get(id(var))
+        shape, dtype = (var.shape, numpy_dtype(var)) if view is None else (view.shape, view.dtype)
+        plan.assign(name, value, shape=shape, dtype=dtype, put=writer(var, view, value))
 
     for acc, per_param in list(opt._accumulators.items()):
         slot = acc[len(prefix):] if prefix and acc.startswith(prefix) else acc
@@ -426,8 +434,10 @@ def infer_optimizer_kind(slot_names: set[str]) -> str:
 def adam_step(slots: dict[str, dict[str, np.ndarray]], beta1: float, beta2: float) -> int | None:
     """The update count of an Adam-family optimizer from its ``beta{2,1}_pow_acc`` slots (beta2 first)."""
     for slot, beta in (("beta2_pow_acc", beta2), ("beta1_pow_acc", beta1)):
-        steps = [step_from_pow(float(np.asarray(s[slot]).reshape(-1)[0]), beta)
-                 for s in slots.values() if slot in s and np.asarray(s[slot]).size]
+        # Every parameter usually holds the same power: look each distinct value up once.
+        pows = {float(np.asarray(s[slot]).reshape(-1)[0]) for s in slots.values()
+                if slot in s and np.asarray(s[slot]).size}
+        steps = [step_from_pow(p, beta) for p in pows]
         if steps and all(t is not None for t in steps):
             return max(steps)  # type: ignore[type-var]
     return None

@@ -11,7 +11,9 @@ Nothing here imports Paddle: tensors are handled through their own methods.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import weakref
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -50,14 +52,28 @@ def named_tensors(layer: Any) -> tuple[dict[str, Any], dict[str, str]]:
     return tensors, aliases
 
 
+# Paddle dtype -> (numpy dtype, whether it is one of _EXTENDED): str(t.dtype) and np.dtype.name
+# cost microseconds, a model has hundreds of tensors and a handful of dtypes.
+_DTYPES: dict[Any, tuple[np.dtype, bool]] = {}
+
+
+def _dtype_facts(pd_dtype: Any) -> tuple[np.dtype, bool]:
+    facts = _DTYPES.get(pd_dtype)
+    if facts is None:
+        name = str(pd_dtype).rsplit(".", 1)[-1].lower()
+        if name in _EXTENDED:
+            if ml_dtypes is None:
+                raise TypeError(f"{name} tensors need the ml_dtypes package")
+            facts = (np.dtype(getattr(ml_dtypes, name)), True)
+        else:
+            facts = (np.dtype(name), False)
+        _DTYPES[pd_dtype] = facts
+    return facts
+
+
 def numpy_dtype(t: Any) -> np.dtype:
     """The numpy dtype holding ``t``'s values exactly (ml_dtypes for bfloat16 and float8)."""
-    name = str(t.dtype).rsplit(".", 1)[-1].lower()
-    if name in _EXTENDED:
-        if ml_dtypes is None:
-            raise TypeError(f"{name} tensors need the ml_dtypes package")
-        return np.dtype(getattr(ml_dtypes, name))
-    return np.dtype(name)
+    return _dtype_facts(t.dtype)[0]
 
 
 def to_numpy(t: Any, copy: bool = True) -> np.ndarray:
@@ -65,8 +81,8 @@ def to_numpy(t: Any, copy: bool = True) -> np.ndarray:
     view of a CPU tensor's own buffer where DLPack allows (valid until the tensor changes)."""
     if isinstance(t, np.ndarray):  # e.g. values parked by set_state_dict(paddle.load(..., return_numpy=True))
         return t.copy() if copy else t
-    dtype = numpy_dtype(t)
-    if dtype.name in _EXTENDED:
+    dtype, extended = _dtype_facts(t.dtype)
+    if extended:
         # Paddle hands these out as raw uint16/uint8 bits; reinterpret them.
         return np.ascontiguousarray(t.numpy()).view(dtype)
     try:
@@ -74,8 +90,10 @@ def to_numpy(t: Any, copy: bool = True) -> np.ndarray:
         view = np.from_dlpack(t.detach())
     except (BufferError, RuntimeError, TypeError, ValueError):
         return np.asarray(t.numpy())
-    if not copy:
-        return view
+    return _copy(view) if copy else view
+
+
+def _copy(view: np.ndarray) -> np.ndarray:
     out = np.empty(view.shape, view.dtype)  # empty + copyto: measured ~2x less CPU than np.array(copy=True)
     np.copyto(out, view)
     return out
@@ -87,3 +105,86 @@ def assign(target: Any, value: np.ndarray) -> None:
     if value.dtype.name in _EXTENDED:
         value = value.view(np.uint16 if value.dtype.itemsize == 2 else np.uint8)
     target.set_value(value)
+
+
+# ----------------------------------------------------------------------------- cached views
+#
+# A DLPack view of a tensor costs a few microseconds (``detach`` and the capsule), and a model has
+# hundreds of tensors.  Parameters, BatchNorm statistics and optimizer accumulators keep their
+# buffers from step to step (Paddle updates them in place), so a view made once stays a view of the
+# tensor's current values for as long as the tensor is the same object with the same data pointer,
+# shape and dtype.  An equal pointer is never a reused address: the cached view holds the buffer
+# it was made of, so no other allocation can sit there while the entry exists.  Whatever differs
+# (a replaced, reshaped, re-typed or reallocated tensor) gets a fresh view, and each call keeps only
+# the entries of the tensors it was given, so a replaced buffer is released at the next call.
+# Gradients are reallocated by every backward pass: they are not cached.
+
+_VIEWS: weakref.WeakKeyDictionary[Any, dict[int, tuple]] = weakref.WeakKeyDictionary()
+
+
+def views(owner: Any, tensors: Iterable[Any]) -> list[np.ndarray | None]:
+    """A view of each tensor's buffer, cached on ``owner`` (a layer or an optimizer); None where
+    there is none (a GPU tensor, bfloat16/float8, an uninitialised tensor, a parked numpy value).
+
+    A view shares the tensor's memory both ways: read it for a synchronous save, write it (with
+    ``np.copyto``) to set the tensor in place, as ``set_value`` does.
+    """
+    try:
+        cache = _VIEWS.get(owner) or {}
+    except TypeError:  # an owner that cannot be weakly referenced or hashed: no caching
+        cache = {}
+    fresh: dict[int, tuple] = {}
+    out: list[np.ndarray | None] = []
+    for t in tensors:
+        entry = cache.get(id(t))
+        if entry is not None and entry[0]() is t:
+            try:
+                if t.data_ptr() != entry[1] or t.shape != entry[2] or t.dtype != entry[3]:
+                    entry = None
+            except (AttributeError, RuntimeError, ValueError):
+                entry = None
+        else:
+            entry = None
+        if entry is None:
+            entry = _view_entry(t)
+        if entry is None:
+            out.append(None)
+        else:
+            fresh[id(t)] = entry
+            out.append(entry[4])
+    try:
+        _VIEWS[owner] = fresh
+    except TypeError:
+        pass
+    return out
+
+
+def _view_entry(t: Any) -> tuple | None:
+    if isinstance(t, np.ndarray):
+        return None
+    try:
+        dtype, extended = _dtype_facts(t.dtype)
+        if extended:
+            return None
+        view = np.from_dlpack(t.detach())
+        ptr, shape = t.data_ptr(), t.shape
+        ref = weakref.ref(t)
+    except (AttributeError, BufferError, RuntimeError, TypeError, ValueError):
+        return None
+    if view.dtype != dtype or list(view.shape) != list(shape) or (view.size and view.ctypes.data != ptr):
+        return None  # not the plain view of the whole tensor this cache relies on
+    return ref, ptr, shape, t.dtype, view
+
+
+def values(owner: Any, tensors: list[Any], copy: bool) -> list[np.ndarray]:
+    """:func:`to_numpy` of each tensor, through the views cached on ``owner``."""
+    return [to_numpy(t, copy) if v is None else (_copy(v) if copy else v)
+            for t, v in zip(tensors, views(owner, tensors))]
+
+
+def writer(target: Any, view: np.ndarray | None, value: np.ndarray) -> Any:
+    """A ``put`` for a RestorePlan: ``value`` copied into ``target``'s buffer through its view, or
+    :func:`assign` where there is no view (one copy either way; the plan has checked shape and dtype)."""
+    if view is None or not view.flags.writeable:  # a view someone made read-only stays so
+        return functools.partial(assign, target, value)
+    return functools.partial(np.copyto, view, value)

@@ -1,0 +1,222 @@
+"""What the adapter caches between saves of the same model (DLPack views of its tensors, its
+ParamInfo) must never outlive what it describes: a parameter replaced, added, reshaped or
+re-typed, a layer reconfigured, a buffer swapped by Paddle's own ``set_state_dict``, an optimizer
+that gains accumulators.  Each case saves or captures again and compares with Paddle's own view of
+the tensors, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+paddle = pytest.importorskip("paddle", reason="paddlepaddle is not installed")
+
+import ckptcore  # noqa: E402
+import ckptcore_paddle as cp  # noqa: E402
+from _models import Tiny, snapshot, train_step  # noqa: E402
+from ckptcore_paddle import _tensors  # noqa: E402
+
+X = np.random.RandomState(0).randn(6, 4).astype("float32")
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    paddle.seed(0)
+
+
+def _trained(model=None, steps: int = 1):
+    model = model if model is not None else Tiny()
+    opt = paddle.optimizer.Adam(0.01, parameters=model.parameters())
+    for _ in range(steps):
+        train_step(model, opt, None, X)
+    return model, opt
+
+
+def _same(captured: dict[str, np.ndarray], model) -> None:
+    """The captured model section is Paddle's state_dict, bit for bit (and nothing else)."""
+    expected = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert captured.keys() == expected.keys(), sorted(set(captured) ^ set(expected))
+    for k, v in expected.items():
+        assert captured[k].shape == v.shape and captured[k].dtype == v.dtype, k
+        assert np.array_equal(captured[k].view(np.uint8), v.view(np.uint8)), k
+
+
+def _same_slots(state, model, opt) -> None:
+    snap = snapshot(model, opt)
+    names = {p.name: k for k, p in model.state_dict().items()}
+    for acc, per_param in opt._accumulators.items():
+        for pname in per_param:
+            got = state.optimizer.slots[names[pname]][acc]
+            assert np.array_equal(got, snap[f"slot/{names[pname]}/{acc}"]), (pname, acc)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_repeated_captures_follow_training(copy) -> None:
+    net, opt = _trained()
+    first = cp.capture(net, opt, rng=False, copy=True)
+    train_step(net, opt, None, X)
+    second = cp.capture(net, opt, rng=False, copy=copy)
+    _same(second.model, net)
+    _same_slots(second, net, opt)
+    assert not np.array_equal(first.model["fc1.weight"], second.model["fc1.weight"])
+    assert second.optimizer.step == first.optimizer.step + 1
+
+
+def test_replaced_parameter_is_captured_not_the_old_one() -> None:
+    net, opt = _trained()
+    cp.capture(net, opt, rng=False, copy=False)  # fills the caches
+    old = net.fc2.weight
+    new = paddle.create_parameter(old.shape, old.dtype,
+                                  default_initializer=paddle.nn.initializer.Constant(7.0))
+    net.fc2.weight = new
+    state = cp.capture(net, rng=False, copy=False)
+    _same(state.model, net)
+    assert np.all(state.model["fc2.weight"] == 7.0)
+    assert state.extra["paddle"]["param_names"]["fc2.weight"] == new.name
+
+
+def test_added_layer_is_captured_and_described() -> None:
+    net, _ = _trained(Tiny(extra=True))
+    net.extra = None  # a model whose layer appears later: first saved without it
+    state = cp.capture(net, rng=False)
+    assert "extra.weight" not in state.model and "extra.weight" not in state.params
+    net.extra = paddle.nn.Linear(8, 8)
+    state = cp.capture(net, rng=False, copy=False)
+    _same(state.model, net)
+    assert state.params["extra.weight"].kind == "dense" and state.params["extra.weight"].attrs["in_features"] == 8
+    assert state.params["fc2.weight"].index == 3  # every index after the new layer moved
+
+
+def test_reshaped_layer_is_described_and_captured_afresh() -> None:
+    net, _ = _trained()
+    cp.capture(net, rng=False, copy=False)
+    net.fc2 = paddle.nn.Linear(8, 5)  # same names, new shapes
+    state = cp.capture(net, rng=False, copy=False)
+    _same(state.model, net)
+    assert state.params["fc2.weight"].attrs["out_features"] == 5
+    assert state.model["fc2.bias"].shape == (5,)
+
+
+def test_buffer_reshaped_in_place() -> None:
+    net, _ = _trained()
+    before = cp.capture(net, rng=False, copy=False)
+    assert before.model["bn._mean"].shape == (8,)
+    net.bn._mean.reshape_([2, 4])  # same buffer, another shape
+    state = cp.capture(net, rng=False, copy=False)
+    _same(state.model, net)
+    assert state.model["bn._mean"].shape == (2, 4)
+
+
+def test_layer_facts_changed_without_new_tensors() -> None:
+    net, _ = _trained()
+    assert cp.capture(net, rng=False).params["bn._mean"].attrs["epsilon"] == pytest.approx(1e-5)
+    net.bn._epsilon = 1e-3
+    assert cp.capture(net, rng=False).params["bn._mean"].attrs["epsilon"] == pytest.approx(1e-3)
+
+
+def test_swapped_buffers_are_followed(tmp_path) -> None:
+    """A tensor that gets another buffer (``_share_buffer_to``, as sharing-based loaders do) while
+    staying the same object: a cached view of the old buffer would save stale values, and a
+    restore would write into memory the tensor no longer uses."""
+    net, opt = _trained()
+    cp.capture(net, opt, rng=False, copy=False)  # fills the caches
+    weight, moment = net.fc1.weight, opt._accumulators["moment1"][net.fc1.weight.name]
+    ptrs = weight.data_ptr(), moment.data_ptr()
+    paddle.full(weight.shape, 3.0)._share_buffer_to(weight)
+    paddle.full(moment.shape, 5.0)._share_buffer_to(moment)
+    assert (weight.data_ptr(), moment.data_ptr()) != ptrs  # the premise: new buffers, same objects
+    state = cp.capture(net, opt, rng=False, copy=False)
+    _same(state.model, net)
+    _same_slots(state, net, opt)
+    assert np.all(state.model["fc1.weight"] == 3.0) and np.all(state.optimizer.slots["fc1.weight"]["moment1"] == 5.0)
+    # And the other way: a restore writes into the buffers the tensors hold now.
+    src, src_opt = _trained(Tiny(), steps=3)
+    url = str(tmp_path / "ck")
+    ckptcore.save_state(url, model=src, optimizer=src_opt)
+    ckptcore.load_state(url, model=net, optimizer=opt)  # fills the caches with the current buffers
+    paddle.zeros(weight.shape)._share_buffer_to(weight)
+    paddle.zeros(moment.shape)._share_buffer_to(moment)
+    ckptcore.load_state(url, model=net, optimizer=opt)
+    _same({k: v.numpy() for k, v in src.state_dict().items()}, net)
+    _same_slots(cp.capture(src, src_opt, rng=False), net, opt)
+
+
+def test_after_paddle_set_state_dict(tmp_path) -> None:
+    """Paddle's own loader between two saves and two restores of the same objects."""
+    with paddle.utils.unique_name.guard():  # the same runtime names, which paddle.load needs
+        net, opt = _trained()
+    with paddle.utils.unique_name.guard():
+        other, other_opt = _trained(Tiny(), steps=3)
+    cp.capture(net, opt, rng=False, copy=False)
+    paddle.save(other.state_dict(), str(tmp_path / "m.pdparams"))
+    paddle.save(other_opt.state_dict(), str(tmp_path / "m.pdopt"))
+    net.set_state_dict(paddle.load(str(tmp_path / "m.pdparams")))
+    opt.set_state_dict(paddle.load(str(tmp_path / "m.pdopt")))
+    state = cp.capture(net, opt, rng=False, copy=False)  # accumulators parked, not yet applied
+    _same(state.model, net)
+    train_step(net, opt, None, X)
+    train_step(other, other_opt, None, X)
+    state = cp.capture(net, opt, rng=False, copy=False)
+    _same(state.model, net)
+    _same_slots(state, net, opt)
+    _same(state.model, other)
+
+
+def test_optimizer_that_gains_accumulators(tmp_path) -> None:
+    net = Tiny()
+    opt = paddle.optimizer.Adam(0.01, parameters=net.parameters())
+    empty = cp.capture(net, opt, rng=False, copy=False)
+    assert empty.optimizer.slots == {}
+    train_step(net, opt, None, X)
+    state = cp.capture(net, opt, rng=False, copy=False)
+    assert set(state.optimizer.slots["fc1.weight"]) >= {"moment1", "moment2", "beta1_pow_acc"}
+    _same_slots(state, net, opt)
+    # A second model's optimizer restored into from a fresh start, then saved: its new
+    # accumulators (created by the restore) are the ones captured.
+    fresh = Tiny()
+    fresh_opt = paddle.optimizer.Adam(0.01, parameters=fresh.parameters())
+    cp.capture(fresh, fresh_opt, rng=False, copy=False)
+    assert cp.restore(state, fresh, fresh_opt).ok
+    again = cp.capture(fresh, fresh_opt, rng=False, copy=False)
+    _same_slots(again, fresh, fresh_opt)
+    for name, slots in state.optimizer.slots.items():
+        for slot, value in slots.items():
+            assert np.array_equal(again.optimizer.slots[name][slot], value), (name, slot)
+
+
+def test_restore_writes_in_place_and_repeats(tmp_path) -> None:
+    """A restore through the cached views sets the live buffers (no new allocation), and a
+    second restore into the same objects after more training still lands."""
+    src, src_opt = _trained()
+    url = str(tmp_path / "ck")
+    ckptcore.save_state(url, model=src, optimizer=src_opt)
+    net, opt = _trained(Tiny(), steps=2)
+    ptrs = {k: v.data_ptr() for k, v in net.state_dict().items()}
+    for _ in range(2):
+        ckptcore.load_state(url, model=net, optimizer=opt)
+        _same({k: v.numpy() for k, v in src.state_dict().items()}, net)
+        _same_slots(cp.capture(src, src_opt, rng=False), net, opt)
+        assert {k: v.data_ptr() for k, v in net.state_dict().items()} == ptrs
+        train_step(net, opt, None, X)
+
+
+def test_views_are_dropped_for_tensors_no_longer_given() -> None:
+    net, _ = _trained()
+    tensors = list(net.state_dict().values())
+    assert all(v is not None for v in _tensors.views(net, tensors))
+    assert len(_tensors._VIEWS[net]) == len(tensors)
+    _tensors.views(net, tensors[:2])
+    assert len(_tensors._VIEWS[net]) == 2  # the others' buffers are no longer held
+
+
+def test_tensors_without_a_view_use_the_slow_path() -> None:
+    """bfloat16 has no DLPack dtype in numpy: captured and restored through Paddle's own copy."""
+    net = Tiny()
+    net.fc2.to(dtype="bfloat16")
+    assert _tensors.views(net, [net.fc2.weight]) == [None]
+    state = cp.capture(net, rng=False, copy=False)
+    assert str(state.model["fc2.weight"].dtype) == "bfloat16"
+    other = Tiny()
+    other.fc2.to(dtype="bfloat16")
+    assert cp.restore(state, other).ok
+    assert np.array_equal(other.fc2.weight.numpy(), net.fc2.weight.numpy())
