@@ -85,7 +85,7 @@ def plot(data: dict, path: str) -> None:
                for r in p["results"].values())
     restore_ops = ("cold", "warm") if cold else ("warm",)
     restore = "restore (cold: solid, warm: dashed)" if cold else "restore (warm)"
-    fig, axes = plt.subplots(2, 2, figsize=(14, 10.5), squeeze=False)
+    fig, axes = plt.subplots(2, 2, figsize=(14, 10.5), squeeze=False, layout="constrained")
     rows = [("count", lambda p: p["tensors"], "tensor count"),
             ("size", lambda p: p["bytes"] / 2**20, "state size (MiB)")]
     for row, (kind, x_of, xlabel) in enumerate(rows):
@@ -109,7 +109,7 @@ def plot(data: dict, path: str) -> None:
         handles += [Line2D([], [], color="#555555", linestyle="-", label="cold load"),
                     Line2D([], [], color="#555555", linestyle="--", linewidth=1.0,
                            label="warm load (page cache)")]
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9.5, frameon=False)
+    fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=9.5, frameon=False)
     v = m["versions"]
     fig.suptitle(
         f"ckptcore vs alternatives: save and restore time by tensor count and state size\n"
@@ -117,7 +117,6 @@ def plot(data: dict, path: str) -> None:
         f"Python {m['python']} · " + ", ".join(f"{k} {x}" for k, x in v.items()) + "\n"
         f"medians of {m['rounds']} interleaved rounds; cold cache by {m['cache']}",
         fontsize=11.5)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
