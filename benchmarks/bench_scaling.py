@@ -127,7 +127,7 @@ class Local:
     """A contender in this process, rebuilt for every point."""
 
     def __init__(self, name: str):
-        self.name, self.fns = name, None
+        self.name, self.check = name, False
 
     def start_build(self, spec: dict) -> None:
         pass

@@ -34,6 +34,9 @@ benchmarks=(
   bench_async.py
 )
 
+# --quick for the scripts that lack it: their own options for a small, short run.
+declare -A quick_args=([bench_async.py]="--size-mb 64 --rounds 2")
+
 failed=()
 for name in "${benchmarks[@]}"; do
   script="$here/$name"
@@ -43,9 +46,14 @@ for name in "${benchmarks[@]}"; do
   fi
   args=()
   if (( quick )); then
-    # Not every script has --quick; those without it run with --no-record only.
+    # Not every script has --quick (see quick_args); every run is kept out of RESULTS.md.
     help="$("$python" "$script" --help 2>/dev/null)"
-    [[ "$help" == *--quick* ]] && args+=(--quick)
+    if [[ "$help" == *--quick* ]]; then
+      args+=(--quick)
+    elif [[ -n "${quick_args[$name]:-}" ]]; then
+      read -r -a more <<< "${quick_args[$name]}"
+      args+=("${more[@]}")
+    fi
     [[ "$help" == *--no-record* ]] && args+=(--no-record)
   fi
   echo "=== $name ${args[*]:-}"
