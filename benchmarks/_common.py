@@ -169,3 +169,60 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+# --------------------------------------------------------------------------- scaling-sweep states
+def sweep_sizes(dist: str, count: int, total_mb: float) -> list[int]:
+    """Element counts of ``count`` float32 tensors totalling about ``total_mb`` MiB.
+
+    ``"equal"``: all the same size (the tensor-count sweep: only the count changes).
+    ``"mixed"``: log-uniform sizes spanning 1 to 4096 (relative), in a fixed shuffled order, like
+    a network's biases, norms and kernels side by side (the state-size sweep: the largest tensor
+    is about 4% of the state, the smallest a few elements at 1 MiB).
+    """
+    elems = int(total_mb * 2**20) // 4
+    if dist == "equal":
+        return [max(1, elems // count)] * count
+    if dist != "mixed":
+        raise ValueError(dist)
+    weights = np.geomspace(1.0, 4096.0, count)
+    np.random.default_rng(count).shuffle(weights)
+    sizes = np.maximum(1, np.round(weights / weights.sum() * elems)).astype(np.int64)
+    sizes[int(np.argmax(sizes))] += elems - int(sizes.sum())  # exact total
+    return [int(n) for n in sizes]
+
+
+def sweep_arrays(sizes: list[int], seed: int = 0) -> list[np.ndarray]:
+    """Incompressible float32 arrays of ``sizes`` elements, each its own allocation (as a
+    framework's tensors are), the same for the same arguments in every process."""
+    rng = np.random.default_rng(seed)
+    arrays = [np.empty(n, np.float32) for n in sizes]
+    for a in arrays:
+        rng.random(dtype=np.float32, out=a)
+    return arrays
+
+
+def touch_mapped(arrays: Iterable[np.ndarray]) -> int:
+    """:func:`touch` every buffer behind ``arrays`` that NumPy did not allocate (a mapped file,
+    bytes), once per buffer: lazily mapped data must really be in memory, and arrays in NumPy's
+    own memory were filled by their reader already. One cheap pass per array, so a result of
+    30,000 views of one mapping pays for one touch, not 30,000."""
+    owners: dict[int, object] = {}
+    for a in arrays:
+        b = a
+        while isinstance(b, np.ndarray) and b.base is not None:
+            b = b.base
+        if isinstance(b, np.ndarray):
+            continue
+        owner = b.obj if isinstance(b, memoryview) else b
+        owners.setdefault(id(owner), owner)
+    total = 0
+    for owner in owners.values():
+        total += touch(np.frombuffer(owner, np.uint8))
+    return total
+
+
+def spread(times: list[float]) -> dict:
+    """Median, min and max of a point's rounds (and the rounds themselves)."""
+    return {"median": statistics.median(times), "min": min(times), "max": max(times),
+            "all": times}
