@@ -99,7 +99,7 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
     names = {id(var): name for name, var in named}
     state = TrainingState(framework=_NAME,
                           model={name: to_numpy(var, copy=copy) for name, var in named},
-                          params=describe_params(model, names))
+                          params=describe_params(model, names, [var for _, var in named]))
     opt = _optimizer_of(model, optimizer)
     if opt is not None:
         ensure_built(opt, model)
