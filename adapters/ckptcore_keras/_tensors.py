@@ -64,19 +64,23 @@ def _kind(value: Any) -> int:
 
 def _raw_variables(model: Any, known: set[int]) -> Iterator[tuple[str, Any, Any]]:
     """``(name, tf.Variable, owner)`` for untracked TF variables held as layer attributes."""
+    kinds = _KIND_OF_TYPE
     for layer, _ in walk_layers(model):
         base = layer_path(layer)
         # Direct attributes first, then containers; TF's own tracking tables ("_self_...") never.
-        attrs = [(a, v, _kind(v)) for a, v in vars(layer).items() if not a.startswith("_self_")]
+        attrs = [(a, v, k if (k := kinds.get(type(v))) is not None else _kind(v))
+                 for a, v in vars(layer).items()]
+        attrs = [x for x in attrs if x[2] != _SKIP and not x[0].startswith("_self_")]
         for attr, value, kind in [x for x in attrs if x[2] == _VARIABLE] + \
-                [x for x in attrs if x[2] > _VARIABLE]:
+                [x for x in attrs if x[2] != _VARIABLE]:
             if kind == _VARIABLE:
                 items = [(f"{base}/{attr}", value)]
             elif kind == _SEQUENCE:
                 items = [(f"{base}/{attr}/{i}", v) for i, v in enumerate(value)
-                         if _kind(v) == _VARIABLE]
+                         if kinds.get(type(v)) == _VARIABLE or _kind(v) == _VARIABLE]
             else:
-                items = [(f"{base}/{attr}/{k}", v) for k, v in value.items() if _kind(v) == _VARIABLE]
+                items = [(f"{base}/{attr}/{k}", v) for k, v in value.items()
+                         if kinds.get(type(v)) == _VARIABLE or _kind(v) == _VARIABLE]
             for name, var in items:
                 if id(var) not in known:
                     known.add(id(var))
@@ -168,7 +172,13 @@ def _plain_tf_variable(var: Any) -> Any | None:
     which reads and writes through its own methods)."""
     from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
-    tf_var = var if type(var) is ResourceVariable else getattr(var, "value", None)
+    if type(var) is ResourceVariable:
+        return var
+    # keras.Variable keeps its backend variable in ``_value``; its ``value`` property (checks for
+    # a stateless scope and autocasting) costs more than the read itself.
+    tf_var = getattr(var, "_value", None)
+    if type(tf_var) is not ResourceVariable:
+        tf_var = getattr(var, "value", None)
     return tf_var if type(tf_var) is ResourceVariable else None
 
 
