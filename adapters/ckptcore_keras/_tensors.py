@@ -214,18 +214,33 @@ def to_numpy(var: Any, copy: bool = True) -> np.ndarray:
     return arr
 
 
+# TensorFlow adopts a numpy array's memory as a tensor's buffer, without copying it, when the
+# data is aligned for Eigen (64 bytes covers every CPU build); otherwise it copies.
+_ALIGN = 64
+
+
+def _private_copy(value: np.ndarray) -> np.ndarray:
+    """A copy of ``value`` in new memory aligned so that TensorFlow adopts it as it is."""
+    raw = np.empty(value.nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    out = raw[start:start + value.nbytes].view(value.dtype).reshape(value.shape)
+    np.copyto(out, value)
+    return out
+
+
 def assign(target: Any, value: np.ndarray) -> None:
     """Write ``value`` (already checked to fit, see ``RestorePlan.assign``) into ``target``.
 
-    The value is first copied into a new TensorFlow buffer (``tf.constant`` never aliases numpy
-    memory: the array may map a checkpoint file or be reused by the caller), which is then
-    swapped in.  A plain variable takes it through the bare ``AssignVariableOp``, the op
-    ``assign`` runs, without the Python layers of ``keras.Variable.assign`` and
-    ``tf.Variable.assign`` (conversion, shape check, dispatch: done here and by the plan), which
-    cost more than the copy for the hundreds of small variables of a real model.  Never hand the
-    op the numpy array itself: that conversion aliases aligned arrays.  Converting on several
-    threads was measured slower: each thread's allocations take fresh pages instead of the
-    buffers the swaps just freed.
+    ``value`` is copied once, into new memory that becomes the variable's buffer: the array
+    may map a checkpoint file or belong to the caller, so the variable never shares it.  A
+    plain variable takes the copy through the bare ``AssignVariableOp`` (the op ``assign``
+    runs, without the Python layers of ``keras.Variable.assign`` and ``tf.Variable.assign``:
+    conversion, shape check, dispatch, done here and by the plan), which adopts aligned memory
+    as it is; ``tf.constant`` would copy twice (a numpy copy, then again into aligned memory
+    for most arrays), and on a real model of hundreds of variables those layers and copies
+    cost more than the data.  Other variables (mirrored, other dtypes, a ``StatelessScope``)
+    go through their own ``assign``.  Converting on several threads was measured slower:
+    each thread's allocations take fresh pages instead of the buffers the swaps just freed.
     """
     plain_var = _plain_tf_variable(target)
     if (plain_var is None or getattr(value, "dtype", None) != np_dtype(plain_var)
@@ -234,7 +249,10 @@ def assign(target: Any, value: np.ndarray) -> None:
         return
     import tensorflow as tf
 
-    tf.raw_ops.AssignVariableOp(resource=plain_var.handle, value=tf.constant(value))
+    value = np.asarray(value)
+    # Only a private copy may be handed to the op: it adopts aligned memory without copying.
+    tensor = _private_copy(value) if value.nbytes else tf.constant(value)
+    tf.raw_ops.AssignVariableOp(resource=plain_var.handle, value=tensor)
 
 
 def _in_stateless_scope() -> bool:
