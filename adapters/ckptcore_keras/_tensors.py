@@ -166,6 +166,16 @@ def np_dtype(var: Any) -> np.dtype:
     return out
 
 
+def shape_of(var: Any) -> tuple[int | None, ...]:
+    """The variable's shape as a tuple (what ``RestorePlan.assign`` compares against).
+
+    A ``keras.Variable`` keeps it as a tuple already; its ``shape`` property builds a
+    ``tf.TensorShape`` that the check would only take apart again.
+    """
+    shape = getattr(var, "_shape", None)
+    return shape if type(shape) is tuple else tuple(var.shape)
+
+
 def _plain_tf_variable(var: Any) -> Any | None:
     """The ``tf.Variable`` behind ``var`` (a ``keras.Variable`` or a raw one) when it is a plain,
     single-device resource variable, else None (a mirrored or otherwise distributed variable,
