@@ -261,7 +261,8 @@ def assign(target: Any, value: np.ndarray) -> None:
 
     value = np.asarray(value)
     # Only a private copy may be handed to the op: it adopts aligned memory without copying.
-    tensor = _private_copy(value) if value.nbytes else tf.constant(value)
+    tensor = _private_copy(value) if value.nbytes and not value.dtype.hasobject \
+        else tf.constant(value)  # empty, or strings: nothing to adopt
     tf.raw_ops.AssignVariableOp(resource=plain_var.handle, value=tensor)
 
 
