@@ -34,7 +34,7 @@ from ._optimizer import (capture_optimizer, capture_schedule, ensure_built, plan
                          plan_schedule, slot_variables)
 from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
-from ._tensors import assign, match_names, named_tensors, np_dtype, to_numpy
+from ._tensors import assign, match_names, named_tensors, np_dtype, shape_of, to_numpy
 
 __all__ = ["capture", "restore"]
 
@@ -99,7 +99,7 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
     names = {id(var): name for name, var in named}
     state = TrainingState(framework=_NAME,
                           model={name: to_numpy(var, copy=copy) for name, var in named},
-                          params=describe_params(model, names))
+                          params=describe_params(model, names, [var for _, var in named]))
     opt = _optimizer_of(model, optimizer)
     if opt is not None:
         ensure_built(opt, model)
@@ -192,7 +192,7 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     plan.unexpected_from(order, mapping)
     for saved, name in mapping.items():
         var, value = target[name], state.model[saved]
-        plan.assign(qualified("model", name), value, shape=var.shape, dtype=np_dtype(var),
+        plan.assign(qualified("model", name), value, shape=shape_of(var), dtype=np_dtype(var),
                     put=lambda var=var, value=value: assign(var, value))
     unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done
     fix = "pass optimizer=... (or restore into a model compiled with one)"

@@ -37,7 +37,7 @@ from ckptcore.errors import RestoreError
 from ckptcore.state import AccumulationState, OptimizerState, ScheduleState
 from ckptcore.vocab import plain
 
-from ._tensors import assign, np_dtype, to_numpy
+from ._tensors import assign, np_dtype, shape_of, to_numpy
 
 __all__ = ["capture_optimizer", "plan_optimizer", "capture_schedule", "plan_schedule", "slot_variables",
            "ensure_built", "unwrap", "variable_roles"]
@@ -206,7 +206,7 @@ def plan_schedule(plan: RestorePlan, schedule: ScheduleState | None, optimizer: 
 
 def _put(plan: RestorePlan, name: str, var: Any, value: Any) -> None:
     value = np.asarray(value)
-    plan.assign(name, value, shape=var.shape, dtype=np_dtype(var),
+    plan.assign(name, value, shape=shape_of(var), dtype=np_dtype(var),
                 put=lambda: assign(var, value))
 
 

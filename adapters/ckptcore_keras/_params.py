@@ -17,6 +17,8 @@ out, which migration reads as "structure unknown".
 from __future__ import annotations
 
 import re
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 from ckptcore.state import ParamInfo
@@ -129,8 +131,46 @@ def _flatten_input(layer: Any) -> list[int] | None:
     return None
 
 
-def describe_params(model: Any, names: dict[int, str]) -> dict[str, ParamInfo]:
-    """``ParamInfo`` for every variable named in ``names`` (``id(variable) -> name``)."""
+# model -> (its variables, their names, their ParamInfo): see describe_params.  Weak on the model,
+# so a model that goes away takes its entry with it.
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def describe_params(model: Any, names: dict[int, str],
+                    variables: Sequence[Any] | None = None) -> dict[str, ParamInfo]:
+    """``ParamInfo`` for every variable named in ``names`` (``id(variable) -> name``).
+
+    With ``variables`` (the objects whose ids ``names`` holds, in model order), the result is
+    kept for the next call on the same model: a ParamInfo follows from a layer's class and
+    configuration and from the graph, which do not change while the model keeps the same
+    variables under the same names, and computing it walks every layer and the whole graph
+    (about a third of a capture of a real model).  Any change of the variables (a model that
+    built more layers, lost one, or replaced a variable) or of their names computes it afresh;
+    the entry holds the variables themselves, so that ids are never reused while it lives.
+    Every call returns new ParamInfo objects (the caller's state may be changed freely).
+    """
+    if variables is None:
+        return _describe_params(model, names)
+    key = tuple(names[id(v)] for v in variables)
+    try:
+        hit = _CACHE.get(model)
+    except TypeError:  # an unhashable or not weakly referenceable model: nothing to keep
+        return _describe_params(model, names)
+    if hit is not None and hit[1] == key and len(hit[0]) == len(variables) \
+            and all(a is b for a, b in zip(hit[0], variables)):
+        return {name: _copy(info) for name, info in hit[2].items()}
+    out = _describe_params(model, names)
+    _CACHE[model] = (tuple(variables), key, {name: _copy(info) for name, info in out.items()})
+    return out
+
+
+def _copy(info: ParamInfo) -> ParamInfo:
+    attrs = {k: list(v) if isinstance(v, list) else v for k, v in info.attrs.items()}
+    return ParamInfo(index=info.index, layer=info.layer, kind=info.kind, role=info.role,
+                     layout=info.layout, attrs=attrs)
+
+
+def _describe_params(model: Any, names: dict[int, str]) -> dict[str, ParamInfo]:
     out: dict[str, ParamInfo] = {}
     index = -1
     raw = raw_owners(model)

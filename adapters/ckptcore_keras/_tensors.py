@@ -38,26 +38,51 @@ def layer_path(layer: Any) -> str:
     return getattr(layer, "path", None) or layer.name
 
 
+# What an attribute value is, by its exact type: looking the type up once per type instead of
+# running isinstance against the tf.Variable and Sequence/Mapping ABCs for every attribute of
+# every layer (tens of thousands of checks on a real model, the largest cost of a capture).
+_SKIP, _VARIABLE, _SEQUENCE, _MAPPING = 0, 1, 2, 3
+_KIND_OF_TYPE: dict[type, int] = {}
+
+
+def _kind(value: Any) -> int:
+    kind = _KIND_OF_TYPE.get(type(value))
+    if kind is None:
+        import tensorflow as tf
+
+        if isinstance(value, tf.Variable):
+            kind = _VARIABLE
+        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            kind = _SEQUENCE
+        elif isinstance(value, Mapping):
+            kind = _MAPPING
+        else:
+            kind = _SKIP
+        _KIND_OF_TYPE[type(value)] = kind
+    return kind
+
+
 def _raw_variables(model: Any, known: set[int]) -> Iterator[tuple[str, Any, Any]]:
     """``(name, tf.Variable, owner)`` for untracked TF variables held as layer attributes."""
-    import tensorflow as tf
-
+    kinds = _KIND_OF_TYPE
     for layer, _ in walk_layers(model):
         base = layer_path(layer)
         # Direct attributes first, then containers; TF's own tracking tables ("_self_...") never.
-        attrs = [(a, v) for a, v in vars(layer).items() if not a.startswith("_self_")]
-        attrs.sort(key=lambda av: not isinstance(av[1], tf.Variable))
-        for attr, value in attrs:
-            if isinstance(value, tf.Variable):
+        attrs = [(a, v, k if (k := kinds.get(type(v))) is not None else _kind(v))
+                 for a, v in vars(layer).items()]
+        attrs = [x for x in attrs if x[2] != _SKIP and not x[0].startswith("_self_")]
+        for attr, value, kind in [x for x in attrs if x[2] == _VARIABLE] + \
+                [x for x in attrs if x[2] != _VARIABLE]:
+            if kind == _VARIABLE:
                 items = [(f"{base}/{attr}", value)]
-            elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-                items = [(f"{base}/{attr}/{i}", v) for i, v in enumerate(value)]
-            elif isinstance(value, Mapping):
-                items = [(f"{base}/{attr}/{k}", v) for k, v in value.items()]
+            elif kind == _SEQUENCE:
+                items = [(f"{base}/{attr}/{i}", v) for i, v in enumerate(value)
+                         if kinds.get(type(v)) == _VARIABLE or _kind(v) == _VARIABLE]
             else:
-                continue
+                items = [(f"{base}/{attr}/{k}", v) for k, v in value.items()
+                         if kinds.get(type(v)) == _VARIABLE or _kind(v) == _VARIABLE]
             for name, var in items:
-                if isinstance(var, tf.Variable) and id(var) not in known:
+                if id(var) not in known:
                     known.add(id(var))
                     yield name, var, layer
 
@@ -125,12 +150,46 @@ def match_names(saved: Sequence[str], target: Sequence[str]) -> dict[str, str]:
     return out
 
 
+_NP_DTYPES: dict[Any, np.dtype] = {}
+
+
 def np_dtype(var: Any) -> np.dtype:
     dtype = var.dtype
-    if hasattr(dtype, "as_numpy_dtype"):  # tf.DType
-        return np.dtype(dtype.as_numpy_dtype)
-    import keras
-    return np.dtype(keras.backend.standardize_dtype(dtype))
+    out = _NP_DTYPES.get(dtype)
+    if out is None:
+        if hasattr(dtype, "as_numpy_dtype"):  # tf.DType
+            out = np.dtype(dtype.as_numpy_dtype)
+        else:
+            import keras
+            out = np.dtype(keras.backend.standardize_dtype(dtype))
+        _NP_DTYPES[dtype] = out
+    return out
+
+
+def shape_of(var: Any) -> tuple[int | None, ...]:
+    """The variable's shape as a tuple (what ``RestorePlan.assign`` compares against).
+
+    A ``keras.Variable`` keeps it as a tuple already; its ``shape`` property builds a
+    ``tf.TensorShape`` that the check would only take apart again.
+    """
+    shape = getattr(var, "_shape", None)
+    return shape if type(shape) is tuple else tuple(var.shape)
+
+
+def _plain_tf_variable(var: Any) -> Any | None:
+    """The ``tf.Variable`` behind ``var`` (a ``keras.Variable`` or a raw one) when it is a plain,
+    single-device resource variable, else None (a mirrored or otherwise distributed variable,
+    which reads and writes through its own methods)."""
+    from tensorflow.python.ops.resource_variable_ops import ResourceVariable
+
+    if type(var) is ResourceVariable:
+        return var
+    # keras.Variable keeps its backend variable in ``_value``; its ``value`` property (checks for
+    # a stateless scope and autocasting) costs more than the read itself.
+    tf_var = getattr(var, "_value", None)
+    if type(tf_var) is not ResourceVariable:
+        tf_var = getattr(var, "value", None)
+    return tf_var if type(tf_var) is ResourceVariable else None
 
 
 def to_numpy(var: Any, copy: bool = True) -> np.ndarray:
@@ -144,23 +203,73 @@ def to_numpy(var: Any, copy: bool = True) -> np.ndarray:
     has the same signature (``copy=False`` elsewhere means "may view live
     buffers"; here both give the same immutable snapshot).  Mirrored variables
     give the first replica's value.
+
+    A plain variable is read with the bare ``ReadVariableOp`` (the op ``read_value`` runs,
+    without its Python layers: gradient-tape bookkeeping, dispatch, an ``identity``), a third of
+    the cost on a model of hundreds of variables.
     """
     del copy  # a snapshot either way, see above
-    import tensorflow as tf
+    plain_var = _plain_tf_variable(var)
+    if plain_var is not None:
+        import tensorflow as tf
 
-    tf_var = var if isinstance(var, tf.Variable) else getattr(var, "value", None)  # keras.Variable
-    arr = np.asarray(tf_var.read_value() if isinstance(tf_var, tf.Variable) else var.numpy())
-    if arr.flags.writeable:  # a path that copied: fine, but make every capture read-only alike
+        arr = np.asarray(tf.raw_ops.ReadVariableOp(resource=plain_var.handle, dtype=plain_var.dtype))
+    else:
+        import tensorflow as tf
+
+        tf_var = var if isinstance(var, tf.Variable) else getattr(var, "value", None)  # keras.Variable
+        arr = np.asarray(tf_var.read_value() if isinstance(tf_var, tf.Variable) else var.numpy())
+    if arr.flags.writeable:  # make every capture read-only alike
         arr.flags.writeable = False
     return arr
+
+
+# TensorFlow adopts a numpy array's memory as a tensor's buffer, without copying it, when the
+# data is aligned for Eigen (64 bytes covers every CPU build); otherwise it copies.
+_ALIGN = 64
+
+
+def _private_copy(value: np.ndarray) -> np.ndarray:
+    """A copy of ``value`` in new memory aligned so that TensorFlow adopts it as it is."""
+    raw = np.empty(value.nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    out = raw[start:start + value.nbytes].view(value.dtype).reshape(value.shape)
+    np.copyto(out, value)
+    return out
 
 
 def assign(target: Any, value: np.ndarray) -> None:
     """Write ``value`` (already checked to fit, see ``RestorePlan.assign``) into ``target``.
 
-    The assign copies the array into a new TensorFlow buffer (conversion never
-    aliases numpy memory), then swaps it in.  Converting on several threads was
-    measured slower: each thread's allocations take fresh pages instead of the
-    buffers the swaps just freed.
+    ``value`` is copied once, into new memory that becomes the variable's buffer: the array
+    may map a checkpoint file or belong to the caller, so the variable never shares it.  A
+    plain variable takes the copy through the bare ``AssignVariableOp`` (the op ``assign``
+    runs, without the Python layers of ``keras.Variable.assign`` and ``tf.Variable.assign``:
+    conversion, shape check, dispatch, done here and by the plan), which adopts aligned memory
+    as it is; ``tf.constant`` would copy twice (a numpy copy, then again into aligned memory
+    for most arrays), and on a real model of hundreds of variables those layers and copies
+    cost more than the data.  Other variables (mirrored, other dtypes, a ``StatelessScope``)
+    go through their own ``assign``.  Converting on several threads was measured slower:
+    each thread's allocations take fresh pages instead of the buffers the swaps just freed.
     """
-    target.assign(value)
+    plain_var = _plain_tf_variable(target)
+    if (plain_var is None or getattr(value, "dtype", None) != np_dtype(plain_var)
+            or np.shape(value) != tuple(plain_var.shape) or _in_stateless_scope()):
+        target.assign(value)  # casts, checks the shape, or goes through the scope, as it always did
+        return
+    import tensorflow as tf
+
+    value = np.asarray(value)
+    # Only a private copy may be handed to the op: it adopts aligned memory without copying.
+    tensor = _private_copy(value) if value.nbytes and not value.dtype.hasobject \
+        else tf.constant(value)  # empty, or strings: nothing to adopt
+    tf.raw_ops.AssignVariableOp(resource=plain_var.handle, value=tensor)
+
+
+def _in_stateless_scope() -> bool:
+    """Whether Keras routes assignments to a ``StatelessScope`` (then only ``assign`` does it)."""
+    try:
+        from keras.src.backend.common.stateless_scope import in_stateless_scope
+    except ImportError:  # pragma: no cover - another Keras layout: never skip its assign
+        return True
+    return in_stateless_scope()
