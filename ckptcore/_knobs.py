@@ -34,6 +34,18 @@ _DEFAULTS = {
     "lease_seconds": 30.0,
     # How often a live writer's heartbeat thread renews its lease (seconds).
     "heartbeat_seconds": 10.0,
+    # Object stores: their bandwidth comes from many requests in flight.  Shards are uploaded to
+    # S3 in parts of this size while the next parts are checksummed (an object that fits in one
+    # part is a single PUT: one request, no multipart to complete), and ranged reads of every async
+    # filesystem (S3, GCS, Azure) are split into pieces of this size fetched concurrently.  32 MiB:
+    # well above S3's 5 MiB minimum part (smaller values fail on S3 itself), large enough that
+    # per-request latency (tens of ms) costs little against the transfer, in the range S3's own
+    # tools use (8-64 MiB; s3fs 50 MiB).  Store.shard_size bounds remote shards to one part.
+    "remote_part_size": 32 * 1024 * 1024,
+    # How many parts (uploads) or pieces (reads) of one save or load are in flight at once: 8, like
+    # boto3's and s3fs's defaults (10), within botocore's pool of 10 connections.  Memory held by a
+    # save's uploads is at most remote_concurrency x remote_part_size (256 MiB).
+    "remote_concurrency": 8,
 }
 _ENV = {k: "CKPTCORE_" + k.upper() for k in _DEFAULTS}
 _overrides: dict[str, float] = {}

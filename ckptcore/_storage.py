@@ -32,6 +32,7 @@ import os
 import shutil
 import stat
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -39,6 +40,7 @@ from typing import Any, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from . import _knobs, _remote
 from .errors import (CheckpointError, CheckpointNotFoundError, SchemaError, StorageError,
                      UnsafeCheckpointError)
 
@@ -167,6 +169,8 @@ class Store:
         protocols = _fs.protocol if isinstance(_fs.protocol, (tuple, list)) else (_fs.protocol,)
         self.atomic_rename = self.local
         self.atomic_create = self.local or bool(_ATOMIC_CREATE & set(protocols))
+        self._pool: _remote.PartPool | None = None  # part buffers of this store's uploads
+        self._pool_lock = threading.Lock()
 
     def _url(self, rel: str = "") -> str:
         return self.url.rstrip("/") + "/" + rel if rel else self.url
@@ -311,18 +315,25 @@ class Store:
             raise SchemaError(f"{self.join(rel)}: {size} bytes, more than the limit of {max_bytes} "
                               "bytes for this file; refused without reading it")
 
-    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """Bytes ``[start, end)`` of each range, fetched concurrently where the backend can."""
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes | bytearray]:
+        """Bytes ``[start, end)`` of each range; a range the file does not fully hold comes back
+        short (the caller compares lengths).  Object stores: one writable ``bytearray`` per range,
+        each range fetched in ``remote_part_size`` pieces with up to ``remote_concurrency`` in
+        flight (async filesystems: S3, GCS, Azure), or through ``cat_ranges`` elsewhere."""
         if not ranges:
             return []
         path = self.join(rel)
         with self._remote("read", rel):
+            if _remote.concurrent_reads(self.fs):
+                return _remote.read_ranges(self.fs, path, ranges,
+                                           part_size=int(_knobs.get("remote_part_size")),
+                                           concurrency=int(_knobs.get("remote_concurrency")))
             blobs = self.fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges],
                                        [r[1] for r in ranges])
-            for blob in blobs:  # async filesystems hand back per-range errors instead of raising
+            for blob in blobs:  # some filesystems hand back per-range errors instead of raising
                 if isinstance(blob, BaseException):
                     raise blob
-        return blobs
+        return [bytearray(b) for b in blobs]  # writable arrays, like memory-mapped local shards
 
     def listdir(self, rel: str = "") -> list[Entry]:
         """Entries directly below ``rel``; empty when it does not exist."""
@@ -360,7 +371,20 @@ class Store:
         if self.local:
             return open(self.join(rel), "wb", buffering=1 << 20)
         with self._remote("write", rel, write=True):
+            if _remote.multipart_capable(self.fs):
+                # S3: parts uploaded concurrently while the caller writes the next ones.
+                return _remote.PartWriter(self, rel, pool=self._part_pool())
             return _RemoteWriter(self, rel, self.fs.open(self.join(rel), "wb"))
+
+    def _part_pool(self) -> _remote.PartPool:
+        """The part buffers this store's uploads share (``remote_concurrency`` of
+        ``remote_part_size``): every shard of a save goes through one store, so this bounds the
+        memory of a save's uploads."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = _remote.PartPool(int(_knobs.get("remote_concurrency")),
+                                              max(1, int(_knobs.get("remote_part_size"))))
+            return self._pool
 
     def write_bytes(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
         """Write a whole file, durably on local disk (any write/fsync/close error is raised, naming
