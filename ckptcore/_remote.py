@@ -286,24 +286,25 @@ def _invalid_range(e: BaseException) -> bool:
     return isinstance(response, dict) and (response.get("Error") or {}).get("Code") == "InvalidRange"
 
 
-def read_ranges(fs: Any, path: str, ranges: list[tuple[int, int]], *, part_size: int,
-                concurrency: int) -> list[bytearray]:
-    """Bytes ``[start, end)`` of each range of ``path``, as one ``bytearray`` per range.
+def read_ranges(fs: Any, requests: list[tuple[str, list[tuple[int, int]]]], *, part_size: int,
+                concurrency: int) -> list[list[bytearray]]:
+    """For each ``(path, ranges)``, bytes ``[start, end)`` of each range as one ``bytearray``.
 
     Each range is split into pieces of at most ``part_size`` bytes, fetched with up to
-    ``concurrency`` requests in flight through the filesystem's async ``_cat_file``, each piece
-    copied into its range's buffer as it arrives.  A short answer (the object shrank since its
-    size was checked) leaves that range shorter, up to its first missing byte: the caller
-    compares lengths, as with any short read.  Anything else raises.
+    ``concurrency`` requests in flight (over every path at once) through the filesystem's async
+    ``_cat_file``, each piece copied into its range's buffer as it arrives.  A short answer (the
+    object shrank since its size was checked) leaves that range shorter, up to its first missing
+    byte: the caller compares lengths, as with any short read.  Anything else raises.
     """
     part = max(1, int(part_size))
-    out = [bytearray(end - start) for start, end in ranges]
-    pieces = [(i, lo, min(lo + part, end - start))
+    out = [[bytearray(end - start) for start, end in ranges] for _, ranges in requests]
+    pieces = [(k, i, lo, min(lo + part, end - start))
+              for k, (_, ranges) in enumerate(requests)
               for i, (start, end) in enumerate(ranges) for lo in range(0, end - start, part)]
-    got: dict[tuple[int, int], int] = {}
+    got: dict[tuple[int, int, int], int] = {}
 
-    async def fetch(sem: asyncio.Semaphore, i: int, lo: int, hi: int) -> None:
-        start = ranges[i][0]
+    async def fetch(sem: asyncio.Semaphore, k: int, i: int, lo: int, hi: int) -> None:
+        path, start = requests[k][0], requests[k][1][i][0]
         async with sem:
             try:
                 data = await fs._cat_file(path, start=start + lo, end=start + hi)
@@ -312,8 +313,8 @@ def read_ranges(fs: Any, path: str, ranges: list[tuple[int, int]], *, part_size:
                     raise
                 data = b""
         n = min(len(data), hi - lo)
-        out[i][lo:lo + n] = memoryview(data)[:n]
-        got[i, lo] = n
+        out[k][i][lo:lo + n] = memoryview(data)[:n]
+        got[k, i, lo] = n
 
     async def fetch_all() -> None:
         sem = asyncio.Semaphore(max(1, int(concurrency)))
@@ -324,7 +325,8 @@ def read_ranges(fs: Any, path: str, ranges: list[tuple[int, int]], *, part_size:
 
     if pieces:
         sync(_loop(fs), fetch_all)
-    for i, lo, hi in pieces:  # a short piece ends its range's valid bytes
-        if got.get((i, lo), 0) < hi - lo and len(out[i]) > lo + got.get((i, lo), 0):
-            del out[i][lo + got.get((i, lo), 0):]
+    for k, i, lo, hi in pieces:  # a short piece ends its range's valid bytes
+        n = got.get((k, i, lo), 0)
+        if n < hi - lo and len(out[k][i]) > lo + n:
+            del out[k][i][lo + n:]
     return out
