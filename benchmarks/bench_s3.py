@@ -201,6 +201,17 @@ def report(title: str, c: Contenders, res: dict, server: str) -> tuple[list[str]
     return lines, verdicts
 
 
+def _knob_text(knobs) -> str:
+    out = []
+    for name in ("remote_part_size", "remote_concurrency", "shard_size", "threads"):
+        try:
+            v = int(knobs.get(name))
+        except KeyError:  # a ckptcore from before the knob
+            continue
+        out.append(f"{name}={v // 2**20} MiB" if v >= 2**20 else f"{name}={v}")
+    return ", ".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=float, default=256)
@@ -229,7 +240,8 @@ def main(argv=None) -> int:
 
         s3fs.S3FileSystem(**opts).mkdir(BUCKET)
         # Until ckptcore._io asks the store for its shard bound, show the proposed setting too.
-        one_part = Store(f"s3://{BUCKET}/x", opts).shard_size != int(_knobs.get("shard_size"))
+        bound = getattr(Store(f"s3://{BUCKET}/x", opts), "shard_size", None)  # None: older ckptcore
+        one_part = bound is not None and bound != int(_knobs.get("shard_size"))
         lines, verdicts = [], []
         for title, count, mb, seed in (("large", args.tensors, args.size_mb, 0),
                                        ("many", args.many_count, args.many_mb, 10_000)):
@@ -245,10 +257,7 @@ def main(argv=None) -> int:
     head = [f"## bench_s3.py, {datetime.datetime.now():%Y-%m-%d %H:%M}"
             f"{' (' + args.label + ')' if args.label else ''}", "",
             f"moto ThreadedMotoServer on 127.0.0.1 ({'child process' if args.server == 'process' else 'in this process'}), "
-            f"{args.rounds} interleaved rounds; knobs remote_part_size="
-            f"{int(_knobs.get('remote_part_size')) // 2**20} MiB, remote_concurrency="
-            f"{int(_knobs.get('remote_concurrency'))}, shard_size={int(_knobs.get('shard_size')) // 2**20} MiB, "
-            f"threads={int(_knobs.get('threads'))}.", ""]
+            f"{args.rounds} interleaved rounds; knobs {_knob_text(_knobs)}.", ""]
     table = ["| target (speed vs s3fs raw, >= 0.9x) | ratio of medians | ratio of best rounds | verdict |",
              "|---|---:|---:|---|"]
     for label, ratio, best in verdicts:
