@@ -166,13 +166,13 @@ def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[st
     their format names when the caller has them already (see ``_codec.Encoded``)."""
     alignment = int(_knobs.get("alignment"))
     sizes = [a.nbytes for a in arrays]
-    layout = plan_shards(sizes, int(_knobs.get("shard_size")), alignment)
+    layout = plan_shards(sizes, store.shard_size, alignment)
     paths = [f"shard-{i:05d}-{token}.bin" for i in range(len(layout))]
     ctx = contextvars.copy_context()
     if len(layout) == 1:  # no pool for one shard: its thread would only add a hand-over
         written = [ctx.copy().run(_write_one, store, paths[0], arrays, layout[0])]
     else:
-        with ThreadPoolExecutor(max(1, min(int(_knobs.get("threads")), len(layout)))) as pool:
+        with ThreadPoolExecutor(max(1, min(store.writers, len(layout)))) as pool:
             written = list(pool.map(lambda j: ctx.copy().run(_write_one, store, paths[j], arrays,
                                                              layout[j]), range(len(layout))))
     n = len(arrays)
@@ -229,12 +229,11 @@ def _map_local(store: Store, shard: ShardEntry) -> memoryview:
     return memoryview(mm)
 
 
-def _fetch_remote(store: Store, shard: ShardEntry, entries: Sequence[TensorEntry]) -> list[memoryview]:
-    """Read the byte ranges of ``entries`` from one remote shard, merging neighbours; the views
-    come back in the order of ``entries``."""
+def _spans(entries: Sequence[TensorEntry]) -> list[list]:
+    """The byte ranges to fetch for ``entries`` of one shard, neighbours (gaps up to 1 MiB)
+    merged: ``[[start, end, [k...]]]``.  Empty tensors need no bytes (a zero-length range is an
+    error, or the whole object, on S3)."""
     spans: list[list] = []
-    out: list[memoryview] = [memoryview(b"")] * len(entries)
-    # Empty tensors need no bytes; a zero-length range is an error (or the whole object) on S3.
     for k in sorted((k for k, t in enumerate(entries) if t.length), key=lambda k: entries[k].offset):
         t = entries[k]
         if spans and t.offset - spans[-1][1] <= (1 << 20):
@@ -242,22 +241,48 @@ def _fetch_remote(store: Store, shard: ShardEntry, entries: Sequence[TensorEntry
             spans[-1][2].append(k)
         else:
             spans.append([t.offset, t.offset + t.length, [k]])
-    if not spans:
-        return out
+    return spans
+
+
+def _fetch_remote_many(store: Store, items: Sequence[tuple[ShardEntry, Sequence[TensorEntry]]],
+                       errors: list | None = None) -> list[list[memoryview] | None]:
+    """Read the byte ranges of each ``(shard, entries)`` from a remote store in one
+    ``Store.read_many`` (every shard's pieces in flight together, up to ``remote_concurrency``);
+    per item, the views in the order of its ``entries``.  With ``errors`` given, a short shard
+    is reported there and its item is None instead of raising."""
+    plans = [_spans(entries) for _, entries in items]
     try:
-        blobs = store.read_ranges(shard.path, [(s[0], s[1]) for s in spans])
+        blobs = store.read_many([(shard.path, [(s[0], s[1]) for s in spans])
+                                 for (shard, _), spans in zip(items, plans)])
     except FileNotFoundError as e:  # removed after its size was checked
-        raise IncompleteCheckpointError(f"{store.join(shard.path)}: shard file is missing") from e
-    for (start, end, ks), blob in zip(spans, blobs):
-        if len(blob) != end - start:
-            raise IncompleteCheckpointError(f"{store.join(shard.path)}: short read "
-                                            f"({len(blob)} of {end - start} bytes)")
-        # Writable arrays, like the local path; a bytearray the store filled is ours already.
-        view = memoryview(blob if isinstance(blob, bytearray) else bytearray(blob))
-        for k in ks:
-            t = entries[k]
-            out[k] = view[t.offset - start: t.offset - start + t.length]
+        names = ", ".join(store.join(shard.path) for shard, _ in items)
+        raise IncompleteCheckpointError(f"{e.filename or names}: shard file is missing") from e
+    out = []
+    for (shard, entries), spans, shard_blobs in zip(items, plans, blobs):
+        views: list[memoryview] | None = [memoryview(b"")] * len(entries)
+        for (start, end, ks), blob in zip(spans, shard_blobs):
+            if len(blob) != end - start:
+                e = IncompleteCheckpointError(f"{store.join(shard.path)}: short read "
+                                              f"({len(blob)} of {end - start} bytes)")
+                if errors is None:
+                    raise e
+                errors.append(e)
+                views = None
+                break
+            # Writable arrays, like the local path; a bytearray the store filled is ours already.
+            view = memoryview(blob if isinstance(blob, bytearray) else bytearray(blob))
+            for k in ks:
+                t = entries[k]
+                views[k] = view[t.offset - start: t.offset - start + t.length]
+        out.append(views)
     return out
+
+
+def _fetch_remote(store: Store, shard: ShardEntry, entries: Sequence[TensorEntry]) -> list[memoryview]:
+    """:func:`_fetch_remote_many` of one shard."""
+    views = _fetch_remote_many(store, [(shard, entries)])[0]
+    assert views is not None  # raised otherwise
+    return views
 
 
 def _corrupt(store: Store, shard: ShardEntry, name: str, expected: int, actual: int
@@ -305,13 +330,16 @@ class Reading:
             by_shard.setdefault(shard_col[i], []).append(i)
         # (tensor, shard, buffer, offset in it, length): arrays are views of the buffers.
         checks: list[tuple[int, int, memoryview, int, int]] = []
-        for s in sorted(by_shard):
-            try:
-                checks += self._locate(s, by_shard[s])
-            except (IncompleteCheckpointError, CorruptCheckpointError) as e:
-                if errors is None:
-                    raise
-                errors.append(e)
+        if store.local:
+            for s in sorted(by_shard):
+                try:
+                    checks += self._locate(s, by_shard[s])
+                except (IncompleteCheckpointError, CorruptCheckpointError) as e:
+                    if errors is None:
+                        raise
+                    errors.append(e)
+        elif by_shard:
+            checks = self._locate_remote(by_shard)
         dtypes, shapes = table.np_dtypes(), table.shapes
         arrays, ndarray, empty = self.arrays, np.ndarray, np.empty
         for i, _, buf, offset, n in checks:
@@ -321,14 +349,52 @@ class Reading:
             self._start(checks)
 
     def _locate(self, s: int, idxs: list[int]) -> list[tuple[int, int, memoryview, int, int]]:
-        shard, table = self.manifest.shards[s], self.manifest.tensors
+        """A local shard: mapped whole, its tensors located by offset."""
+        table = self.manifest.tensors
         offset, length = table.column("offset"), table.column("length")
-        if self.store.local:
-            whole = _map_local(self.store, shard)
-            return [(i, s, whole, offset[i], length[i]) for i in idxs]
-        _check_size(self.store, shard)
-        views = _fetch_remote(self.store, shard, [table.entry(i) for i in idxs])
-        return [(i, s, v, 0, len(v)) for i, v in zip(idxs, views)]
+        whole = _map_local(self.store, self.manifest.shards[s])
+        return [(i, s, whole, offset[i], length[i]) for i in idxs]
+
+    def _locate_remote(self, by_shard: dict[int, list[int]]
+                       ) -> list[tuple[int, int, memoryview, int, int]]:
+        """Remote shards: every size checked first (concurrent HEADs, before any buffer is
+        allocated), then the tensors of all of them fetched in one concurrent read.  Shards are
+        bounded to one upload part on S3 (``Store.shard_size``), so a load has many: fetching them
+        one after the other would leave the store's parallelism unused."""
+        store, shards, table = self.store, self.manifest.shards, self.manifest.tensors
+        order = sorted(by_shard)
+
+        def check(s: int) -> Exception | None:
+            try:
+                _check_size(store, shards[s])
+            except (IncompleteCheckpointError, CorruptCheckpointError) as e:
+                return e
+            return None
+
+        ctx = contextvars.copy_context()
+        if len(order) == 1:
+            problems = [check(order[0])]
+        else:
+            with ThreadPoolExecutor(min(store.writers, len(order))) as pool:
+                problems = list(pool.map(lambda s: ctx.copy().run(check, s), order))
+        good = []
+        for s, problem in zip(order, problems):
+            if problem is None:
+                good.append(s)
+            elif self.errors is None:
+                raise problem
+            else:
+                self.errors.append(problem)
+        items = [(shards[s], [table.entry(i) for i in by_shard[s]]) for s in good]
+        try:
+            fetched = _fetch_remote_many(store, items, self.errors)
+        except IncompleteCheckpointError as e:  # a shard removed after its size was checked
+            if self.errors is None:
+                raise
+            self.errors.append(e)
+            return []
+        return [(i, s, v, 0, len(v)) for s, views in zip(good, fetched) if views is not None
+                for i, v in zip(by_shard[s], views)]
 
     def _start(self, checks: list[tuple[int, int, memoryview, int, int]]) -> None:
         # One pool task per ~4 MiB of tensors, not per tensor: for 10,000 small tensors the

@@ -40,6 +40,18 @@ _DEFAULTS = {
     # A verified load checksums tensors in pool tasks of about this many bytes, in shard order; a
     # restore into live objects assigns each tensor as soon as its batch is verified.
     "verify_batch": 4 * 1024 * 1024,
+    # Object stores: their bandwidth comes from many requests in flight.  Shards are uploaded to
+    # S3 in parts of this size while the next parts are checksummed (an object that fits in one
+    # part is a single PUT: one request, no multipart to complete), and ranged reads of every async
+    # filesystem (S3, GCS, Azure) are split into pieces of this size fetched concurrently.  32 MiB:
+    # well above S3's 5 MiB minimum part (smaller values fail on S3 itself), large enough that
+    # per-request latency (tens of ms) costs little against the transfer, in the range S3's own
+    # tools use (8-64 MiB; s3fs 50 MiB).  Store.shard_size bounds remote shards to one part.
+    "remote_part_size": 32 * 1024 * 1024,
+    # How many parts (uploads) or pieces (reads) of one save or load are in flight at once: 8, like
+    # boto3's and s3fs's defaults (10), within botocore's pool of 10 connections.  Memory held by a
+    # save's uploads is at most remote_concurrency x remote_part_size (256 MiB).
+    "remote_concurrency": 8,
 }
 _ENV = {k: "CKPTCORE_" + k.upper() for k in _DEFAULTS}
 _overrides: dict[str, float] = {}

@@ -32,6 +32,7 @@ import os
 import shutil
 import stat
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -39,6 +40,7 @@ from typing import Any, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from . import _knobs, _remote
 from .errors import (CheckpointError, CheckpointNotFoundError, SchemaError, StorageError,
                      UnsafeCheckpointError)
 
@@ -167,6 +169,8 @@ class Store:
         protocols = _fs.protocol if isinstance(_fs.protocol, (tuple, list)) else (_fs.protocol,)
         self.atomic_rename = self.local
         self.atomic_create = self.local or bool(_ATOMIC_CREATE & set(protocols))
+        self._pool: _remote.PartPool | None = None  # part buffers of this store's uploads
+        self._pool_lock = threading.Lock()
 
     def _url(self, rel: str = "") -> str:
         return self.url.rstrip("/") + "/" + rel if rel else self.url
@@ -311,18 +315,64 @@ class Store:
             raise SchemaError(f"{self.join(rel)}: {size} bytes, more than the limit of {max_bytes} "
                               "bytes for this file; refused without reading it")
 
-    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """Bytes ``[start, end)`` of each range, fetched concurrently where the backend can."""
-        if not ranges:
-            return []
-        path = self.join(rel)
-        with self._remote("read", rel):
-            blobs = self.fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges],
-                                       [r[1] for r in ranges])
-            for blob in blobs:  # async filesystems hand back per-range errors instead of raising
-                if isinstance(blob, BaseException):
-                    raise blob
-        return blobs
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes | bytearray]:
+        """Bytes ``[start, end)`` of each range; a range the file does not fully hold comes back
+        short (the caller compares lengths).  Object stores: one writable ``bytearray`` per range
+        (see :meth:`read_many`)."""
+        return self.read_many([(rel, ranges)])[0]
+
+    def read_many(self, requests: list[tuple[str, list[tuple[int, int]]]]
+                  ) -> list[list[bytes | bytearray]]:
+        """:meth:`read_ranges` of several files at once: ``[(rel, ranges)] -> [[blob]]``.
+
+        Async filesystems (S3, GCS, Azure): every range split into ``remote_part_size`` pieces,
+        up to ``remote_concurrency`` of them in flight across all the files, written straight
+        into one preallocated ``bytearray`` per range.  Others: ``cat_ranges``, per file.
+        """
+        requests = [(rel, list(ranges)) for rel, ranges in requests]
+        if not any(ranges for _, ranges in requests):
+            return [[] for _ in requests]
+        rels = ", ".join(dict.fromkeys(rel for rel, _ in requests))
+        if not self.local and _remote.concurrent_reads(self.fs):
+            with self._remote("read", rels if len(requests) > 1 else requests[0][0]):
+                return _remote.read_ranges(
+                    self.fs, [(self.join(rel), ranges) for rel, ranges in requests],
+                    part_size=int(_knobs.get("remote_part_size")),
+                    concurrency=int(_knobs.get("remote_concurrency")))
+        out = []
+        for rel, ranges in requests:
+            if not ranges:
+                out.append([])
+                continue
+            path = self.join(rel)
+            with self._remote("read", rel):
+                blobs = self.fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges],
+                                           [r[1] for r in ranges])
+                for blob in blobs:  # some filesystems hand back per-range errors instead of raising
+                    if isinstance(blob, BaseException):
+                        raise blob
+            # Writable, like memory-mapped local shards (local reads go through maps, not here).
+            out.append(blobs if self.local else [bytearray(b) for b in blobs])
+        return out
+
+    @property
+    def shard_size(self) -> int:
+        """The bound on one shard's size for this store: the ``shard_size`` knob; on S3 at most
+        one upload part (``remote_part_size``), so a shard is a single PUT (a multipart upload
+        costs extra requests, and the service a copy of the object to complete it) and a save's
+        many shards travel at once.  A tensor larger than a part still gets a shard of its own,
+        uploaded in concurrent parts."""
+        bound = int(_knobs.get("shard_size"))
+        if not self.local and _remote.multipart_capable(self.fs):
+            return max(1, min(bound, int(_knobs.get("remote_part_size"))))
+        return bound
+
+    @property
+    def writers(self) -> int:
+        """How many shards to write at once: the ``threads`` knob (the disk's queue depth);
+        object stores at least ``remote_concurrency`` (their writers wait on the network)."""
+        threads = int(_knobs.get("threads"))
+        return threads if self.local else max(threads, int(_knobs.get("remote_concurrency")))
 
     def listdir(self, rel: str = "") -> list[Entry]:
         """Entries directly below ``rel``; empty when it does not exist."""
@@ -360,7 +410,20 @@ class Store:
         if self.local:
             return open(self.join(rel), "wb", buffering=1 << 20)
         with self._remote("write", rel, write=True):
+            if _remote.multipart_capable(self.fs):
+                # S3: parts uploaded concurrently while the caller writes the next ones.
+                return _remote.PartWriter(self, rel, pool=self._part_pool())
             return _RemoteWriter(self, rel, self.fs.open(self.join(rel), "wb"))
+
+    def _part_pool(self) -> _remote.PartPool:
+        """The part buffers this store's uploads share (``remote_concurrency`` of
+        ``remote_part_size``): every shard of a save goes through one store, so this bounds the
+        memory of a save's uploads."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = _remote.PartPool(int(_knobs.get("remote_concurrency")),
+                                              max(1, int(_knobs.get("remote_part_size"))))
+            return self._pool
 
     def write_bytes(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
         """Write a whole file, durably on local disk (any write/fsync/close error is raised, naming

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import ckptcore
-from ckptcore import TrainingState
+from ckptcore import TrainingState, _knobs
 from ckptcore._storage import Store
 from ckptcore.errors import CheckpointError, CheckpointNotFoundError, StorageError
 
@@ -134,6 +134,8 @@ def test_store_operations_on_a_dead_endpoint_each_raise_storage_error(dead_endpo
         "write_bytes": lambda: store.write_bytes("m", b"abc"),
         "write_bytes create": lambda: store.write_bytes("m", b"abc", create_only=True),
         "open_write": lambda: _write_and_close(store),
+        "open_write multipart": lambda: _write_and_close(store, parts=3),
+        "read_many": lambda: store.read_many([("m", [(0, 4)]), ("n", [(0, 4)])]),
         "delete": lambda: store.delete("m"),
         "delete_tree": lambda: store.delete_tree(),
     }
@@ -144,7 +146,23 @@ def test_store_operations_on_a_dead_endpoint_each_raise_storage_error(dead_endpo
         assert isinstance(info.value.__cause__, botocore.BotoCoreError), (name, info.value.__cause__)
 
 
-def _write_and_close(store: Store) -> None:
-    f = store.open_write("shard")
-    f.write(b"x" * 100)
-    f.close()
+def _write_and_close(store: Store, parts: int = 0) -> None:
+    """One small object (a single PUT), or ``parts`` parts of a multipart upload."""
+    with _knobs.override(remote_part_size=64):
+        f = store.open_write("shard")
+        f.write(b"x" * (64 * parts or 100))
+        f.close()
+
+
+def test_a_multipart_upload_into_a_missing_bucket(missing_bucket):
+    """The first part's CreateMultipartUpload meets NoSuchBucket: StorageError naming bucket
+    and object, raised by the write itself, and the writer is closed (nothing to abort)."""
+    bucket, url, opts = missing_bucket
+    store = Store(url, opts)
+    with _knobs.override(remote_part_size=64):
+        f = store.open_write("shard")
+        with pytest.raises(StorageError) as info:
+            f.write(b"y" * 200)
+    msg = str(info.value)
+    assert f"bucket {bucket!r} does not exist" in msg and url in msg, msg
+    assert f.closed
