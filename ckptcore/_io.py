@@ -269,8 +269,9 @@ def _fetch_remote_many(store: Store, items: Sequence[tuple[ShardEntry, Sequence[
                 errors.append(e)
                 views = None
                 break
-            # Writable arrays, like the local path; a bytearray the store filled is ours already.
-            view = memoryview(blob if isinstance(blob, bytearray) else bytearray(blob))
+            # Writable arrays, like the local path; a buffer the store filled is ours already.
+            view = blob if isinstance(blob, memoryview) and not blob.readonly else \
+                memoryview(bytearray(blob))
             for k in ks:
                 t = entries[k]
                 views[k] = view[t.offset - start: t.offset - start + t.length]

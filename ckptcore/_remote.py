@@ -21,11 +21,14 @@ holds its result buffers plus at most ``remote_concurrency`` pieces in flight.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
+import mmap
 import threading
 from typing import Any, Iterator
 
+import crc32c
 import numpy as np
 from fsspec.asyn import sync
 
@@ -88,11 +91,14 @@ class PartPool:
         self._free: list[_Body] = []
 
     def take(self, size: int) -> _Body:
+        """A buffer for a part of ``size`` bytes: a used full-sized one (overwritten in place),
+        or a new empty one that the writer extends (``bytearray(size)`` would zero every byte
+        once more before the part's bytes overwrite them, holding the GIL meanwhile)."""
         self._sem.acquire()  # waits while the store's other parts hold every buffer
         try:
             if size == self.size and self._free:
                 return self._free.pop()
-            return _Body(size)
+            return _Body()
         except BaseException:
             self._sem.release()
             raise
@@ -119,8 +125,10 @@ class PartWriter:
         self._pool = pool
         self._buf: _Body | None = None  # the part being filled (taken from the pool)
         self._fill = 0
+        self._cap = 0  # the size of the part being filled
         self._upload_id: str | None = None
         self._parts: list[Any] = []  # one concurrent.futures.Future per shipped part, in order
+        self._checksums: bool | None = None  # whether uploads carry our CRC32C (see _checksum)
         self.closed = False
 
     # -- the file interface ---------------------------------------------------------------------
@@ -142,11 +150,14 @@ class PartWriter:
             while pos < n:
                 if self._buf is None:
                     self._new_buffer()
-                elif self._fill == len(self._buf):  # full, and more is coming: not the last part
+                elif self._fill == self._cap:  # full, and more is coming: not the last part
                     self._ship()
                     continue
-                take = min(n - pos, len(self._buf) - self._fill)
-                self._buf[self._fill:self._fill + take] = mv[pos:pos + take]
+                take = min(n - pos, self._cap - self._fill)
+                if self._fill == len(self._buf):  # a new buffer grows (see PartPool.take)
+                    self._buf += mv[pos:pos + take]
+                else:
+                    self._buf[self._fill:self._fill + take] = mv[pos:pos + take]
                 self._fill += take
                 pos += take
         return n
@@ -219,12 +230,25 @@ class PartWriter:
                     raise named from e
             raise
 
+    def _checksum(self, body: Any) -> dict:
+        """The part's CRC32C, computed in this writer's thread (hardware CRC32C, GIL released):
+        S3 checks the bytes it received against it.  Without it, botocore computes a CRC32 of
+        every body itself (its default since 1.36), in software, on the one event-loop thread
+        all of a save's transfers share, which then became what bounded an upload.  A client
+        configured with ``request_checksum_calculation="when_required"`` (S3-compatible stores
+        that refuse checksum headers) gets none from us either."""
+        if not self._algorithm():
+            return {}
+        value = crc32c.crc32c(body).to_bytes(4, "big")
+        return {"ChecksumCRC32C": base64.b64encode(value).decode("ascii")}
+
     def _call(self, method: str, **kwargs: Any) -> Any:
         return sync(self._loop, self._fs._call_s3, method, **kwargs)
 
     def _new_buffer(self) -> None:
         # Part n+1's size; doubling every _PARTS_PER_SIZE parts keeps within S3's 10,000 parts.
-        self._buf = self._pool.take(self._pool.size << (len(self._parts) // _PARTS_PER_SIZE))
+        self._cap = self._pool.size << (len(self._parts) // _PARTS_PER_SIZE)
+        self._buf = self._pool.take(self._cap)
         self._fill = 0
 
     def _drop_buffer(self) -> None:
@@ -249,28 +273,40 @@ class PartWriter:
                 raise f.exception()
         if self._upload_id is None:
             self._upload_id = self._call("create_multipart_upload", Bucket=self._bucket,
-                                         Key=self._key)["UploadId"]
+                                         Key=self._key, **self._algorithm())["UploadId"]
         number = len(self._parts) + 1
         body = self._take_buffer()
         try:
-            fut = asyncio.run_coroutine_threadsafe(self._upload_part(number, body), self._loop)
+            fut = asyncio.run_coroutine_threadsafe(
+                self._upload_part(number, body, self._checksum(body)), self._loop)
         except BaseException:
             self._pool.give(body)
             raise
         fut.add_done_callback(lambda _: self._pool.give(body))  # back once it has travelled
         self._parts.append(fut)
 
-    async def _upload_part(self, number: int, body: bytearray) -> dict:
+    def _algorithm(self) -> dict:
+        """Checksums with every upload, computed here, or none: see :func:`_checksum`."""
+        if self._checksums is None:
+            client = sync(self._loop, self._fs.set_session)
+            config = getattr(getattr(client, "meta", None), "config", None)
+            self._checksums = getattr(config, "request_checksum_calculation",
+                                      None) == "when_supported"
+        return {"ChecksumAlgorithm": "CRC32C"} if self._checksums else {}
+
+    async def _upload_part(self, number: int, body: bytearray, checksum: dict) -> dict:
         out = await self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key,
-                                      UploadId=self._upload_id, PartNumber=number, Body=body)
-        return {"PartNumber": number, "ETag": out["ETag"]}
+                                      UploadId=self._upload_id, PartNumber=number, Body=body,
+                                      **checksum)
+        return {"PartNumber": number, "ETag": out["ETag"], **checksum}
 
     def _put_whole(self) -> None:
         """The whole object in one PUT: it fitted in the first part (or is empty)."""
         body = self._take_buffer() if self._buf is not None else None
         try:
             self._call("put_object", Bucket=self._bucket, Key=self._key,
-                       Body=body if body is not None else b"")
+                       Body=body if body is not None else b"",
+                       **self._checksum(body if body is not None else b""))
         finally:
             if body is not None:
                 self._pool.give(body)
@@ -294,34 +330,111 @@ def _invalid_range(e: BaseException) -> bool:
     return isinstance(response, dict) and (response.get("Error") or {}).get("Code") == "InvalidRange"
 
 
+async def _s3_read_into(fs: Any, path: str, start: int, dest: memoryview) -> int:
+    """S3 through s3fs: one ranged GET streamed straight into ``dest`` (the body's chunks copied
+    as they arrive, never joined into one ``bytes`` first); the number of bytes it held (fewer
+    when the object ends inside the range)."""
+    bucket, key, version = fs.split_path(path)
+    extra = {"VersionId": version} if version else {}
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key,
+                             Range=f"bytes={start}-{start + len(dest) - 1}", **extra)
+    body = resp["Body"]
+    try:
+        return await _stream_into(body, dest)
+    except CheckpointError:
+        raise
+    except Exception as e:  # the body broke off mid-transfer (reset, timeout, payload error)
+        raise _BrokenBody(e) from e
+    finally:
+        body.close()
+
+
+class _BrokenBody(Exception):
+    """A response body that broke off after its request succeeded: worth fetching again."""
+
+
+async def _stream_into(body: Any, dest: memoryview) -> int:
+    """Copy an aiobotocore body into ``dest`` chunk by chunk (aiohttp's ``readchunk`` hands over
+    each received chunk as it is, where ``read()`` would join them all into one more copy)."""
+    content = getattr(getattr(body, "raw_stream", None), "content", None)
+    if content is None or not callable(getattr(content, "readchunk", None)):
+        data = await body.read()  # another HTTP backend: its own read, then one copy
+        n = min(len(data), len(dest))
+        dest[:n] = memoryview(data)[:n]
+        return n
+    n = 0
+    while n < len(dest):
+        chunk, end_of_http_chunk = await content.readchunk()
+        if not chunk:
+            if end_of_http_chunk:  # a chunked-encoding boundary, more may follow
+                continue
+            break
+        k = min(len(chunk), len(dest) - n)
+        dest[n:n + k] = memoryview(chunk)[:k]
+        n += k
+    return n
+
+
+def _buffer(n: int) -> memoryview:
+    """A writable buffer of ``n`` bytes about to be overwritten.  Large ones are anonymous maps:
+    not zero-filled (``bytearray`` writes every byte once more), and not in transparent huge
+    pages (NumPy advises those for its large arrays; on a small machine the kernel then compacts
+    memory on the first touch, which stalled reads of 256 MB by up to half a second)."""
+    if n >= (1 << 20):
+        return memoryview(mmap.mmap(-1, n))
+    return memoryview(bytearray(n))
+
+
+_STREAM_ATTEMPTS = 3  # a body cut off mid-transfer is fetched again (the request itself is s3fs's)
+
+
 def read_ranges(fs: Any, requests: list[tuple[str, list[tuple[int, int]]]], *, part_size: int,
-                concurrency: int) -> list[list[bytearray]]:
-    """For each ``(path, ranges)``, bytes ``[start, end)`` of each range as one ``bytearray``.
+                concurrency: int) -> list[list[memoryview]]:
+    """For each ``(path, ranges)``, bytes ``[start, end)`` of each range as one writable
+    ``memoryview`` (see :func:`_buffer`).
 
     Each range is split into pieces of at most ``part_size`` bytes, fetched with up to
-    ``concurrency`` requests in flight (over every path at once) through the filesystem's async
-    ``_cat_file``, each piece copied into its range's buffer as it arrives.  A short answer (the
-    object shrank since its size was checked) leaves that range shorter, up to its first missing
-    byte: the caller compares lengths, as with any short read.  Anything else raises.
+    ``concurrency`` requests in flight (over every path at once), each piece written into its
+    range's buffer as it arrives: on S3 streamed from the response body, elsewhere through the
+    filesystem's async ``_cat_file``.  A short answer (the object shrank since its size was
+    checked) leaves that range shorter, up to its first missing byte: the caller compares
+    lengths, as with any short read.  Anything else raises.
     """
     part = max(1, int(part_size))
-    out = [[bytearray(end - start) for start, end in ranges] for _, ranges in requests]
+    out = [[_buffer(end - start) for start, end in ranges] for _, ranges in requests]
     pieces = [(k, i, lo, min(lo + part, end - start))
               for k, (_, ranges) in enumerate(requests)
               for i, (start, end) in enumerate(ranges) for lo in range(0, end - start, part)]
     got: dict[tuple[int, int, int], int] = {}
+    streaming = multipart_capable(fs)
+
+    async def fetch_one(path: str, first: int, dest: memoryview) -> int:
+        if streaming:
+            for attempt in range(_STREAM_ATTEMPTS):
+                try:
+                    return await _s3_read_into(fs, path, first, dest)
+                except _BrokenBody as broken:  # (s3fs's own answers, already retried, go up)
+                    e = broken.__cause__
+                    if attempt + 1 == _STREAM_ATTEMPTS:
+                        raise OSError(f"{path}: reading bytes {first}-{first + len(dest)} "
+                                      f"failed: {type(e).__name__}: {e}") from e
+                    log.warning("ckptcore: %s: read of bytes %d-%d broke off (%s: %s); "
+                                "fetching it again", path, first, first + len(dest),
+                                type(e).__name__, e)
+        data = await fs._cat_file(path, start=first, end=first + len(dest))
+        n = min(len(data), len(dest))
+        dest[:n] = memoryview(data)[:n]
+        return n
 
     async def fetch(sem: asyncio.Semaphore, k: int, i: int, lo: int, hi: int) -> None:
         path, start = requests[k][0], requests[k][1][i][0]
         async with sem:
             try:
-                data = await fs._cat_file(path, start=start + lo, end=start + hi)
+                n = await fetch_one(path, start + lo, out[k][i][lo:hi])
             except OSError as e:
                 if not _invalid_range(e):
                     raise
-                data = b""
-        n = min(len(data), hi - lo)
-        out[k][i][lo:lo + n] = memoryview(data)[:n]
+                n = 0
         got[k, i, lo] = n
 
     async def fetch_all() -> None:
@@ -336,5 +449,5 @@ def read_ranges(fs: Any, requests: list[tuple[str, list[tuple[int, int]]]], *, p
     for k, i, lo, hi in pieces:  # a short piece ends its range's valid bytes
         n = got.get((k, i, lo), 0)
         if n < hi - lo and len(out[k][i]) > lo + n:
-            del out[k][i][lo + n:]
+            out[k][i] = out[k][i][:lo + n]
     return out

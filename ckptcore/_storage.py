@@ -315,19 +315,19 @@ class Store:
             raise SchemaError(f"{self.join(rel)}: {size} bytes, more than the limit of {max_bytes} "
                               "bytes for this file; refused without reading it")
 
-    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes | bytearray]:
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes | memoryview]:
         """Bytes ``[start, end)`` of each range; a range the file does not fully hold comes back
-        short (the caller compares lengths).  Object stores: one writable ``bytearray`` per range
+        short (the caller compares lengths).  Object stores: one writable ``memoryview`` per range
         (see :meth:`read_many`)."""
         return self.read_many([(rel, ranges)])[0]
 
     def read_many(self, requests: list[tuple[str, list[tuple[int, int]]]]
-                  ) -> list[list[bytes | bytearray]]:
+                  ) -> list[list[bytes | memoryview]]:
         """:meth:`read_ranges` of several files at once: ``[(rel, ranges)] -> [[blob]]``.
 
         Async filesystems (S3, GCS, Azure): every range split into ``remote_part_size`` pieces,
         up to ``remote_concurrency`` of them in flight across all the files, written straight
-        into one preallocated ``bytearray`` per range.  Others: ``cat_ranges``, per file.
+        into one preallocated buffer per range.  Others: ``cat_ranges``, per file.
         """
         requests = [(rel, list(ranges)) for rel, ranges in requests]
         if not any(ranges for _, ranges in requests):
@@ -352,7 +352,7 @@ class Store:
                     if isinstance(blob, BaseException):
                         raise blob
             # Writable, like memory-mapped local shards (local reads go through maps, not here).
-            out.append(blobs if self.local else [bytearray(b) for b in blobs])
+            out.append(blobs if self.local else [memoryview(bytearray(b)) for b in blobs])
         return out
 
     @property

@@ -3,7 +3,7 @@
 Uploads: an object larger than ``remote_part_size`` goes up as a multipart upload whose parts
 travel concurrently; a smaller one is a single PUT; any failure aborts the multipart upload, so
 no part is left behind (listed through the S3 API), and nothing is committed.  Reads: ranges are
-fetched in part-sized pieces, concurrently, into one ``bytearray`` per range, exactly.
+fetched in part-sized pieces, concurrently, into one writable buffer per range, exactly.
 
 S3 (and moto) refuse parts under 5 MiB except the last; tests that want many tiny parts lower
 moto's own minimum (``S3_UPLOAD_PART_MIN_SIZE``, a setting of the fake server, not of ckptcore),
@@ -182,7 +182,7 @@ def test_concurrent_ranged_reads_are_exact(s3_backend, piece):
     with _knobs.override(remote_part_size=piece, remote_concurrency=3):
         blobs = store.read_ranges("a", ranges)
         both = store.read_many([("a", ranges[:2]), ("b", ranges), ("a", [])])
-    assert all(isinstance(b, bytearray) for b in blobs)
+    assert all(isinstance(b, memoryview) and not b.readonly for b in blobs)
     assert [bytes(b) for b in blobs] == [data[s:e] for s, e in ranges]
     assert [bytes(b) for b in both[0]] == [data[s:e] for s, e in ranges[:2]]
     assert [bytes(b) for b in both[1]] == [data[::-1][s:e] for s, e in ranges]
@@ -287,3 +287,51 @@ def test_damage_in_one_of_many_remote_shards_is_named(s3_backend, tiny_parts):
     text = "\n".join(str(p) for p in problems)
     assert shards[0] in text and shards[-1] in text
     assert not any(s in text for s in shards[1:-1])
+
+
+def _captured_uploads(store: Store) -> list[tuple[str, dict, bytes]]:
+    """Every PutObject/UploadPart request this store's client sends: (operation, headers, body),
+    recorded by a botocore event handler (the requests still go to the server)."""
+    from fsspec.asyn import sync
+
+    seen: list[tuple[str, dict, bytes]] = []
+
+    def record(request, **kwargs):
+        op = kwargs.get("event_name", "").rsplit(".", 1)[-1]
+        headers = {k.lower(): v.decode() if isinstance(v, bytes) else v
+                   for k, v in request.headers.items()}
+        seen.append((op, headers, bytes(request.body)))
+
+    client = sync(store.fs.loop, store.fs.set_session)
+    for op in ("PutObject", "UploadPart"):
+        client.meta.events.register(f"before-send.s3.{op}", record)
+    return seen
+
+
+@pytest.mark.parametrize("size", [3 * PART // 2, 5 * PART])  # a single PUT, a multipart upload
+def test_uploads_carry_the_crc32c_of_their_bytes(s3_backend, tiny_parts, size):
+    """S3 checks each upload against a CRC32C computed by the writer (botocore then computes no
+    CRC32 of its own on the shared event loop); a client configured to send checksums only when
+    required gets none."""
+    import base64
+
+    import crc32c
+
+    data = _rng_array(size, 7).tobytes()
+    for config, expect in (({}, True), ({"request_checksum_calculation": "when_required"}, False)):
+        opts = dict(s3_backend.storage_options, config_kwargs=config)
+        store = Store(s3_backend.url(f"crc{int(expect)}"), opts)
+        seen = _captured_uploads(store)
+        with _knobs.override(remote_part_size=2 * PART, remote_concurrency=2):
+            with store.open_write("obj") as f:
+                f.write(data)
+        assert seen and all(op in ("PutObject", "UploadPart") for op, _, _ in seen)
+        for _, headers, body in seen:
+            assert "x-amz-checksum-crc32" not in headers
+            got = headers.get("x-amz-checksum-crc32c")
+            if expect:
+                want = base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode()
+                assert got == want
+            else:
+                assert got is None
+        assert store.read("obj") == data
