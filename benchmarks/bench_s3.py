@@ -17,9 +17,8 @@ States: *large*, ``--size-mb`` (256) in ``--tensors`` (8) float32 tensors; *many
 * ``s3fs raw``: save = ``fs.pipe({path: bytes})`` (the bytes made beforehand, untimed), load =
   ``fs.cat([paths])``;
 * ``ckptcore``: ``save_state`` / ``load_state(verify=True)`` with default knobs;
-* ``ckptcore, remote shard = 1 part`` (only while ckptcore._io bounds remote shards by the
-  ``shard_size`` knob): the same with ``shard_size`` = ``remote_part_size`` and ``threads`` =
-  ``remote_concurrency``, which is what ``Store.shard_size`` / ``Store.writers`` ask for.
+  (S3 shards are bounded to one upload part, ``Store.shard_size``, and written
+  ``remote_concurrency`` at once).
 
 Times are medians with [min-max]; ratios are raw time / ckptcore time from the medians (>= 1:
 ckptcore faster).  Peak memory added: VmHWM above the RSS before each call, largest over rounds.
@@ -113,18 +112,7 @@ class Contenders:
         self.raw = {name.replace("/", "."): a.tobytes() for name, a in state.model.items()}
         self.nbytes = sum(len(b) for b in self.raw.values())
 
-    def names(self, one_part: bool) -> list[str]:
-        names = ["s3fs raw", "ckptcore"]
-        return names + ["ckptcore, remote shard = 1 part"] if one_part else names
-
-    def _knob_context(self, name: str):
-        import contextlib
-
-        if name != "ckptcore, remote shard = 1 part":
-            return contextlib.nullcontext()
-        k = self._knobs
-        return k.override(shard_size=int(k.get("remote_part_size")),
-                          threads=int(k.get("remote_concurrency")))
+    names = ["s3fs raw", "ckptcore"]
 
     def save(self, name: str, prefix: str) -> None:
         import ckptcore
@@ -132,8 +120,7 @@ class Contenders:
         if name == "s3fs raw":
             self.fs.pipe({f"{prefix}/{k}": v for k, v in self.raw.items()})
             return
-        with self._knob_context(name):
-            ckptcore.save_state(f"s3://{prefix}", self.state, storage_options=self.opts)
+        ckptcore.save_state(f"s3://{prefix}", self.state, storage_options=self.opts)
 
     def load(self, name: str, prefix: str) -> None:
         import ckptcore
@@ -142,8 +129,7 @@ class Contenders:
             out = self.fs.cat([f"{prefix}/{k}" for k in self.raw])
             assert sum(len(v) for v in out.values()) == self.nbytes
             return
-        with self._knob_context(name):
-            got = ckptcore.load_state(f"s3://{prefix}", storage_options=self.opts, verify=True)
+        got = ckptcore.load_state(f"s3://{prefix}", storage_options=self.opts, verify=True)
         assert len(got.model) == len(self.state.model)
 
     def clean(self, prefix: str) -> None:
@@ -161,8 +147,8 @@ def measured(fn, peaks: list[int]) -> float:
     return t
 
 
-def run_case(c: Contenders, rounds: int, one_part: bool) -> dict:
-    names = c.names(one_part)
+def run_case(c: Contenders, rounds: int) -> dict:
+    names = c.names
     res = {n: {"save": [], "load": [], "peak_save": [], "peak_load": []} for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -203,7 +189,7 @@ def report(title: str, c: Contenders, res: dict, server: str) -> tuple[list[str]
 
 def _knob_text(knobs) -> str:
     out = []
-    for name in ("remote_part_size", "remote_concurrency", "shard_size", "threads"):
+    for name in ("remote_part_size", "remote_concurrency", "threads"):
         try:
             v = int(knobs.get(name))
         except KeyError:  # a ckptcore from before the knob
@@ -236,17 +222,12 @@ def main(argv=None) -> int:
         import s3fs
 
         from ckptcore import _knobs
-        from ckptcore._storage import Store
-
         s3fs.S3FileSystem(**opts).mkdir(BUCKET)
-        # Until ckptcore._io asks the store for its shard bound, show the proposed setting too.
-        bound = getattr(Store(f"s3://{BUCKET}/x", opts), "shard_size", None)  # None: older ckptcore
-        one_part = bound is not None and bound != int(_knobs.get("shard_size"))
         lines, verdicts = [], []
         for title, count, mb, seed in (("large", args.tensors, args.size_mb, 0),
                                        ("many", args.many_count, args.many_mb, 10_000)):
             c = Contenders(opts, make_state(count, mb, seed))
-            res = run_case(c, args.rounds, one_part)
+            res = run_case(c, args.rounds)
             case_lines, case_verdicts = report(title, c, res, args.server)
             lines += case_lines
             verdicts += case_verdicts
