@@ -21,8 +21,10 @@ _DEFAULTS = {
     # cache when the write copies it (one trip through memory instead of two).
     "write_chunk": 4 * 1024 * 1024,
     # Local writes ask the kernel to start writing back every this many bytes (0: never), so the
-    # disk works while we copy instead of all at once in the final fsync.
-    "writeback_bytes": 32 * 1024 * 1024,
+    # disk works while we copy instead of all at once in the final fsync.  4 MiB (one write
+    # chunk): a 40 MB state (mobilenet_v2 + Adam) then saves in 29 ms instead of 37 ms with
+    # 32 MiB kicks (its first kick came too late to overlap), and a 768 MiB one no slower.
+    "writeback_bytes": 4 * 1024 * 1024,
     # Manifests larger than this are refused before being read (a hostile or damaged file must not
     # exhaust memory).  About 100 bytes per tensor, so the default admits ~5 million tensors.
     "max_manifest_bytes": 512 * 1024 * 1024,
