@@ -52,7 +52,8 @@ _DEFAULTS = {
     "remote_part_size": 32 * 1024 * 1024,
     # How many parts (uploads) or pieces (reads) of one save or load are in flight at once: 8, like
     # boto3's and s3fs's defaults (10), within botocore's pool of 10 connections.  Memory held by a
-    # save's uploads is at most remote_concurrency x remote_part_size (256 MiB).
+    # save's part buffers is at most remote_concurrency x remote_part_size (256 MiB); the HTTP client
+    # may hold a copy of what it is still sending (asyncio buffers what the socket has not taken).
     "remote_concurrency": 8,
 }
 _ENV = {k: "CKPTCORE_" + k.upper() for k in _DEFAULTS}

@@ -335,3 +335,101 @@ def test_uploads_carry_the_crc32c_of_their_bytes(s3_backend, tiny_parts, size):
             else:
                 assert got is None
         assert store.read("obj") == data
+
+
+class _CuttingProxy:
+    """A TCP proxy on 127.0.0.1 in front of the S3 server that, while ``cuts`` > 0, answers a
+    ranged GET with its headers and the first bytes of the body, then drops the connection: a
+    transfer that breaks off mid-body, as a flaky network does (the request itself succeeded)."""
+
+    def __init__(self, target_port: int):
+        import socket
+
+        self.cuts = 0
+        self.cut_done = 0
+        self._target = target_port
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port = self._sock.getsockname()[1]
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._stop:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._target))
+            threading.Thread(target=self._serve, args=(client, server), daemon=True).start()
+
+    def _serve(self, client, server) -> None:
+        cut = [False]
+
+        def up():
+            try:
+                while data := client.recv(1 << 16):
+                    head = data[:2048].lower()
+                    if self.cuts > 0 and data.startswith(b"GET ") and b"\r\nrange:" in head:
+                        self.cuts -= 1
+                        cut[0] = True
+                    server.sendall(data)
+            except OSError:
+                pass
+
+        threading.Thread(target=up, daemon=True).start()
+        sent = 0
+        try:
+            while data := server.recv(1 << 16):
+                if cut[0] and sent + len(data) > 2000:
+                    client.sendall(data[:max(0, 2000 - sent)])
+                    self.cut_done += 1
+                    break
+                client.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (client, server):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._sock.close()
+
+
+@pytest.fixture
+def cutting_proxy(s3_storage_options):
+    port = int(s3_storage_options["client_kwargs"]["endpoint_url"].rsplit(":", 1)[1])
+    proxy = _CuttingProxy(port)
+    yield proxy
+    proxy.close()
+
+
+def test_a_body_broken_off_is_fetched_again_and_logged(s3_backend, cutting_proxy, caplog):
+    """A ranged read whose body breaks off mid-transfer is fetched again (logged) and the load is
+    bit for bit; one that keeps breaking fails as a StorageError naming the shard."""
+    import s3fs
+
+    state = TrainingState(model={"w": _rng_array(300_000, 9)}, step=2)
+    ckptcore.save_state(s3_backend.url("b"), state, storage_options=s3_backend.storage_options)
+    opts = dict(s3_backend.storage_options,
+                client_kwargs={"endpoint_url": f"http://127.0.0.1:{cutting_proxy.port}"},
+                skip_instance_cache=True)
+    s3fs.S3FileSystem.clear_instance_cache()
+    cutting_proxy.cuts = 1
+    with caplog.at_level(logging.WARNING, logger="ckptcore"):
+        got = ckptcore.load_state(s3_backend.url("b"), storage_options=opts)
+    assert got.model["w"].tobytes() == state.model["w"].tobytes()
+    assert cutting_proxy.cut_done == 1
+    assert any("broke off" in r.getMessage() for r in caplog.records)
+    cutting_proxy.cuts = 100
+    with pytest.raises(ckptcore.errors.StorageError, match="shard-"):
+        ckptcore.load_state(s3_backend.url("b"), storage_options=opts)
