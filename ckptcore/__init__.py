@@ -11,9 +11,11 @@ from ._version import __version__
 from . import errors
 from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
-                     CorruptCheckpointError, IncompleteCheckpointError, SchemaError,
-                     LockedError, MigrationError, MigrationWarning, UnappliedStateWarning,
-                     UnsafeCheckpointError)
+                     CorruptCheckpointError, GroupError, GroupTimeoutError,
+                     IncompleteCheckpointError, SchemaError, LockedError, MigrationError,
+                     MigrationWarning, UnappliedStateWarning, UnsafeCheckpointError)
+from .group import ProcessGroup, SingleProcessGroup, ThreadGroup
+from .sharding import Shard
 from .cursor import DataCursor
 from ._diff import CheckpointDiff, TensorDiff, diff
 from .layout import CheckpointListing, gc, list_checkpoints
@@ -33,8 +35,8 @@ __all__ = [
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
     "DataCursor", "capture_rng", "restore_rng",
     "TrainingState", "OptimizerState", "ScheduleState", "AccumulationState", "ParamInfo",
-    "RestoreReport",
+    "RestoreReport", "Shard", "ProcessGroup", "SingleProcessGroup", "ThreadGroup",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
     "IncompleteCheckpointError", "CorruptCheckpointError", "SchemaError", "UnsafeCheckpointError",
-    "LockedError", "MigrationError", "UnappliedStateWarning",
+    "LockedError", "MigrationError", "UnappliedStateWarning", "GroupError", "GroupTimeoutError",
 ]

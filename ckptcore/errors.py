@@ -104,6 +104,14 @@ class AdapterNotFoundError(CheckpointError, LookupError):
     """No installed adapter handles the given framework objects."""
 
 
+class GroupError(CheckpointError, RuntimeError):
+    """A process group failed during a distributed save or load (a peer's error, a broken engine)."""
+
+
+class GroupTimeoutError(GroupError, TimeoutError):
+    """A peer did not reach a collective of a distributed save or load in time (dead or hung)."""
+
+
 class MigrationWarning(UserWarning):
     """A converted state continues the run, but not exactly; the message says how far off.
 
