@@ -32,7 +32,7 @@ import crc32c
 import numpy as np
 from fsspec.asyn import sync
 
-from .errors import CheckpointError
+from .errors import CheckpointError, StorageError
 
 log = logging.getLogger("ckptcore")
 
@@ -416,8 +416,9 @@ def read_ranges(fs: Any, requests: list[tuple[str, list[tuple[int, int]]]], *, p
                 except _BrokenBody as broken:  # (s3fs's own answers, already retried, go up)
                     e = broken.__cause__
                     if attempt + 1 == _STREAM_ATTEMPTS:
-                        raise OSError(f"{path}: reading bytes {first}-{first + len(dest)} "
-                                      f"failed: {type(e).__name__}: {e}") from e
+                        raise StorageError(
+                            f"{path}: reading bytes {first}-{first + len(dest)} broke off "
+                            f"{_STREAM_ATTEMPTS} times; last: {type(e).__name__}: {e}") from e
                     log.warning("ckptcore: %s: read of bytes %d-%d broke off (%s: %s); "
                                 "fetching it again", path, first, first + len(dest),
                                 type(e).__name__, e)
