@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ckptcore.state import RestoreReport, TrainingState
 
 __all__ = ["ADAPTER", "capture", "restore", "import_tf_checkpoint", "export_tf_checkpoint",
-           "dataset", "BackupAndRestore"]
+           "dataset", "BackupAndRestore", "process_group"]
 
 # Top-level packages whose classes this adapter handles (tf.keras is Keras 3 in TF >= 2.16).
 _MODULES = ("keras", "tensorflow", "tf_keras")
@@ -47,6 +47,13 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     """Put a captured state back into a Keras model and optimizer (see ``_capture.py``)."""
     from ._capture import restore as _restore
     return _restore(state, model, optimizer, cursor=cursor, strict=strict, rng=rng, **objects)
+
+
+def process_group(strategy: Any = None) -> Any:
+    """The workers of a ``MultiWorkerMirroredStrategy`` as a ``ckptcore.ProcessGroup``, over
+    TensorFlow's coordination service (see ``_group.py``); a group of one without workers."""
+    from ._group import process_group as _process_group
+    return _process_group(strategy)
 
 
 def import_tf_checkpoint(prefix_or_dir: Any, *, model: Any = None,

@@ -1,0 +1,84 @@
+"""One worker of a MultiWorkerMirroredStrategy cluster on 127.0.0.1, exercising
+ckptcore_keras.process_group(): ``python _keras_group_worker.py RANK PORTS OUT MODE``.
+
+MODE ``protocol``: rounds of gather/broadcast/barrier with payloads of every kind; rank 0 writes
+what it saw to OUT/rank0.json.  MODE ``kill``: after one good round, rank 1 SIGKILLs itself while
+rank 0 waits in a gather (timeout 5 s); rank 0 writes the error it got and how long it took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+
+def main() -> None:
+    rank, ports, out, mode = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4]
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": rank}})
+    import tensorflow as tf
+
+    import ckptcore
+    import ckptcore_keras
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    group = ckptcore_keras.process_group(strategy)
+    report = {"rank": group.rank, "size": group.size,
+              "is_protocol": isinstance(group, ckptcore.ProcessGroup)}
+    if mode == "protocol":
+        payloads = [b"", bytes([rank]) * (rank * 1000 + 1), os.urandom(0) + b"\x00" * 7,
+                    bytes(range(256)) * (4096 * (rank + 1)) + b"tail%d" % rank]  # up to 2 MiB
+        gathered = []
+        for i, p in enumerate(payloads):
+            got = group.gather(p, timeout=30)
+            gathered.append(None if got is None else [g.hex()[:64] + f"/{len(g)}" for g in got])
+            if got is not None:
+                report.setdefault("gather_exact", True)
+                expected = [_payload(r, i) for r in range(group.size)]
+                report["gather_exact"] &= got == expected
+            b = group.broadcast(b"from zero %d" % i * (i + 1) if rank == 0 else None, timeout=30)
+            report.setdefault("broadcast_exact", True)
+            report["broadcast_exact"] &= b == b"from zero %d" % i * (i + 1)
+            group.barrier(timeout=30)
+        for i in range(20):  # many small rounds, in order
+            got = group.gather(b"%d:%d" % (rank, i), timeout=30)
+            if got is not None:
+                report["rounds_exact"] = report.get("rounds_exact", True) and got == [
+                    b"%d:%d" % (r, i) for r in range(group.size)]
+        report["single_group"] = type(ckptcore_keras.process_group(
+            tf.distribute.get_strategy())).__name__  # the default strategy: one process
+    else:
+        group.gather(b"ok", timeout=30)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t = time.monotonic()
+        try:
+            group.gather(b"second", timeout=5)
+            report["error"] = None
+        except ckptcore.GroupError as e:
+            report["error"] = type(e).__name__
+            report["message"] = str(e)
+            report["timeout_error"] = isinstance(e, TimeoutError)
+        report["seconds"] = time.monotonic() - t
+        try:
+            group.barrier(timeout=5)
+        except ckptcore.GroupError as e:
+            report["after"] = type(e).__name__
+    if rank == 0:
+        with open(os.path.join(out, "rank0.json"), "w") as f:
+            json.dump(report, f)
+    sys.stdout.flush()
+    os._exit(0)  # the coordination service would otherwise wait for the killed peer at exit
+
+
+def _payload(rank: int, i: int) -> bytes:
+    return [b"", bytes([rank]) * (rank * 1000 + 1), b"\x00" * 7,
+            bytes(range(256)) * (4096 * (rank + 1)) + b"tail%d" % rank][i]
+
+
+if __name__ == "__main__":
+    main()
