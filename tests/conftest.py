@@ -7,6 +7,7 @@ a user would (the way s3fs's own test-suite does it); ckptcore's storage layer i
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -185,8 +186,20 @@ def spawn_python(request):
     """``spawn_python(*args)``: start ``python args...`` and return its ``Popen`` (for workers that
     are meant to die: the caller checks the return code)."""
     here = Path(request.fspath).parent
+    spawned: list[subprocess.Popen] = []
 
     def spawn(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, *map(str, args)], env=subprocess_env(here),
-                                cwd=str(here), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return spawn
+        # A session of its own, so that teardown can kill what the worker started (a DataLoader's
+        # worker processes outlive a SIGKILLed parent and would linger after the test).
+        p = subprocess.Popen([sys.executable, *map(str, args)], env=subprocess_env(here),
+                             cwd=str(here), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+        spawned.append(p)
+        return p
+
+    yield spawn
+    for p in spawned:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
