@@ -55,6 +55,10 @@ _DEFAULTS = {
     # save's part buffers is at most remote_concurrency x remote_part_size (256 MiB); the HTTP client
     # may hold a copy of what it is still sending (asyncio buffers what the socket has not taken).
     "remote_concurrency": 8,
+    # A distributed save (save_state(..., group=)) waits this long (seconds) for each collective:
+    # a rank that does not arrive in time is taken for dead, and the save fails on every rank
+    # with nothing committed.  It must exceed the slowest rank's write of its part.
+    "group_timeout": 120.0,
 }
 _ENV = {k: "CKPTCORE_" + k.upper() for k in _DEFAULTS}
 _overrides: dict[str, float] = {}

@@ -19,7 +19,8 @@ from . import _codec, _io, _knobs
 from .adapter import restore_gate, warn_unapplied
 from ._version import __version__
 from ._commit import commit
-from ._manifest import FORMAT_VERSION, MANIFEST_NAME, READ_VERSIONS, Manifest
+from ._manifest import (FORMAT_VERSION, MANIFEST_NAME, READ_VERSIONS, Manifest, ShardEntry,
+                        TensorTable)
 from ._storage import Store
 from .errors import (CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError,
                      SchemaError)
@@ -128,7 +129,7 @@ def _info(url: str, m: Manifest) -> CheckpointInfo:
 
 def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
                storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
-               **objects: Any) -> CheckpointInfo:
+               group: Any = None, **objects: Any) -> CheckpointInfo:
     """Save a training state as a checkpoint directory at ``url`` (any fsspec URL).
 
     Pass either a :class:`TrainingState` or framework objects (``model=...,
@@ -142,22 +143,35 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         >>> ckptcore.load_state("memory://doc/ckpt-1").model["w"]
         array([0., 1., 2.])
 
+    With ``group`` (a :class:`ckptcore.ProcessGroup`, e.g. ``ckptcore_paddle.process_group()``),
+    every rank calls ``save_state`` with the same replicated state: each writes about 1/N of
+    the bytes, rank 0 commits once, and every rank returns or raises alike (see
+    ``ckptcore/_dist.py``; the ``group_timeout`` knob bounds every wait on a peer).
+
     Raises:
         CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
         TypeError: the state holds a value that cannot be stored (the message names it).
+        GroupError: with ``group``, a peer failed, died or timed out; nothing was committed.
     """
     version = int(_knobs.get("format_version"))
     if version not in READ_VERSIONS:
         raise ValueError(f"the format_version knob is {version}; this ckptcore writes "
                          f"{', '.join(map(str, READ_VERSIONS))}")
-    state, _ = capture_state(state, objects)  # borrowed arrays are fine: written before we return
-    enc = _codec.encode_state(state)
-    arrays = [_codec.to_little_endian(a) for a in enc.arrays]
     store = Store(os.fspath(url), dict(storage_options or {}))
+    try:
+        state, _ = capture_state(state, objects)  # borrowed arrays: written before we return
+        enc = _codec.encode_state(state)
+        arrays = [_codec.to_little_endian(a) for a in enc.arrays]
+    except Exception as e:
+        if group is None:
+            raise
+        from . import _dist
+
+        _dist.fail(store, group, e)  # the other ranks learn it at once, then this raises
+        raise
     token = uuid.uuid4().hex[:16]
 
-    def write(target: Store) -> Manifest:
-        shards, tensors = _io.write_payload(target, arrays, enc.names, token, enc.dtypes)
+    def make_manifest(shards: Sequence[ShardEntry], tensors: TensorTable) -> Manifest:
         return Manifest(
             created=time.time(),
             writer={"id": token, "host": socket.gethostname(), "pid": os.getpid()},
@@ -168,6 +182,17 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
             alignment=int(_knobs.get("alignment")), shards=tuple(shards), tensors=tensors,
             tree=enc.tree, version=version, referenced=tuple(range(len(arrays))))
 
+    def write(target: Store) -> Manifest:
+        return make_manifest(*_io.write_payload(target, arrays, enc.names, token, enc.dtypes))
+
+    if group is not None:
+        from . import _dist
+
+        manifest = _dist.save(store, group, enc, arrays, make_manifest, token=token,
+                              overwrite=overwrite)
+        if manifest is None:  # another rank: rank 0 committed; describe what it committed
+            manifest = read_manifest(store)
+        return _info(store.url, manifest)
     manifest = commit(store, write, token=token, overwrite=overwrite)
     return _info(store.url, manifest)
 

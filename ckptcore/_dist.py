@@ -1,0 +1,246 @@
+"""A save by every rank of a process group, committed once by rank 0.
+
+Every rank calls ``save_state(url, state, group=g)`` with the same replicated state.  The bytes
+are spread: each tensor is written by exactly one rank, chosen by :func:`assign` (largest tensors
+first, each onto the least-loaded rank), which every rank computes alike from the names and
+sizes, so N ranks write about 1/N of the bytes each and no message carries the plan.
+
+The order of collectives is the same on every rank, whatever happens:
+
+1. ``broadcast`` (rank 0 -> all): ``go`` with the token and the folder to write into, or
+   ``abort`` with the reason (e.g. a checkpoint already exists and ``overwrite`` is False);
+2. every rank writes its tensors into its own shard files (``shard-<n>-r<rank>-<token>.bin``);
+3. ``gather`` (all -> rank 0): each rank's shard entries and per-tensor rows, or its error,
+   plus what it saved (names, dtypes, shapes, a digest of its tree) so rank 0 can refuse ranks
+   whose "replicated" states differ;
+4. rank 0 merges the rows into one tensor table and commits with the single-process protocol
+   (``_commit.commit``: rename locally, create-only manifest PUT on object stores), which also
+   removes every rank's shards if anything failed;
+5. ``broadcast`` (rank 0 -> all): the outcome, so every rank returns or raises alike.
+
+A dead or hung peer makes the next collective raise ``GroupTimeoutError`` after the
+``group_timeout`` knob; rank 0 then commits nothing (step 4 raises before the manifest is
+written) and the other ranks time out waiting for the outcome.  The knob must be longer than
+the slowest rank's write: a rank still writing looks like a dead one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import msgpack
+import numpy as np
+
+from . import _codec, _io, _knobs
+from ._commit import commit
+from ._manifest import Manifest, ShardEntry, TensorTable
+from ._storage import Store
+from .errors import CheckpointError, GroupError, SchemaError
+
+log = logging.getLogger("ckptcore")
+
+
+def assign(sizes: Sequence[int], ranks: int) -> list[int]:
+    """The rank that writes each tensor: largest first, onto the rank with the fewest bytes so
+    far (ties: the lower rank).  Deterministic, so every rank computes the same plan."""
+    load = [0] * ranks
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-int(sizes[i]), i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += int(sizes[i])
+    return owner
+
+
+@dataclass
+class _Part:
+    """What one rank wrote: its shards and, per tensor it wrote, (index, shard, offset, crc)."""
+
+    shards: list[ShardEntry]
+    rows: list[tuple[int, int, int, int]]
+
+
+def _digest(enc: _codec.Encoded, arrays: Sequence[np.ndarray]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(_codec.pack(enc.tree))
+    for name, dtype, arr in zip(enc.names, enc.dtypes, arrays):
+        h.update(f"{name}\0{dtype}\0{arr.shape}\0".encode())
+    return h.digest()
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # a peer speaking another version, or a damaged message
+        raise GroupError(f"{what}: a peer's message could not be decoded ({type(e).__name__})") from e
+
+
+def _write_part(target: Store, rank: int, owner: list[int], arrays: Sequence[np.ndarray],
+                enc: _codec.Encoded, token: str) -> _Part:
+    mine = [i for i, r in enumerate(owner) if r == rank]
+    shards, table = _io.write_payload(target, [arrays[i] for i in mine],
+                                      [enc.names[i] for i in mine], f"r{rank:05d}-{token}",
+                                      [enc.dtypes[i] for i in mine])
+    shard, offset, crc = table.column("shard"), table.column("offset"), table.column("checksum")
+    return _Part(list(shards), [(i, shard[k], offset[k], crc[k]) for k, i in enumerate(mine)])
+
+
+def fail(store: Store, group: Any, error: BaseException) -> None:
+    """This rank could not even prepare its part (its state failed to capture or encode): take
+    part in the save's collectives all the same, so that the others fail at once instead of
+    timing out, then raise ``error``."""
+    timeout = float(_knobs.get("group_timeout"))
+    message = {"type": type(error).__name__, "message": f"rank {group.rank}: {error}"}
+    if group.rank == 0:
+        group.broadcast(_pack({"kind": "abort", "error": message}), timeout=timeout)
+        raise error
+    go = _unpack(group.broadcast(None, timeout=timeout), "save")
+    if go["kind"] != "abort":
+        group.gather(_pack({"error": message}), timeout=timeout)
+        group.broadcast(None, timeout=timeout)
+    raise error
+
+
+def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
+         make_manifest: Callable[[Sequence[ShardEntry], TensorTable], Manifest], *,
+         token: str, overwrite: bool) -> Manifest | None:
+    """Run one distributed save on this rank (see the module docstring).  Returns the committed
+    manifest on rank 0, None on the others; raises on every rank if nothing was committed."""
+    timeout = float(_knobs.get("group_timeout"))
+    rank, size = int(group.rank), int(group.size)
+    sizes = [a.nbytes for a in arrays]
+    owner = assign(sizes, size)
+    digest = _digest(enc, arrays)
+    if rank == 0:
+        return _coordinate(store, group, enc, arrays, owner, digest, make_manifest,
+                           token=token, overwrite=overwrite, timeout=timeout)
+    go = _unpack(group.broadcast(None, timeout=timeout), "save")
+    if go["kind"] == "abort":
+        raise _error(go["error"], store)
+    token = go["token"]
+    target = store.sibling(go["folder"]) if go["folder"] else store
+    reply: dict[str, Any] = {"digest": digest, "names": enc.names, "dtypes": enc.dtypes,
+                             "shapes": [list(a.shape) for a in arrays]}
+    failure: BaseException | None = None
+    try:
+        part = _write_part(target, rank, owner, arrays, enc, token)
+        reply["shards"] = [[s.path, s.size, s.checksum] for s in part.shards]
+        reply["rows"] = part.rows
+    except Exception as e:  # reported to rank 0, which commits nothing; raised here below
+        failure = e
+        reply["error"] = {"type": type(e).__name__, "message": f"rank {rank}: {e}"}
+    group.gather(_pack(reply), timeout=timeout)
+    outcome = _unpack(group.broadcast(None, timeout=timeout), "save")
+    if failure is not None:
+        raise failure
+    if outcome["kind"] != "ok":
+        raise _error(outcome["error"], store)
+    return None
+
+
+def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
+                owner: list[int], digest: bytes, make_manifest: Callable, *, token: str,
+                overwrite: bool, timeout: float) -> Manifest:
+    started = broken = False
+
+    def write(target: Store) -> Manifest:
+        nonlocal started, broken
+        folder = "" if target.path == store.path else target.name
+        try:
+            group.broadcast(_pack({"kind": "go", "token": token, "folder": folder}),
+                            timeout=timeout)
+        except GroupError:
+            broken = True
+            raise
+        started = True
+        own: BaseException | None = None
+        try:
+            part = _write_part(target, 0, owner, arrays, enc, token)
+        except Exception as e:  # the others still reply: gather first, then fail
+            own, part = e, None
+        try:
+            gathered = group.gather(b"", timeout=timeout)
+        except GroupError:
+            broken = True  # a peer is gone: nobody is left to tell
+            raise
+        replies = [_unpack(r, "save") for r in gathered[1:]]
+        if own is not None:
+            raise own
+        return _merge(store, enc, arrays, digest, part, replies, make_manifest)
+
+    try:
+        manifest = commit(store, write, token=token, overwrite=overwrite)
+    except BaseException as e:
+        message = {"type": type(e).__name__, "message": str(e)}
+        try:
+            if not broken:  # the others wait for "go" or for the outcome: tell them
+                kind = "error" if started else "abort"
+                group.broadcast(_pack({"kind": kind, "error": message}), timeout=timeout)
+        except GroupError as g:  # a broken group: the others time out on their own
+            log.warning("ckptcore: %s: could not tell the other ranks the save failed (%s)",
+                        store.url, g)
+        raise
+    group.broadcast(_pack({"kind": "ok"}), timeout=timeout)
+    return manifest
+
+
+def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], digest: bytes,
+           part: _Part, replies: list[dict], make_manifest: Callable) -> Manifest:
+    """One manifest from every rank's part; refuses failed ranks and differing states."""
+    for r, reply in enumerate(replies, start=1):
+        if "error" in reply:
+            err = reply["error"]
+            raise GroupError(f"{store.url}: {err['message']} ({err['type']}); nothing committed")
+        if reply["digest"] != digest:
+            raise SchemaError(f"{store.url}: rank {r} saves another state than rank 0 "
+                              f"({_first_difference(enc, arrays, reply)}); a save with a group "
+                              "needs the same replicated state on every rank")
+    n = len(arrays)
+    shards: list[ShardEntry] = []
+    shard, offset, crc = [0] * n, [0] * n, [0] * n
+    seen = 0
+    parts = [(part.shards, part.rows)] + [
+        ([ShardEntry(path=p, size=s, checksum=c) for p, s, c in reply["shards"]],
+         [tuple(row) for row in reply["rows"]]) for reply in replies]
+    for entries, rows in parts:
+        for i, j, off, c in rows:
+            shard[i], offset[i], crc[i] = len(shards) + j, off, c
+        seen += len(rows)
+        shards.extend(entries)
+    if seen != n:
+        raise GroupError(f"{store.url}: the ranks wrote {seen} of {n} tensors; nothing committed")
+    table = TensorTable.from_columns(list(enc.names), enc.dtypes, [a.shape for a in arrays],
+                                     shard, offset, [a.nbytes for a in arrays], crc)
+    return make_manifest(shards, table)
+
+
+def _first_difference(enc: _codec.Encoded, arrays: Sequence[np.ndarray], reply: dict) -> str:
+    mine = list(zip(enc.names, enc.dtypes, [list(a.shape) for a in arrays]))
+    theirs = list(zip(reply["names"], reply["dtypes"], reply["shapes"]))
+    for a, b in zip(mine, theirs):
+        if tuple(a) != tuple(b):
+            return f"tensor {a[0]!r} {a[1]}{a[2]} against {b[0]!r} {b[1]}{b[2]}"
+    if len(mine) != len(theirs):
+        return f"{len(mine)} tensors against {len(theirs)}"
+    return "the same tensors, other values in the rest of the state"
+
+
+def _error(err: dict, store: Store) -> CheckpointError:
+    """Rank 0's failure, raised on another rank: the same class where it is ckptcore's own."""
+    from . import errors
+
+    kind = getattr(errors, err.get("type", ""), None)
+    text = f"{err.get('message')} (raised on rank 0)"
+    if isinstance(kind, type) and issubclass(kind, CheckpointError):
+        try:
+            return kind(text)
+        except TypeError:  # a class with a richer constructor
+            pass
+    return GroupError(f"{store.url}: the save failed on rank 0: {err.get('type')}: {text}")

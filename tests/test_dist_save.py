@@ -1,0 +1,161 @@
+"""save_state(url, state, group=...): every rank writes its share, rank 0 commits once.
+
+The ranks are threads of this process (ckptcore.ThreadGroup): the protocol and the storage are
+the real ones, on local disk and on the moto S3 server (tests/conftest.py).  Real multi-process
+groups over the frameworks' engines are tested with their adapters.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ckptcore
+from ckptcore import ThreadGroup, TrainingState, _knobs
+from ckptcore._dist import assign
+
+
+def _state(seed: int = 0, count: int = 60) -> TrainingState:
+    rng = np.random.default_rng(seed)
+    model = {f"layer{i // 6}/t{i}": rng.standard_normal(int(rng.integers(1, 60_000))).astype(np.float32)
+             for i in range(count)}
+    opt = ckptcore.OptimizerState(kind="adam", step=3, hyperparams={"lr": 0.1},
+                                  slots={k: {"m": v * 2} for k, v in list(model.items())[:10]})
+    return TrainingState(model=model, optimizer=opt, step=11, epoch=2,
+                         data={"cursor": {"epoch": 2, "position": 5}})
+
+
+def _run(groups, fn) -> dict:
+    out = {}
+
+    def body(g):
+        try:
+            out[g.rank] = fn(g)
+        except BaseException as e:  # compared below
+            out[g.rank] = e
+
+    threads = [threading.Thread(target=body, args=(g,)) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
+
+
+def _same(a: TrainingState, b: TrainingState) -> bool:
+    return (a.model.keys() == b.model.keys()
+            and all(a.model[k].tobytes() == b.model[k].tobytes() and a.model[k].dtype == b.model[k].dtype
+                    for k in a.model)
+            and all(a.optimizer.slots[k]["m"].tobytes() == b.optimizer.slots[k]["m"].tobytes()
+                    for k in a.optimizer.slots)
+            and (a.step, a.epoch, a.data) == (b.step, b.epoch, b.data))
+
+
+def _bytes_per_rank(backend, *parts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name in backend.listdir(*parts):
+        if name.startswith("shard-"):
+            rank = name.split("-")[2]
+            out[rank] = out.get(rank, 0) + len(backend.read(*parts, name))
+    return out
+
+
+def test_assignment_is_balanced_and_deterministic():
+    sizes = [int(x) for x in np.random.default_rng(1).integers(1, 10**6, 500)]
+    for n in (1, 2, 3, 4, 7):
+        owner = assign(sizes, n)
+        assert owner == assign(list(sizes), n)
+        load = [sum(s for s, r in zip(sizes, owner) if r == k) for k in range(n)]
+        assert max(load) - min(load) <= max(sizes)
+    assert assign([], 3) == []
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_every_rank_writes_its_share_and_one_commit_loads_bit_for_bit(backend, ranks):
+    state = _state()
+    url, opts = backend.url("ck"), backend.storage_options
+    out = _run(ThreadGroup.create(ranks),
+               lambda g: ckptcore.save_state(url, state, group=g, storage_options=opts))
+    assert all(isinstance(v, ckptcore.CheckpointInfo) for v in out.values()), out
+    assert len({v.writer["id"] for v in out.values()}) == 1  # one commit, seen by every rank
+    assert _same(ckptcore.load_state(url, storage_options=opts), state)
+    assert not ckptcore.verify(url, storage_options=opts)
+    shares = _bytes_per_rank(backend, "ck")
+    assert len(shares) == ranks
+    total = sum(shares.values())
+    for share in shares.values():
+        assert abs(share / total - 1 / ranks) <= 0.05, shares
+
+
+def test_an_existing_checkpoint_fails_every_rank_unless_overwritten(backend):
+    url, opts = backend.url("ck"), backend.storage_options
+    ckptcore.save_state(url, _state(1), storage_options=opts)
+    out = _run(ThreadGroup.create(3),
+               lambda g: ckptcore.save_state(url, _state(2), group=g, storage_options=opts))
+    assert all(isinstance(v, ckptcore.CheckpointExistsError) for v in out.values()), out
+    assert _same(ckptcore.load_state(url, storage_options=opts), _state(1))
+    out = _run(ThreadGroup.create(3), lambda g: ckptcore.save_state(
+        url, _state(2), group=g, storage_options=opts, overwrite=True))
+    assert all(isinstance(v, ckptcore.CheckpointInfo) for v in out.values()), out
+    assert _same(ckptcore.load_state(url, storage_options=opts), _state(2))
+
+
+def test_a_rank_that_fails_leaves_no_commit_and_every_rank_raises(backend):
+    url, opts = backend.url("ck"), backend.storage_options
+    ckptcore.save_state(url, _state(1), storage_options=opts)
+
+    def save(g):
+        state = _state(2)
+        if g.rank == 1:
+            state.extra = {"bad": object()}  # cannot be encoded: this rank fails
+        return ckptcore.save_state(url, state, group=g, storage_options=opts, overwrite=True)
+
+    t = time.monotonic()
+    out = _run(ThreadGroup.create(3), save)
+    assert time.monotonic() - t < 30  # at once, not after the group timeout
+    assert isinstance(out[1], TypeError)
+    assert all(isinstance(out[r], ckptcore.CheckpointError) for r in (0, 2)), out
+    assert "rank 1" in str(out[0])
+    assert _same(ckptcore.load_state(url, storage_options=opts), _state(1))
+    assert not [n for n in backend.listdir("ck") if n.startswith("shard-") and "-r0000" in n]
+
+
+def test_a_rank_that_never_comes_times_out_on_the_others(backend):
+    url, opts = backend.url("ck"), backend.storage_options
+    ckptcore.save_state(url, _state(1), storage_options=opts)
+    groups = ThreadGroup.create(3)
+    with _knobs.override(group_timeout=1.0):
+        t = time.monotonic()
+        out = _run(groups[:2], lambda g: ckptcore.save_state(url, _state(2), group=g,
+                                                            storage_options=opts, overwrite=True))
+        elapsed = time.monotonic() - t
+    assert all(isinstance(v, ckptcore.GroupError) for v in out.values()), out
+    assert any(isinstance(v, ckptcore.GroupTimeoutError) for v in out.values())
+    assert elapsed < 10
+    assert _same(ckptcore.load_state(url, storage_options=opts), _state(1))
+
+
+def test_ranks_with_different_states_are_refused_naming_the_tensor(backend):
+    url, opts = backend.url("ck"), backend.storage_options
+
+    def save(g):
+        state = _state(3)
+        if g.rank == 2:
+            state.model["layer0/t1"] = state.model["layer0/t1"][:-1]  # not replicated
+        return ckptcore.save_state(url, state, group=g, storage_options=opts)
+
+    out = _run(ThreadGroup.create(3), save)
+    assert isinstance(out[0], ckptcore.SchemaError) and "layer0/t1" in str(out[0]), out
+    assert all(isinstance(v, ckptcore.CheckpointError) for v in out.values())
+    with pytest.raises(ckptcore.CheckpointNotFoundError):
+        ckptcore.load_state(url, storage_options=opts)
+
+
+def test_sharded_leaves_are_refused_clearly(tmp_path):
+    state = TrainingState(model={"w": ckptcore.Shard(np.zeros(2), (4,), (0,))})
+    with pytest.raises(TypeError, match="format version 3"):
+        ckptcore.save_state(tmp_path / "ck", state)
