@@ -51,6 +51,8 @@ def main() -> None:
                     b"%d:%d" % (r, i) for r in range(group.size)]
         report["single_group"] = type(ckptcore_keras.process_group(
             tf.distribute.get_strategy())).__name__  # the default strategy: one process
+    elif mode in ("save", "savekill"):
+        _save(group, out, rank, mode, report)
     else:
         group.gather(b"ok", timeout=30)
         if rank == 1:
@@ -73,6 +75,45 @@ def main() -> None:
             json.dump(report, f)
     sys.stdout.flush()
     os._exit(0)  # the coordination service would otherwise wait for the killed peer at exit
+
+
+def _save(group, out: str, rank: int, mode: str, report: dict) -> None:
+    """Every worker saves the same (mirrored) model and optimizer through the group: chief-free,
+    each writes its share.  ``savekill``: a first save commits; then worker 1 is SIGKILLed while
+    worker 0 is inside the second save, which must fail (no commit) within the group timeout."""
+    import keras
+    import numpy as np
+
+    import ckptcore
+    from ckptcore import _knobs
+
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(64), keras.layers.Dense(32),
+                              keras.layers.Dense(4)])
+    opt = keras.optimizers.Adam(1e-3)
+    model.compile(optimizer=opt, loss="mse")
+    x = np.random.default_rng(0).standard_normal((32, 8)).astype("float32")
+    model.fit(x, x[:, :4], epochs=1, batch_size=16, verbose=0)
+    root = os.path.join(out, "ck")
+    info = ckptcore.save_state(root, model=model, optimizer=opt, group=group, overwrite=True)
+    report["writer"] = info.writer["id"]
+    if mode == "save":
+        if rank == 0:
+            report["saved_weights"] = [w.tolist() for w in model.get_weights()]
+        return
+    group.barrier(timeout=30)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    model.fit(x, x[:, :4], epochs=1, batch_size=16, verbose=0)  # the state moves on
+    t = time.monotonic()
+    with _knobs.override(group_timeout=5.0):
+        try:
+            ckptcore.save_state(root, model=model, optimizer=opt, group=group, overwrite=True)
+            report["second"] = "committed"
+        except ckptcore.GroupError as e:
+            report["second"] = type(e).__name__
+    report["seconds"] = time.monotonic() - t
+    report["newest_writer"] = ckptcore.inspect(root).writer["id"]
 
 
 def _payload(rank: int, i: int) -> bytes:
