@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._loader import DataLoader
 
 __all__ = ["ADAPTER", "capture", "restore", "import_paddle_files", "export_paddle_files",
-           "DataLoader", "ResumableBatchSampler", "Checkpoint"]
+           "DataLoader", "ResumableBatchSampler", "Checkpoint", "process_group"]
 
 # Public classes, imported on first access (Checkpoint subclasses a Paddle class).
 _LAZY = {"DataLoader": "._loader", "ResumableBatchSampler": "._data", "Checkpoint": "._callback"}
@@ -44,6 +44,13 @@ _HANDLED = {"Layer", "DataParallel", "Model"}
 _CAPTURE_KEYWORDS = frozenset({"model", "optimizer", "cursor", "rng", "copy", "scheduler", "scaler", "step",
                                "accumulate_every", "accumulated"})
 _RESTORE_KEYWORDS = frozenset({"model", "optimizer", "cursor", "strict", "rng", "scheduler", "scaler"})
+
+
+def process_group() -> Any:
+    """The ranks of the current ``paddle.distributed`` job as a ``ckptcore.ProcessGroup``, over
+    the job's own key-value store (see ``_group.py``); a group of one outside a job."""
+    from ._group import process_group as _process_group
+    return _process_group()
 
 
 def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,
