@@ -151,6 +151,10 @@ class CheckpointManager:
         save_on_preemption: Catch SIGTERM (main thread only; the previous handler is chained,
             and restored by ``close()``), so that :meth:`save_if_preempted` saves the current
             step before the machine goes away.
+        group: A :class:`ckptcore.ProcessGroup` (``ckptcore_paddle.process_group()``,
+            ``ckptcore_keras.process_group(strategy)``): every rank makes a manager on the same
+            root with its group and calls the same ``save``; each writes its share, rank 0
+            commits, holds the writer lock and applies retention.  Every rank restores alike.
 
     Example:
         >>> mgr = ckptcore.CheckpointManager("memory://run1", keep=3)  # doctest: +SKIP
@@ -161,13 +165,18 @@ class CheckpointManager:
     def __init__(self, root: str, *, keep: Any = None, async_save: bool = False,
                  storage_options: Mapping[str, Any] | None = None, lock: bool = True,
                  lease_seconds: float | None = None, heartbeat_seconds: float | None = None,
-                 save_on_preemption: bool = True):
+                 save_on_preemption: bool = True, group: Any = None):
         self.root = Store(check_url(root, "root"), dict(storage_options or {}))
         self.policy = as_policy(keep)
         self.async_save = async_save
         self._options = dict(storage_options or {})
+        # With a group every rank saves its share of each step (save_state(group=)); only the
+        # coordinator (rank 0) holds the writer lock and applies retention.
+        self.group = group
+        self._coordinator = group is None or int(group.rank) == 0
         self._lock = (WriterLock(self.root, lease_seconds=lease_seconds,
-                                 heartbeat_seconds=heartbeat_seconds) if lock else None)
+                                 heartbeat_seconds=heartbeat_seconds)
+                      if lock and self._coordinator else None)
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: Future | None = None
         self._error: BaseException | None = None
@@ -320,7 +329,8 @@ class CheckpointManager:
     def _write(self, step: int, url: str, state: TrainingState,
                overwrite: bool = False) -> api.CheckpointInfo:
         try:
-            info = api.save_state(url, state, storage_options=self._options, overwrite=overwrite)
+            info = api.save_state(url, state, storage_options=self._options, overwrite=overwrite,
+                                  group=self.group)
         except CheckpointExistsError as e:
             if step not in self.steps():
                 raise CheckpointExistsError(
@@ -337,7 +347,8 @@ class CheckpointManager:
                                               _saved_metrics(step, state.metadata))
         if self._lock is not None:
             self._lock.refresh()
-        self._apply_retention()
+        if self._coordinator:
+            self._apply_retention()
         return info
 
     def _wait_inflight(self) -> None:

@@ -159,3 +159,29 @@ def test_sharded_leaves_are_refused_clearly(tmp_path):
     state = TrainingState(model={"w": ckptcore.Shard(np.zeros(2), (4,), (0,))})
     with pytest.raises(TypeError, match="format version 3"):
         ckptcore.save_state(tmp_path / "ck", state)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_manager_with_a_group_saves_every_step_once_and_keeps_its_retention(backend, async_save):
+    root, opts = backend.url("run"), backend.storage_options
+    states = {step: _state(step, count=12) for step in (10, 20, 30, 40)}
+
+    def run(g):
+        mgr = ckptcore.CheckpointManager(root, keep=2, storage_options=opts, group=g,
+                                         async_save=async_save, save_on_preemption=False)
+        try:
+            for step, state in states.items():
+                mgr.save(step, state)
+            mgr.wait()
+            return mgr.steps(), mgr._lock is not None
+        finally:
+            mgr.close()
+
+    out = _run(ThreadGroup.create(3), run)
+    assert all(not isinstance(v, BaseException) for v in out.values()), out
+    assert out[0] == ([30, 40], True)  # rank 0 applied retention and held the lock
+    assert all(out[r][1] is False for r in (1, 2))
+    mgr = ckptcore.CheckpointManager(root, storage_options=opts, lock=False,
+                                     save_on_preemption=False)
+    assert _same(mgr.restore(), states[40])
+    assert len(_bytes_per_rank(backend, "run", mgr._name(40))) == 3
