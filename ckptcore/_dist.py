@@ -11,8 +11,9 @@ The order of collectives is the same on every rank, whatever happens:
    ``abort`` with the reason (e.g. a checkpoint already exists and ``overwrite`` is False);
 2. every rank writes its tensors into its own shard files (``shard-<n>-r<rank>-<token>.bin``);
 3. ``gather`` (all -> rank 0): each rank's shard entries and per-tensor rows, or its error,
-   plus what it saved (names, dtypes, shapes, a digest of its tree) so rank 0 can refuse ranks
-   whose "replicated" states differ;
+   plus a digest of what it saved (tree, names, dtypes, shapes) so rank 0 can refuse ranks
+   whose "replicated" states differ (only then does a second gather bring their names, to say
+   which tensor differs: the happy path carries no per-tensor list from every rank);
 4. rank 0 merges the rows into one tensor table and commits with the single-process protocol
    (``_commit.commit``: rename locally, create-only manifest PUT on object stores), which also
    removes every rank's shards if anything failed;
@@ -126,8 +127,7 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
         raise _error(go["error"], store)
     token = go["token"]
     target = store.sibling(go["folder"]) if go["folder"] else store
-    reply: dict[str, Any] = {"digest": digest, "names": enc.names, "dtypes": enc.dtypes,
-                             "shapes": [list(a.shape) for a in arrays]}
+    reply: dict[str, Any] = {"digest": digest}
     failure: BaseException | None = None
     try:
         part = _write_part(target, rank, owner, arrays, enc, token)
@@ -138,11 +138,28 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
         reply["error"] = {"type": type(e).__name__, "message": f"rank {rank}: {e}"}
     group.gather(_pack(reply), timeout=timeout)
     outcome = _unpack(group.broadcast(None, timeout=timeout), "save")
+    if outcome["kind"] == "mismatch":  # rank 0 asks what we saved, to name the difference
+        group.gather(_pack(_structure(enc, arrays)), timeout=timeout)
+        outcome = _unpack(group.broadcast(None, timeout=timeout), "save")
     if failure is not None:
         raise failure
     if outcome["kind"] != "ok":
         raise _error(outcome["error"], store)
     return None
+
+
+def _structure(enc: _codec.Encoded, arrays: Sequence[np.ndarray]) -> dict:
+    """What a rank saves, tensor by tensor: sent only when the digests disagree (a million
+    names from each of a thousand ranks would not fit the happy path)."""
+    return {"names": enc.names, "dtypes": enc.dtypes, "shapes": [list(a.shape) for a in arrays]}
+
+
+class _Mismatch(SchemaError):
+    """Ranks whose states differ: rank 0 gathers their structures to name the difference."""
+
+    def __init__(self, store: Store, ranks: list[int]) -> None:
+        super().__init__(f"{store.url}: ranks {ranks} save another state than rank 0")
+        self.ranks = ranks
 
 
 def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
@@ -177,6 +194,16 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
 
     try:
         manifest = commit(store, write, token=token, overwrite=overwrite)
+    except _Mismatch as e:
+        group.broadcast(_pack({"kind": "mismatch"}), timeout=timeout)
+        theirs = [_unpack(r, "save") for r in group.gather(b"", timeout=timeout)[1:]]
+        first = e.ranks[0]
+        err = SchemaError(f"{store.url}: rank {first} saves another state than rank 0 "
+                          f"({_first_difference(enc, arrays, theirs[first - 1])}); a save with a "
+                          "group needs the same replicated state on every rank; nothing committed")
+        group.broadcast(_pack({"kind": "error", "error": {"type": "SchemaError",
+                                                          "message": str(err)}}), timeout=timeout)
+        raise err from None
     except BaseException as e:
         message = {"type": type(e).__name__, "message": str(e)}
         try:
@@ -194,14 +221,13 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
 def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], digest: bytes,
            part: _Part, replies: list[dict], make_manifest: Callable) -> Manifest:
     """One manifest from every rank's part; refuses failed ranks and differing states."""
-    for r, reply in enumerate(replies, start=1):
+    for reply in replies:
         if "error" in reply:
             err = reply["error"]
             raise GroupError(f"{store.url}: {err['message']} ({err['type']}); nothing committed")
-        if reply["digest"] != digest:
-            raise SchemaError(f"{store.url}: rank {r} saves another state than rank 0 "
-                              f"({_first_difference(enc, arrays, reply)}); a save with a group "
-                              "needs the same replicated state on every rank")
+    differ = [r for r, reply in enumerate(replies, start=1) if reply["digest"] != digest]
+    if differ:
+        raise _Mismatch(store, differ)
     n = len(arrays)
     shards: list[ShardEntry] = []
     shard, offset, crc = [0] * n, [0] * n, [0] * n
