@@ -28,6 +28,7 @@ the slowest rank's write: a rank still writing looks like a dead one.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -44,15 +45,29 @@ from .errors import CheckpointError, GroupError, SchemaError
 log = logging.getLogger("ckptcore")
 
 
+_GREEDY_MAX = 50_000  # tensors up to which the exact greedy plan is used (about 0.1 s)
+
+
 def assign(sizes: Sequence[int], ranks: int) -> list[int]:
     """The rank that writes each tensor: largest first, onto the rank with the fewest bytes so
     far (ties: the lower rank).  Deterministic, so every rank computes the same plan."""
-    load = [0] * ranks
+    # Every rank computes this for every save, so it must stay cheap at scale: scanning every
+    # rank per tensor cost 160 s at 1,000 ranks x 2 million tensors (bench_scale_sim.py), a
+    # heap 4.6 s.  Many tensors: "snake" order over the sizes sorted largest first (ranks 0..R-1,
+    # then R-1..0, ...), vectorised; any two ranks then differ by at most the largest tensor.
+    if len(sizes) > _GREEDY_MAX:
+        order = np.lexsort((np.arange(len(sizes)), -np.asarray(sizes, np.int64)))
+        pos = np.arange(len(sizes)) % (2 * ranks)
+        snake = np.where(pos < ranks, pos, 2 * ranks - 1 - pos)
+        owner_arr = np.empty(len(sizes), np.int64)
+        owner_arr[order] = snake
+        return owner_arr.tolist()
+    heap = [(0, r) for r in range(ranks)]
     owner = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-int(sizes[i]), i)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
+        load, r = heapq.heappop(heap)
         owner[i] = r
-        load[r] += int(sizes[i])
+        heapq.heappush(heap, (load + int(sizes[i]), r))
     return owner
 
 

@@ -72,6 +72,14 @@ def test_assignment_is_balanced_and_deterministic():
         load = [sum(s for s, r in zip(sizes, owner) if r == k) for k in range(n)]
         assert max(load) - min(load) <= max(sizes)
     assert assign([], 3) == []
+    from ckptcore import _dist
+
+    many = [int(x) for x in np.random.default_rng(2).integers(1, 10**6, _dist._GREEDY_MAX + 1)]
+    for n in (2, 7, 1000):
+        owner = assign(many, n)  # the vectorised plan for many tensors
+        assert owner == assign(list(many), n) and set(owner) == set(range(n))
+        load = np.bincount(owner, weights=many, minlength=n)
+        assert load.max() - load.min() <= max(many)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])

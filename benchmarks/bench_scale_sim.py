@@ -1,0 +1,212 @@
+"""What a distributed save's commit costs at 1,000 ranks, simulated in one process with ckptcore's code.
+
+No 1,000-host cluster is at hand, so the parts that depend on the rank count are run in one
+process with the real functions: each rank's reply is built and packed as
+``ckptcore/_dist.py`` packs it (msgpack: shard entries, per-tensor rows, a digest), the
+coordinator decodes and merges them (``_dist._merge``) into the manifest's columnar tensor table,
+the manifest is encoded (``Manifest.to_bytes``) and parsed and validated again as a reader does
+(``Manifest.from_bytes``).  A tree-shaped gather (leaders of ``--fan`` ranks merge first) is
+simulated with the same functions.  Object-store request latencies are measured against moto's
+S3 server on 127.0.0.1 (unless ``--no-s3``) and composed into the commit's critical path.
+
+Default: ``--ranks 1000 --tensors 2000`` (2 million tensors: each rank writes 2,000, about a
+thousandth of a replicated state; small tensors, since only their count matters here).
+
+    python benchmarks/bench_scale_sim.py [--ranks 1000] [--tensors 2000] [--quick] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def _timed(fn, rounds: int):
+    out, times = None, []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return out, statistics.median(times), min(times), max(times)
+
+
+def build(ranks: int, per_rank: int):
+    """The encoded state every rank holds (names, dtypes, shapes) and each rank's packed reply."""
+    import msgpack
+    import numpy as np
+
+    from ckptcore import _codec
+    from ckptcore._dist import assign
+
+    n = ranks * per_rank
+    names = [f"block{i // 64}/layer{i % 64}/w{i}" for i in range(n)]
+    shapes = [(16 + i % 48,) for i in range(n)]
+    sizes = [4 * s[0] for s in shapes]
+    owner = assign(sizes, ranks)
+    enc = _codec.Encoded(tree={"model": {}}, arrays=[], names=names, dtypes=["float32"] * n)
+    arrays = [np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), s, (0,)) for s in shapes]
+    mine: list[list[int]] = [[] for _ in range(ranks)]
+    for i, r in enumerate(owner):
+        mine[r].append(i)
+    digest = hashlib.blake2b(b"state", digest_size=16).digest()
+    replies = []
+    for r in range(ranks):
+        offset, end, rows = 0, 0, []
+        for i in mine[r]:
+            offset += (-offset) % 64  # aligned, as _io.plan_shards lays tensors out
+            rows.append((i, 0, offset, (i * 2654435761) & 0xFFFFFFFF))
+            offset += sizes[i]
+            end = offset
+        token = "0123456789abcdef"
+        replies.append(msgpack.packb({"digest": digest, "shards": [
+            [f"shard-00000-r{r:05d}-{token}.bin", end, r]], "rows": rows}, use_bin_type=True))
+    return enc, arrays, digest, replies, mine
+
+
+def merge(enc, arrays, digest, packed: list[bytes]):
+    """What rank 0 does with the gathered replies: decode, check, merge into one table."""
+    import msgpack
+
+    from ckptcore._dist import _Part, _merge
+    from ckptcore._manifest import Manifest, ShardEntry
+
+    replies = [msgpack.unpackb(b, raw=False) for b in packed]
+    first = replies[0]
+    part = _Part([ShardEntry(path=p, size=s, checksum=c) for p, s, c in first["shards"]],
+                 [tuple(row) for row in first["rows"]])
+
+    def make(shards, table):
+        return Manifest(created=0.0, writer={"id": "sim", "host": "sim", "pid": 0},
+                        library={"ckptcore": "sim"}, framework={"name": None, "versions": {}},
+                        alignment=64, shards=tuple(shards), tensors=table,
+                        tree={"model": {}}, version=2, referenced=())
+
+    class _S:  # only .url is read on the happy path
+        url = "sim://"
+
+    return _merge(_S(), enc, arrays, digest, part, replies[1:], make)
+
+
+def s3_latencies(rounds: int) -> dict[str, float]:
+    """Median seconds of the requests a commit makes, against moto's S3 server on 127.0.0.1."""
+    import bench_s3
+    import s3fs
+    from fsspec.asyn import sync
+
+    opts, stop = bench_s3.start_server("process")
+    try:
+        fs = s3fs.S3FileSystem(**opts)
+        fs.mkdir("sim")
+        out: dict[str, list[float]] = {"PUT 1 KiB": [], "create-only PUT 1 KiB": [], "HEAD": [],
+                                       "GET 1 KiB": []}
+        for i in range(rounds):
+            for name, fn in (
+                    ("PUT 1 KiB", lambda: fs.pipe_file(f"sim/a{i}", b"x" * 1024)),
+                    ("create-only PUT 1 KiB", lambda: sync(fs.loop, fs._call_s3, "put_object",
+                                                            Bucket="sim", Key=f"c{i}",
+                                                            Body=b"x" * 1024, IfNoneMatch="*")),
+                    ("HEAD", lambda: fs.info(f"sim/a{i}", refresh=True)),
+                    ("GET 1 KiB", lambda: fs.cat_file(f"sim/a{i}"))):
+                t = time.perf_counter()
+                fn()
+                out[name].append(time.perf_counter() - t)
+        return {k: statistics.median(v) for k, v in out.items()}
+    finally:
+        stop()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=1000)
+    p.add_argument("--tensors", type=int, default=2000, help="tensors written per rank")
+    p.add_argument("--fan", type=int, default=32, help="ranks per leader in the tree gather")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-s3", action="store_true")
+    p.add_argument("--quick", action="store_true", help="100 ranks x 200 tensors, not recorded")
+    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.ranks, args.tensors, args.rounds, args.no_record = 100, 200, 1, True
+    from ckptcore._manifest import Manifest
+
+    t = time.perf_counter()
+    enc, arrays, digest, replies, mine = build(args.ranks, args.tensors)
+    built = time.perf_counter() - t
+    n = args.ranks * args.tensors
+    gathered = sum(map(len, replies))
+    manifest, m_med, m_min, m_max = _timed(lambda: merge(enc, arrays, digest, replies), args.rounds)
+    data, e_med, _, _ = _timed(manifest.to_bytes, args.rounds)
+    _, p_med, p_min, p_max = _timed(lambda: Manifest.from_bytes(data), args.rounds)
+
+    # Tree: leaders merge the replies of their `fan` ranks into one reply (rows concatenated,
+    # shards listed in rank order), then rank 0 merges the leaders' replies.
+    import msgpack
+
+    fan = max(2, args.fan)
+    groups = [replies[i:i + fan] for i in range(0, len(replies), fan)]
+
+    def leader(group: list[bytes]) -> bytes:
+        shards, rows = [], []
+        for b in group:
+            r = msgpack.unpackb(b, raw=False)
+            rows.extend((i, len(shards) + j, off, c) for i, j, off, c in r["rows"])
+            shards.extend(r["shards"])
+        return msgpack.packb({"digest": digest, "shards": shards, "rows": rows}, use_bin_type=True)
+
+    t = time.perf_counter()
+    leaders = [leader(g) for g in groups]
+    level1 = (time.perf_counter() - t) / len(groups)  # one leader's work (leaders run in parallel)
+    _, l2_med, _, _ = _timed(lambda: merge(enc, arrays, digest, leaders), args.rounds)
+    per_leader_in = statistics.median([sum(map(len, g)) for g in groups])
+
+    lat = {} if args.no_s3 else s3_latencies(max(5, args.rounds * 3))
+    # Shard keys: "<checkpoint>/shard-<n>-r<rank>-<token>.bin" all share the checkpoint's prefix;
+    # S3 scales request rates per prefix (about 3,500 PUT and 5,500 GET per second each).
+    puts = args.ranks  # one shard per rank here (a rank's share fits one part)
+    lines = [
+        f"## bench_scale_sim.py, {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
+        f"{args.ranks} ranks x {args.tensors} tensors = {n:,} tensors; one process, ckptcore's own "
+        f"functions; medians of {args.rounds} rounds [min-max]; building the replies took "
+        f"{built:.1f} s (not part of a save).", "",
+        "| quantity | value |", "|---|---:|",
+        f"| bytes gathered at rank 0 (flat) | {gathered / 2**20:.1f} MiB ({gathered / args.ranks / 1024:.1f} KiB per rank) |",
+        f"| rank 0: decode + check + merge {args.ranks} replies (flat) | {m_med:.2f} s [{m_min:.2f}-{m_max:.2f}] |",
+        f"| manifest encode | {e_med:.2f} s |",
+        f"| manifest size | {len(data) / 2**20:.1f} MiB ({len(data) / n:.0f} bytes per tensor) |",
+        f"| manifest parse + validate (every reader, every load) | {p_med:.2f} s [{p_min:.2f}-{p_max:.2f}] |",
+        f"| tree gather, fan {fan}: bytes into one leader | {per_leader_in / 2**20:.2f} MiB |",
+        f"| tree gather: one leader's merge ({fan} replies) | {level1 * 1000:.0f} ms |",
+        f"| tree gather: rank 0 merges {len(groups)} leaders' replies | {l2_med:.2f} s |",
+    ]
+    if lat:
+        put, create, head = lat["PUT 1 KiB"], lat["create-only PUT 1 KiB"], lat["HEAD"]
+        lines += [
+            f"| S3 (moto, loopback) PUT 1 KiB / create-only PUT / HEAD / GET | {put * 1000:.1f} / "
+            f"{create * 1000:.1f} / {head * 1000:.1f} / {lat['GET 1 KiB'] * 1000:.1f} ms |",
+            f"| shard PUTs per save under one prefix | {puts} ({puts / 3500:.2f} s at 3,500 PUT/s per prefix) |",
+            f"| commit critical path after the last rank's shards (flat) | exists HEAD {head * 1000:.0f} ms + "
+            f"merge {m_med:.2f} s + encode {e_med:.2f} s + manifest PUT {create * 1000:.0f} ms "
+            f"= {head + m_med + e_med + create:.2f} s |",
+        ]
+    lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_record:
+        from _report import record
+
+        record(args.results, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
