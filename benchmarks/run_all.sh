@@ -32,6 +32,8 @@ benchmarks=(
   bench_keras.py
   bench_paddle.py
   bench_async.py
+  bench_dist.py
+  bench_scale_sim.py
 )
 
 # --quick for the scripts that lack it: their own options for a small, short run.
