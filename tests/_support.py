@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +122,34 @@ def subprocess_env(here: Path | str | None = None) -> dict[str, str]:
     env.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     env.setdefault("GLOG_minloglevel", "3")
     return env
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free on 127.0.0.1 now (for the ranks of a multi-process job)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_ranks(groups: list, fn: Any, *, timeout: float = 120) -> dict[int, Any]:
+    """``fn(group)`` on one thread per rank of a ``ckptcore.ThreadGroup``: ``{rank: result or
+    the exception it raised}``; fails the test if a rank is still running after ``timeout``."""
+    out: dict[int, Any] = {}
+
+    def body(g: Any) -> None:
+        try:
+            out[g.rank] = fn(g)
+        except BaseException as e:  # returned for the test to compare
+            out[g.rank] = e
+
+    threads = [threading.Thread(target=body, args=(g,), daemon=True) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out

@@ -7,7 +7,6 @@ groups over the frameworks' engines are tested with their adapters.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -16,6 +15,8 @@ import pytest
 import ckptcore
 from ckptcore import ThreadGroup, TrainingState, _knobs
 from ckptcore._dist import assign
+
+from _support import run_ranks
 
 
 def _state(seed: int = 0, count: int = 60) -> TrainingState:
@@ -28,22 +29,6 @@ def _state(seed: int = 0, count: int = 60) -> TrainingState:
                          data={"cursor": {"epoch": 2, "position": 5}})
 
 
-def _run(groups, fn) -> dict:
-    out = {}
-
-    def body(g):
-        try:
-            out[g.rank] = fn(g)
-        except BaseException as e:  # compared below
-            out[g.rank] = e
-
-    threads = [threading.Thread(target=body, args=(g,)) for g in groups]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out
 
 
 def _same(a: TrainingState, b: TrainingState) -> bool:
@@ -86,7 +71,7 @@ def test_assignment_is_balanced_and_deterministic():
 def test_every_rank_writes_its_share_and_one_commit_loads_bit_for_bit(backend, ranks):
     state = _state()
     url, opts = backend.url("ck"), backend.storage_options
-    out = _run(ThreadGroup.create(ranks),
+    out = run_ranks(ThreadGroup.create(ranks),
                lambda g: ckptcore.save_state(url, state, group=g, storage_options=opts))
     assert all(isinstance(v, ckptcore.CheckpointInfo) for v in out.values()), out
     assert len({v.writer["id"] for v in out.values()}) == 1  # one commit, seen by every rank
@@ -102,11 +87,11 @@ def test_every_rank_writes_its_share_and_one_commit_loads_bit_for_bit(backend, r
 def test_an_existing_checkpoint_fails_every_rank_unless_overwritten(backend):
     url, opts = backend.url("ck"), backend.storage_options
     ckptcore.save_state(url, _state(1), storage_options=opts)
-    out = _run(ThreadGroup.create(3),
+    out = run_ranks(ThreadGroup.create(3),
                lambda g: ckptcore.save_state(url, _state(2), group=g, storage_options=opts))
     assert all(isinstance(v, ckptcore.CheckpointExistsError) for v in out.values()), out
     assert _same(ckptcore.load_state(url, storage_options=opts), _state(1))
-    out = _run(ThreadGroup.create(3), lambda g: ckptcore.save_state(
+    out = run_ranks(ThreadGroup.create(3), lambda g: ckptcore.save_state(
         url, _state(2), group=g, storage_options=opts, overwrite=True))
     assert all(isinstance(v, ckptcore.CheckpointInfo) for v in out.values()), out
     assert _same(ckptcore.load_state(url, storage_options=opts), _state(2))
@@ -123,7 +108,7 @@ def test_a_rank_that_fails_leaves_no_commit_and_every_rank_raises(backend):
         return ckptcore.save_state(url, state, group=g, storage_options=opts, overwrite=True)
 
     t = time.monotonic()
-    out = _run(ThreadGroup.create(3), save)
+    out = run_ranks(ThreadGroup.create(3), save)
     assert time.monotonic() - t < 30  # at once, not after the group timeout
     assert isinstance(out[1], TypeError)
     assert all(isinstance(out[r], ckptcore.CheckpointError) for r in (0, 2)), out
@@ -138,7 +123,7 @@ def test_a_rank_that_never_comes_times_out_on_the_others(backend):
     groups = ThreadGroup.create(3)
     with _knobs.override(group_timeout=1.0):
         t = time.monotonic()
-        out = _run(groups[:2], lambda g: ckptcore.save_state(url, _state(2), group=g,
+        out = run_ranks(groups[:2], lambda g: ckptcore.save_state(url, _state(2), group=g,
                                                             storage_options=opts, overwrite=True))
         elapsed = time.monotonic() - t
     assert all(isinstance(v, ckptcore.GroupError) for v in out.values()), out
@@ -156,7 +141,7 @@ def test_ranks_with_different_states_are_refused_naming_the_tensor(backend):
             state.model["layer0/t1"] = state.model["layer0/t1"][:-1]  # not replicated
         return ckptcore.save_state(url, state, group=g, storage_options=opts)
 
-    out = _run(ThreadGroup.create(3), save)
+    out = run_ranks(ThreadGroup.create(3), save)
     assert isinstance(out[0], ckptcore.SchemaError) and "layer0/t1" in str(out[0]), out
     assert all(isinstance(v, ckptcore.CheckpointError) for v in out.values())
     with pytest.raises(ckptcore.CheckpointNotFoundError):
@@ -185,7 +170,7 @@ def test_a_manager_with_a_group_saves_every_step_once_and_keeps_its_retention(ba
         finally:
             mgr.close()
 
-    out = _run(ThreadGroup.create(3), run)
+    out = run_ranks(ThreadGroup.create(3), run)
     assert all(not isinstance(v, BaseException) for v in out.values()), out
     assert out[0] == ([30, 40], True)  # rank 0 applied retention and held the lock
     assert all(out[r][1] is False for r in (1, 2))

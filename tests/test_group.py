@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 import ckptcore
 from ckptcore import ProcessGroup, Shard, SingleProcessGroup, ThreadGroup
 
+from _support import run_ranks
 
-def _run(groups, fn):
-    out, errors = {}, {}
 
-    def body(g):
-        try:
-            out[g.rank] = fn(g)
-        except BaseException as e:  # reported below
-            errors[g.rank] = e
-
-    threads = [threading.Thread(target=body, args=(g,)) for g in groups]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return out, errors
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -40,7 +25,8 @@ def test_thread_group_collectives_in_order(size):
             g.barrier(timeout=10)
         return seen
 
-    out, errors = _run(ThreadGroup.create(size), fn)
+    out = run_ranks(ThreadGroup.create(size), fn)
+    errors = {r: v for r, v in out.items() if isinstance(v, BaseException)}
     assert not errors
     assert out[0] == [[bytes([r, i]) for r in range(size)] for i in range(30)]
     assert all(out[r] == [None] * 30 for r in range(1, size))
@@ -49,7 +35,7 @@ def test_thread_group_collectives_in_order(size):
 
 def test_a_missing_rank_times_out_and_breaks_the_group():
     g0, g1, g2 = ThreadGroup.create(3)
-    out, errors = _run([g0, g1], lambda g: g.gather(b"x", timeout=0.5))
+    errors = run_ranks([g0, g1], lambda g: g.gather(b"x", timeout=0.5))
     assert set(errors) == {0, 1}
     assert all(isinstance(e, ckptcore.GroupTimeoutError) for e in errors.values())
     assert all(isinstance(e, TimeoutError) for e in errors.values())

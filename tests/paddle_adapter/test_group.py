@@ -4,7 +4,6 @@ and distributed saves through it, with 2 and 4 real gloo processes on 127.0.0.1.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,25 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _support import subprocess_env
+from _support import free_ports, subprocess_env
 
 pytest.importorskip("paddle")
 
 HERE = Path(__file__).parent
 
 
-def _ports(n: int) -> str:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = ",".join(str(s.getsockname()[1]) for s in socks)
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _job(tmp_path: Path, mode: str, n: int) -> tuple[dict[int, dict], float]:
-    ports = _ports(n)
+    ports = ",".join(map(str, free_ports(n)))
     env = subprocess_env(HERE)
     t = time.monotonic()
     procs = [subprocess.Popen([sys.executable, str(HERE / "_group_worker.py"), str(r), ports,

@@ -20,7 +20,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import pytest
 pytest.importorskip("paddle", reason="paddlepaddle is not installed")
 
 import ckptcore  # noqa: E402
+from _support import free_ports  # noqa: E402
 
 # 1000 CNN samples (32 batches an epoch, the last of 8) rather than the issue's ~2,000: the runs
 # below train the CNN for about 14 epochs in all, on CPU.
@@ -86,18 +86,10 @@ class Run:
             self._fail(f"exited with {self.proc.returncode}")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _dp_job(spawn, d: Path, phase: str) -> tuple[list[Run], int]:
-    ports = ",".join(map(str, _free_ports(2)))
+    ports = ",".join(map(str, free_ports(2)))
     ranks = [Run(spawn, d, f"dp_{phase}_{r}", "dp", phase, str(r), ports) for r in range(2)]
     return ranks, ranks[0].signalled()
 
