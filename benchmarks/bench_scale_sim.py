@@ -45,7 +45,7 @@ def build(ranks: int, per_rank: int):
     import numpy as np
 
     from ckptcore import _codec
-    from ckptcore._dist import assign
+    from ckptcore._dist import _Part, assign
 
     n = ranks * per_rank
     names = [f"block{i // 64}/layer{i % 64}/w{i}" for i in range(n)]
@@ -60,15 +60,20 @@ def build(ranks: int, per_rank: int):
     digest = hashlib.blake2b(b"state", digest_size=16).digest()
     replies = []
     for r in range(ranks):
-        offset, end, rows = 0, 0, []
+        offset, end, offsets = 0, 0, []
         for i in mine[r]:
             offset += (-offset) % 64  # aligned, as _io.plan_shards lays tensors out
-            rows.append((i, 0, offset, (i * 2654435761) & 0xFFFFFFFF))
+            offsets.append(offset)
             offset += sizes[i]
             end = offset
+        idx = np.asarray(mine[r], np.int64)
+        part = _Part([], {"index": idx, "shard": np.zeros(len(idx), np.uint32),
+                          "offset": np.asarray(offsets, np.uint64),
+                          "crc": ((idx * 2654435761) & 0xFFFFFFFF).astype(np.uint32)})
         token = "0123456789abcdef"
         replies.append(msgpack.packb({"digest": digest, "shards": [
-            [f"shard-00000-r{r:05d}-{token}.bin", end, r]], "rows": rows}, use_bin_type=True))
+            [f"shard-00000-r{r:05d}-{token}.bin", end, r]], "rows": part.packed_rows()},
+            use_bin_type=True))
     return enc, arrays, digest, replies, mine
 
 
@@ -77,12 +82,10 @@ def merge(enc, arrays, digest, packed: list[bytes]):
     import msgpack
 
     from ckptcore._dist import _Part, _merge
-    from ckptcore._manifest import Manifest, ShardEntry
+    from ckptcore._manifest import Manifest
 
     replies = [msgpack.unpackb(b, raw=False) for b in packed]
-    first = replies[0]
-    part = _Part([ShardEntry(path=p, size=s, checksum=c) for p, s, c in first["shards"]],
-                 [tuple(row) for row in first["rows"]])
+    part = _Part.from_reply(replies[0], 0)
 
     def make(shards, table):
         return Manifest(created=0.0, writer={"id": "sim", "host": "sim", "pid": 0},
@@ -155,12 +158,18 @@ def main(argv=None) -> int:
     fan = max(2, args.fan)
     groups = [replies[i:i + fan] for i in range(0, len(replies), fan)]
 
+    import numpy as np
+
+    from ckptcore._dist import _Part
+
     def leader(group: list[bytes]) -> bytes:
-        shards, rows = [], []
+        shards, cols = [], {k: [] for k in ("index", "shard", "offset", "crc")}
         for b in group:
-            r = msgpack.unpackb(b, raw=False)
-            rows.extend((i, len(shards) + j, off, c) for i, j, off, c in r["rows"])
-            shards.extend(r["shards"])
+            p = _Part.from_reply(msgpack.unpackb(b, raw=False), 0)
+            for k in cols:
+                cols[k].append(p.rows[k] + (len(shards) if k == "shard" else 0))
+            shards.extend([s.path, s.size, s.checksum] for s in p.shards)
+        rows = _Part([], {k: np.concatenate(v) for k, v in cols.items()}).packed_rows()
         return msgpack.packb({"digest": digest, "shards": shards, "rows": rows}, use_bin_type=True)
 
     t = time.perf_counter()
