@@ -300,15 +300,38 @@ def _first_difference(enc: _codec.Encoded, arrays: Sequence[np.ndarray], reply: 
     return "the same tensors, other values in the rest of the state"
 
 
-def _error(err: dict, store: Store) -> CheckpointError:
-    """Rank 0's failure, raised on another rank: the same class where it is ckptcore's own."""
+def _error(err: dict, store: Store) -> Exception:
+    """Rank 0's failure, raised on another rank: the same class where it is ckptcore's own (or
+    ``ValueError``/``TypeError``, a caller's mistake), else ``GroupError``."""
     from . import errors
 
     kind = getattr(errors, err.get("type", ""), None)
+    if kind is None:
+        kind = {"ValueError": ValueError, "TypeError": TypeError}.get(err.get("type", ""))
     text = f"{err.get('message')} (raised on rank 0)"
-    if isinstance(kind, type) and issubclass(kind, CheckpointError):
+    if isinstance(kind, type) and issubclass(kind, (CheckpointError, ValueError, TypeError)):
         try:
             return kind(text)
         except TypeError:  # a class with a richer constructor
             pass
     return GroupError(f"{store.url}: the save failed on rank 0: {err.get('type')}: {text}")
+
+
+def decide(store: Store, group: Any, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` (a check only rank 0 can make: its writer lock, the manager's step order) on
+    rank 0 and hand its result, or its error, to every rank, so that a refusal reaches the
+    others at once instead of leaving them to time out in the save that never starts."""
+    timeout = float(_knobs.get("group_timeout"))
+    if group.rank != 0:
+        msg = _unpack(group.broadcast(None, timeout=timeout), "save")
+        if msg["kind"] != "ok":
+            raise _error(msg["error"], store)
+        return msg["value"]
+    try:
+        value = fn()
+    except Exception as e:
+        group.broadcast(_pack({"kind": "error", "error": {"type": type(e).__name__,
+                                                           "message": str(e)}}), timeout=timeout)
+        raise
+    group.broadcast(_pack({"kind": "ok", "value": value}), timeout=timeout)
+    return value

@@ -228,11 +228,22 @@ class CheckpointManager:
         name = self._name(step)
         metrics = check_metrics(metrics)  # before anything is written or committed
         self._wait_inflight()  # at most one save in flight; raises a previous background error
-        self._acquire()
-        overwrite = self._check_order(step)
-        if step in self._skipped:
-            self._replace_skipped(step)
-        snapshot = self._snapshot(step, state, metrics, objects)
+        if self.group is None:
+            overwrite = self._prepare(step)
+        else:
+            from . import _dist
+
+            overwrite = _dist.decide(self.root, self.group, lambda: self._prepare(step))
+        try:
+            snapshot = self._snapshot(step, state, metrics, objects)
+        except Exception as e:
+            if self.group is None:
+                raise
+            from . import _dist
+
+            # The other ranks are about to save: take part, so they fail at once, then raise.
+            _dist.fail(self.root.child(name), self.group, e)
+            raise
         url = self.root.child(name).url
         if sync:
             return SaveHandle(step, url, _completed(self._write(step, url, snapshot, overwrite)))
@@ -241,6 +252,15 @@ class CheckpointManager:
         fut = self._pool.submit(self._write, step, url, snapshot, overwrite)
         self._inflight = fut
         return SaveHandle(step, url, fut)
+
+    def _prepare(self, step: int) -> bool:
+        """The checks before a save (the writer lock, the step order, a damaged step in the
+        way); whether ``step`` is to be replaced.  With a group, rank 0 makes them for all."""
+        self._acquire()
+        overwrite = self._check_order(step)
+        if step in self._skipped:
+            self._replace_skipped(step)
+        return overwrite
 
     def _committed(self) -> list[int]:
         """Committed steps; from this manager's last listing while its lock keeps others out."""

@@ -178,3 +178,58 @@ def test_a_manager_with_a_group_saves_every_step_once_and_keeps_its_retention(ba
                                      save_on_preemption=False)
     assert _same(mgr.restore(), states[40])
     assert len(_bytes_per_rank(backend, "run", mgr._name(40))) == 3
+
+
+def test_a_refusal_only_rank_0_can_make_reaches_every_rank_at_once(tmp_path):
+    """The writer lock is rank 0's: when another manager holds it, every rank of the group
+    raises LockedError at once (not GroupTimeoutError after the group timeout); a step below
+    the newest is refused on every rank alike."""
+    root = str(tmp_path / "run")
+    holder = ckptcore.CheckpointManager(root, save_on_preemption=False)
+    holder.save(5, _state(5, count=4))
+
+    def run(g):
+        mgr = ckptcore.CheckpointManager(root, group=g, save_on_preemption=False)
+        try:
+            return mgr.save(10, _state(10, count=4))
+        finally:
+            mgr.close()
+
+    with _knobs.override(group_timeout=30.0):
+        t = time.monotonic()
+        out = run_ranks(ThreadGroup.create(3), run)
+        assert time.monotonic() - t < 10
+    assert all(isinstance(v, ckptcore.LockedError) for v in out.values()), out
+    holder.close()
+
+    def below(g):
+        mgr = ckptcore.CheckpointManager(root, group=g, save_on_preemption=False)
+        try:
+            return mgr.save(3, _state(3, count=4))
+        finally:
+            mgr.close()
+
+    out = run_ranks(ThreadGroup.create(3), below)
+    assert all(isinstance(v, ValueError) for v in out.values()), out
+
+
+def test_a_rank_whose_snapshot_fails_fails_every_rank_at_once(tmp_path):
+    root = str(tmp_path / "run")
+
+    def run(g):
+        state = _state(1, count=4)
+        if g.rank == 2:
+            state.extra = {"bad": object()}
+        mgr = ckptcore.CheckpointManager(root, group=g, async_save=True, save_on_preemption=False)
+        try:
+            mgr.save(1, state)
+            mgr.wait()
+            return mgr.steps()
+        finally:
+            mgr.close()
+
+    t = time.monotonic()
+    out = run_ranks(ThreadGroup.create(3), run)
+    assert time.monotonic() - t < 30
+    assert all(isinstance(v, Exception) for v in out.values()), out
+    assert not ckptcore.CheckpointManager(root, lock=False, save_on_preemption=False).steps()
