@@ -20,7 +20,8 @@ def broadcasts() -> list[bytes]:
     return [b"", b"zero", b"\x00\xff" * 3, bytes(range(256)) * 4096 + b"end"]
 
 
-def check_protocol(group: ckptcore.ProcessGroup, *, timeout: float = 30.0, rounds: int = 20) -> dict[str, bool]:
+def check_protocol(group: ckptcore.ProcessGroup, *, timeout: float = 30.0,
+                   rounds: int = 20) -> dict[str, bool]:
     rank, size = group.rank, group.size
     out = {"is_protocol": isinstance(group, ckptcore.ProcessGroup),
            "rank_and_size": isinstance(rank, int) and isinstance(size, int) and 0 <= rank < size}

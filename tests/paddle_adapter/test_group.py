@@ -14,19 +14,19 @@ import numpy as np
 import pytest
 
 import ckptcore
+from _group_checks import check_protocol
 from _support import free_ports, run_ranks, subprocess_env
 
 pytest.importorskip("paddle")
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from _group_checks import check_protocol  # noqa: E402
 
 DEADLINE = 3.0  # the deadline _group_worker.py gives the collective a dead peer never joins
 MARGIN = 2.0    # for a loaded machine: thread start, join wake-up
 
 
-def _job(tmp_path: Path, mode: str, n: int, *, stopped: int | None = None) -> tuple[dict[int, dict], dict[int, int]]:
+def _job(tmp_path: Path, mode: str, n: int, *,
+         stopped: int | None = None) -> tuple[dict[int, dict], dict[int, int]]:
     """Run ``n`` ranks of ``_group_worker.py``; their reports and exit codes.  A rank that stops
     itself (``stopped``) is SIGKILLed once the others are done."""
     ports = ",".join(map(str, free_ports(n)))
@@ -62,6 +62,16 @@ def test_the_shared_checks_pass_on_the_reference_thread_group():
     # The checks themselves, on ckptcore.ThreadGroup: what the Paddle group must match.
     results = run_ranks(ckptcore.ThreadGroup.create(3), check_protocol)
     assert all(isinstance(v, dict) and all(v.values()) for v in results.values()), results
+
+
+def test_outside_a_job_the_group_is_this_process_alone(monkeypatch):
+    import ckptcore_paddle
+
+    for var in ("PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ID", "PADDLE_TRAINER_ENDPOINTS"):
+        monkeypatch.delenv(var, raising=False)
+    group = ckptcore_paddle.process_group()
+    assert isinstance(group, ckptcore.SingleProcessGroup)
+    assert all(check_protocol(group, rounds=3).values())
 
 
 @pytest.mark.parametrize("n", [2, 4])
