@@ -46,11 +46,12 @@ _CAPTURE_KEYWORDS = frozenset({"model", "optimizer", "cursor", "rng", "copy", "s
 _RESTORE_KEYWORDS = frozenset({"model", "optimizer", "cursor", "strict", "rng", "scheduler", "scaler"})
 
 
-def process_group() -> Any:
-    """The ranks of the current ``paddle.distributed`` job as a ``ckptcore.ProcessGroup``, over
-    the job's own key-value store (see ``_group.py``); a group of one outside a job."""
+def process_group(group: Any = None) -> Any:
+    """The ranks of the current ``paddle.distributed`` job (or of its sub-group ``group``) as a
+    ``ckptcore.ProcessGroup`` over the job's own collectives (see ``_group.py``); a group of one
+    outside a job."""
     from ._group import process_group as _process_group
-    return _process_group()
+    return _process_group(group)
 
 
 def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,

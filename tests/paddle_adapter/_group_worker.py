@@ -1,26 +1,26 @@
 """One rank of a gloo job on 127.0.0.1 exercising ckptcore_paddle.process_group():
 ``python _group_worker.py RANK PORTS OUT MODE``.
 
-MODE ``protocol``: gather/broadcast/barrier with payloads of every kind, then many small rounds.
-MODE ``kill``: after one good round the last rank SIGKILLs itself while the others wait.
+MODE ``protocol``: process_group() before init_parallel_env (refused), then the shared protocol
+checks on the whole job and, with 4 ranks, on the sub-group of ranks 2 and 3.
+MODE ``kill``/``hang``: after a good round the last rank SIGKILLs/SIGSTOPs itself while the
+others are inside a gather with a 3 s deadline; then one more call on the broken group.
 MODE ``save``: every rank saves the same DataParallel model and Adam through the group.
 MODE ``savekill``: a first group save commits; the last rank is SIGKILLed; the others' second
 save must fail within the group timeout and leave the first one the newest.
-Each rank writes what it saw to OUT/rank<r>.json.
+Each rank writes what it saw to OUT/rank<r>.json and exits through sys.exit.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
 import time
 
-
-def _payload(rank: int, i: int) -> bytes:
-    return [b"", bytes([rank]) * (rank * 1000 + 1), b"\x00" * 7,
-            bytes(range(256)) * (4096 * (rank + 1)) + b"tail%d" % rank][i]
+DEADLINE = 3.0
 
 
 def main() -> None:
@@ -34,44 +34,86 @@ def main() -> None:
     import ckptcore
     import ckptcore_paddle
 
+    report: dict = {"rank": rank}
+    if mode == "protocol":
+        try:
+            ckptcore_paddle.process_group()
+            report["before_init"] = None
+        except ckptcore.CheckpointError as e:
+            report["before_init"] = str(e)
     dist.init_parallel_env()
     group = ckptcore_paddle.process_group()
-    last = group.size - 1
-    report = {"rank": group.rank, "size": group.size,
-              "is_protocol": isinstance(group, ckptcore.ProcessGroup)}
+    report["size"] = group.size
     if mode == "protocol":
-        report["gather_exact"] = report["broadcast_exact"] = True
-        for i in range(4):
-            got = group.gather(_payload(rank, i), timeout=30)
-            if got is not None:
-                report["gather_exact"] &= got == [_payload(r, i) for r in range(group.size)]
-            b = group.broadcast(b"zero %d" % i * (i + 1) if rank == 0 else None, timeout=30)
-            report["broadcast_exact"] &= b == b"zero %d" % i * (i + 1)
-            group.barrier(timeout=30)
-        report["rounds_exact"] = True
-        for i in range(20):
-            got = group.gather(b"%d:%d" % (rank, i), timeout=30)
-            if got is not None:
-                report["rounds_exact"] &= got == [b"%d:%d" % (r, i) for r in range(group.size)]
-    elif mode == "kill":
-        group.gather(b"ok", timeout=30)
-        group.barrier(timeout=30)
-        if rank == last:
-            os.kill(os.getpid(), signal.SIGKILL)
-        t = time.monotonic()
-        try:
-            group.gather(b"second", timeout=5)
-            group.broadcast(b"x" if rank == 0 else None, timeout=5)
-            report["error"] = None
-        except ckptcore.GroupError as e:
-            report["error"], report["message"] = type(e).__name__, str(e)
-        report["seconds"] = time.monotonic() - t
+        _protocol(group, rank, report)
+    elif mode in ("kill", "hang"):
+        _dead_peer(group, rank, mode, report)
     else:
         _save(group, out, rank, mode, report)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     sys.stdout.flush()
-    os._exit(0)  # the store's server thread on rank 0 would wait for the killed rank
+    sys.exit(0)
+
+
+def _protocol(group, rank: int, report: dict) -> None:
+    import paddle.distributed as dist
+
+    import ckptcore
+    import ckptcore_paddle
+    from _group_checks import check_protocol
+
+    report["checks"] = check_protocol(group)
+    if group.size == 4:
+        sub = dist.new_group([2, 3])  # every rank of the job takes part in creating it
+        if rank in (2, 3):
+            g = ckptcore_paddle.process_group(sub)
+            report["sub"] = {"rank": g.rank, "size": g.size, "checks": check_protocol(g, rounds=5)}
+        else:
+            try:
+                ckptcore_paddle.process_group(sub)
+                report["sub"] = None
+            except ckptcore.CheckpointError as e:
+                report["sub"] = {"refused": str(e)}
+        group.barrier(timeout=30)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _dead_peer(group, rank: int, mode: str, report: dict) -> None:
+    import ckptcore
+
+    records = _Records()
+    logging.getLogger("ckptcore").addHandler(records)
+    group.gather(b"ok", timeout=30)
+    group.barrier(timeout=30)
+    if rank == group.size - 1:
+        # The others are inside the gather by then (it cannot finish without this rank).
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+        time.sleep(60)  # not reached after a SIGKILL; a stopped rank is killed by the test
+    t = time.monotonic()
+    try:
+        group.gather(b"second" * 1000, timeout=DEADLINE)
+        report["error"] = None
+    except ckptcore.GroupError as e:
+        report["error"], report["message"] = type(e).__name__, str(e)
+    report["seconds"] = time.monotonic() - t
+    t = time.monotonic()
+    try:
+        group.broadcast(b"x" if rank == 0 else None, timeout=DEADLINE)
+        report["after"] = None
+    except ckptcore.GroupError as e:
+        report["after"], report["after_message"] = type(e).__name__, str(e)
+    report["after_seconds"] = time.monotonic() - t
+    report["logged"] = records.messages
 
 
 def _save(group, out: str, rank: int, mode: str, report: dict) -> None:
