@@ -20,7 +20,8 @@ The order of collectives is the same on every rank, whatever happens:
 5. ``broadcast`` (rank 0 -> all): the outcome, so every rank returns or raises alike.
 
 A dead or hung peer makes the next collective raise ``GroupTimeoutError`` after the
-``group_timeout`` knob; rank 0 then commits nothing (step 4 raises before the manifest is
+``group_timeout`` knob, or ``GroupError`` when the engine notices first (gloo: a killed peer
+within milliseconds, a hung one after its own 30 s); rank 0 then commits nothing (step 4 raises before the manifest is
 written) and the other ranks time out waiting for the outcome.  The knob must be longer than
 the slowest rank's write: a rank still writing looks like a dead one.
 """
