@@ -139,7 +139,9 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
             else:
                 crc = 0
                 # (with ``block``, each block's own CRC, combined into the array's)
-                own = blocks[idx] = [] if block and n > block else None
+                own: list[int] | None = None
+                if block and n > block:
+                    own = blocks[idx] = []
                 bcrc, bfill = 0, 0
                 for part in _chunks(buf, chunk):
                     # Checksum a piece, then write it while it is still in the CPU cache.
