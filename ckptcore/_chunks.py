@@ -17,16 +17,19 @@ assert on the byte ranges it plans.
 
 from __future__ import annotations
 
+import contextvars
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import crc32c
 import numpy as np
 
-from . import _codec, _io
+from . import _codec, _io, _knobs
 from ._manifest import Manifest, TensorTable
-from ._storage import Store
+from ._storage import Store, _named, open_regular
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, SchemaError
 from .sharding import Chunks, Shard
 from .state import TrainingState
@@ -146,10 +149,17 @@ def _fetch(store: Store, manifest: Manifest, reads: Sequence[Read]) -> list[memo
     out: list[memoryview] = [memoryview(b"")] * len(reads)
     if store.local:
         for s, js in by_shard.items():
-            whole = _io._map_local(store, shards[s])
-            for j in js:
-                r = reads[j]
-                out[j] = whole[offset[r.row] + r.start: offset[r.row] + r.end]
+            wanted = sum(reads[j].end - reads[j].start for j in js)
+            if 2 * wanted >= shards[s].size:  # most of it: mapped (no copy; arrays are views)
+                whole = _io._map_local(store, shards[s])
+                for j in js:
+                    r = reads[j]
+                    out[j] = whole[offset[r.row] + r.start: offset[r.row] + r.end]
+            else:  # a few ranges: read just those (a mapping would read ahead through the rest)
+                for j, buf in zip(js, _pread(store, shards[s], [(offset[reads[j].row] + reads[j].start,
+                                                                 offset[reads[j].row] + reads[j].end)
+                                                                for j in js])):
+                    out[j] = buf
         return out
     for s in by_shard:
         _io._check_size(store, shards[s])
@@ -169,6 +179,34 @@ def _fetch(store: Store, manifest: Manifest, reads: Sequence[Read]) -> list[memo
             out[j] = blob if isinstance(blob, memoryview) and not blob.readonly else \
                 memoryview(bytearray(blob))
     return out
+
+
+def _pread(store: Store, shard: Any, ranges: list[tuple[int, int]]) -> list[memoryview]:
+    """Byte ranges of a local shard, opened like every shard (no links, regular file, the size
+    the manifest says) and read with ``pread`` into buffers of our own."""
+    path = store.join(shard.path)
+    try:
+        fd, st = open_regular(path)
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(f"{path}: shard file is missing") from e
+    try:
+        _io._compare_size(store, shard, st.st_size)
+        out = []
+        for a, b in ranges:
+            buf = bytearray(b - a)
+            view, pos = memoryview(buf), 0
+            while pos < len(buf):
+                n = os.preadv(fd, [view[pos:]], a + pos)
+                if n <= 0:
+                    raise IncompleteCheckpointError(f"{path}: short read ({pos} of {len(buf)} "
+                                                    "bytes)")
+                pos += n
+            out.append(view)
+        return out
+    except OSError as e:
+        raise _named(e, "read", path) from e
+    finally:
+        os.close(fd)
 
 
 def check(store: Store, manifest: Manifest, read: Read, data: memoryview) -> None:
@@ -195,6 +233,24 @@ def check(store: Store, manifest: Manifest, read: Read, data: memoryview) -> Non
                 expected=expected, actual=actual)
 
 
+def _check_all(store: Store, manifest: Manifest, reads: Sequence[Read],
+               data: Sequence[memoryview]) -> None:
+    """:func:`check` every read, on the ``threads`` knob's threads when there is enough to do
+    (``crc32c`` releases the GIL); the first damage, in read order, is raised."""
+    total = sum(r.end - r.start for r in reads)
+    threads = max(1, int(_knobs.get("threads")))
+    if threads == 1 or len(reads) < 2 or total < (8 << 20):
+        for r, d in zip(reads, data):
+            check(store, manifest, r, d)
+        return
+    ctx = contextvars.copy_context()
+    with ThreadPoolExecutor(min(threads, len(reads)), thread_name_prefix="ckptcore-verify") as pool:
+        futures = [pool.submit(ctx.copy().run, check, store, manifest, r, d)
+                   for r, d in zip(reads, data)]
+        for f in futures:
+            f.result()
+
+
 def read_requests(store: Store, manifest: Manifest, requests: Sequence[Request], *,
                   verify: bool = True, what: Sequence[str] | None = None) -> list[np.ndarray]:
     """The arrays of ``requests`` (each fully covered by chunks, else ``SchemaError``)."""
@@ -212,8 +268,7 @@ def read_requests(store: Store, manifest: Manifest, requests: Sequence[Request],
                 "like=... whose Shard leaves ask for blocks the checkpoint holds")
     data = _fetch(store, manifest, p.reads)
     if verify:
-        for r, d in zip(p.reads, data):
-            check(store, manifest, r, d)
+        _check_all(store, manifest, p.reads, data)
     dtypes = table.np_dtypes()
     out: list[np.ndarray | None] = [None] * len(requests)
     copies_of: dict[int, list[Copy]] = {}
@@ -267,11 +322,11 @@ def load_tree(store: Store, manifest: Manifest, tree: dict, like: TrainingState 
         leaf = leaves.get(name)
         parts = leaf.parts if isinstance(leaf, Chunks) else (leaf,) if leaf is not None else ()
         for part in parts:
-            if part.global_shape != gshape or part.dtype != dtype:
+            if part.global_shape != gshape or not _same_dtype(part.dtype, dtype):
                 raise SchemaError(f"{store.url}: tensor {name!r}: the template asks for a block "
                                   f"of a {part.dtype}{list(part.global_shape)} array; the "
                                   f"checkpoint holds {dtype}{list(gshape)}")
-        if name in plain and (plain[name][0] != gshape or plain[name][1] != dtype):
+        if name in plain and (plain[name][0] != gshape or not _same_dtype(plain[name][1], dtype)):
             raise SchemaError(f"{store.url}: tensor {name!r}: the template has a "
                               f"{plain[name][1]}{list(plain[name][0])} array; the checkpoint "
                               f"holds {dtype}{list(gshape)}")
@@ -291,6 +346,14 @@ def load_tree(store: Store, manifest: Manifest, tree: dict, like: TrainingState 
         return arrays[qs[0]][()] if ref.scalar else arrays[qs[0]]
 
     return _codec.substitute(tree, fetch)
+
+
+def _same_dtype(a: np.dtype, b: np.dtype) -> bool:
+    """The same element type, whatever the byte order (arrays are stored little-endian)."""
+    try:
+        return _codec.dtype_name(a) == _codec.dtype_name(b)
+    except TypeError:
+        return False
 
 
 def verify_blocks(store: Store, manifest: Manifest, errors: list) -> None:

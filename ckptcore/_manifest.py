@@ -641,7 +641,13 @@ def check_chunks(table: TensorTable, source: str, *, starts: np.ndarray | None =
         pos = starts[rows][:, None] + np.arange(nd)
         lo = start[pos].astype(np.int64) if nd else np.zeros((len(rows), 0), np.int64)
         hi = lo + (dims[pos].astype(np.int64) if nd else 0)
-        pair = _overlap(lo, hi)
+        try:
+            pair = _overlap(lo, hi)
+        except _TooIrregular as e:
+            raise SchemaError(f"{source}: tensor {_codec._short(names[int(rows[0])])}: its "
+                              f"{len(rows)} chunks are cut too irregularly to be checked for "
+                              f"overlaps ({e} candidate pairs, at most {_MAX_PAIRS}); writers "
+                              "cut along one dimension or in a grid") from None
         if pair is not None:
             a, b = (int(rows[j]) for j in pair)
             raise SchemaError(f"{source}: tensor {_codec._short(names[a])}: chunks at "
@@ -651,25 +657,41 @@ def check_chunks(table: TensorTable, source: str, *, starts: np.ndarray | None =
 
 
 _PAIRS = 1 << 22  # candidate pairs checked at once by _overlap
+# Candidate pairs _overlap checks at most (a few seconds): chunks cut along one dimension give
+# about one per chunk, a grid of r x c chunks about r*c*c/2; a hostile table could ask for
+# billions, and is refused instead of checked for minutes.
+_MAX_PAIRS = 1 << 27
+
+
+class _TooIrregular(Exception):
+    pass
 
 
 def _overlap(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
     """Two boxes ``[lo, hi)`` (rows of ``lo``, ``hi``) that share a point, or None.  A sweep
-    along the dimension with the most distinct starts: only boxes whose spans along it overlap
-    are compared, which for chunks cut along any one dimension is about one pair per chunk."""
+    along the dimension where the fewest pairs of boxes have overlapping spans: only those pairs
+    are compared, which for chunks cut along any one dimension is about one pair per chunk.
+    More than ``_MAX_PAIRS`` candidates raise ``_TooIrregular`` (their number)."""
     live = np.flatnonzero((hi > lo).all(axis=1))
     if len(live) < 2:
         return None
     if lo.shape[1] == 0:  # two chunks of a 0-d tensor: both hold its one element
         return int(live[0]), int(live[1])
     lo, hi = lo[live], hi[live]
-    d = max(range(lo.shape[1]), key=lambda k: len(np.unique(lo[:, k])))
-    order = np.argsort(lo[:, d], kind="stable")
-    lo, hi, live = lo[order], hi[order], live[order]
     m = len(lo)
-    # boxes i+1 .. reach[i]-1 start (along d) before box i ends
-    reach = np.searchsorted(lo[:, d], hi[:, d], "left")
-    counts = np.maximum(reach - np.arange(m) - 1, 0)
+    best = None
+    for k in range(lo.shape[1]):
+        order = np.argsort(lo[:, k], kind="stable")
+        # boxes i+1 .. reach[i]-1 start (along k) before box i ends
+        reach = np.searchsorted(lo[order, k], hi[order, k], "left")
+        counts = np.maximum(reach - np.arange(m) - 1, 0)
+        total = int(counts.sum())
+        if best is None or total < best[0]:
+            best = (total, order, counts)
+    total, order, counts = best
+    if total > _MAX_PAIRS:
+        raise _TooIrregular(total)
+    lo, hi, live = lo[order], hi[order], live[order]
     i0 = 0
     while i0 < m:
         cum = np.cumsum(counts[i0:])

@@ -176,3 +176,23 @@ def test_two_ranks_parts_merged_into_one_checkpoint_load_whole(tmp_path):
     assert got.model["w"].tobytes() == g.tobytes() and got.model["b"].tobytes() == bias.tobytes()
     assert got.step == 5
     assert ckptcore.verify(folder) == []
+
+
+def test_a_table_too_irregular_to_check_is_refused_quickly():
+    """Chunks that do not overlap, arranged so that every dimension has billions of candidate
+    pairs: a typed error in a moment, not minutes of checking."""
+    import time
+
+    from ckptcore._manifest import check_chunks
+
+    k = 40_000
+    a = np.arange(k // 2)
+    tall = [((0, int(i)), (k, 1)) for i in a]            # side by side: all overlap along dim 0
+    wide = [((k + int(i), k), (1, 2 * k)) for i in a]    # stacked: all overlap along dim 1
+    starts, shapes = zip(*(tall + wide))
+    t = _table(["w"] * k, ["int8"] * k, list(shapes), [(2 * k, 3 * k)] * k, list(starts),
+               [0] * k, [0] * k, [0] * k)
+    began = time.perf_counter()
+    with pytest.raises(SchemaError, match="'w'.*too irregularly"):
+        check_chunks(t, "test")
+    assert time.perf_counter() - began < 10
