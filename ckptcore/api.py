@@ -169,6 +169,12 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     try:
         state, _ = capture_state(state, objects)  # borrowed arrays: written before we return
         enc = _codec.encode_state(state)
+        if group is not None and enc.chunks is not None:
+            # (the group save spreads whole replicated tensors; merging every rank's chunks
+            # with _manifest.merge_tables is the distributed commit's part of format 3)
+            raise TypeError("a ckptcore.Shard leaf cannot be saved with group= by this version "
+                            "yet: a save with a group writes replicated arrays; format version 3 "
+                            "(chunked tensors) is written by single-process saves")
         arrays = [_codec.to_little_endian(a) for a in enc.arrays]
     except Exception as e:
         if group is None:
