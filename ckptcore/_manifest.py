@@ -283,7 +283,12 @@ class TensorTable(Sequence[TensorEntry]):
             return (self.names == other.names and self.dtype_names() == other.dtype_names()
                     and self.shapes == other.shapes
                     and all(self.column(k) == other.column(k)
-                            for k in ("shard", "offset", "length", "checksum")))
+                            for k in ("shard", "offset", "length", "checksum"))
+                    and self.chunked == other.chunked
+                    and (not self.chunked or (
+                        self.crc_block == other.crc_block
+                        and all(np.array_equal(getattr(self, k), getattr(other, k))
+                                for k in ("tensor", "gdims", "start", "block_crc")))))
         if isinstance(other, (tuple, list)):
             return len(other) == len(self) and all(a == b for a, b in zip(self, other))
         return NotImplemented
