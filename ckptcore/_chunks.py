@@ -35,6 +35,7 @@ from .sharding import Chunks, Shard
 from .state import TrainingState
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (lo, hi), hi exclusive
+_GAP = 1 << 20  # remote reads of one shard this close are fetched as one range
 
 
 @dataclass(frozen=True)
@@ -164,20 +165,37 @@ def _fetch(store: Store, manifest: Manifest, reads: Sequence[Read]) -> list[memo
     for s in by_shard:
         _io._check_size(store, shards[s])
     order = sorted(by_shard)
+    # Neighbouring reads of a shard (gaps up to 1 MiB, as for whole tensors) share one ranged
+    # request: a state of many small tensors must not cost a request each.
+    spans: dict[int, list[list]] = {}  # shard -> [[start, end, [read indices]]]
+    for s in order:
+        merged: list[list] = []
+        for j in sorted(by_shard[s], key=lambda j: offset[reads[j].row] + reads[j].start):
+            a = offset[reads[j].row] + reads[j].start
+            b = offset[reads[j].row] + reads[j].end
+            if merged and a - merged[-1][1] <= _GAP:
+                merged[-1][1] = max(merged[-1][1], b)
+                merged[-1][2].append(j)
+            else:
+                merged.append([a, b, [j]])
+        spans[s] = merged
     try:
-        blobs = store.read_many([(shards[s].path, [(offset[reads[j].row] + reads[j].start,
-                                                    offset[reads[j].row] + reads[j].end)
-                                                   for j in by_shard[s]]) for s in order])
+        blobs = store.read_many([(shards[s].path, [(a, b) for a, b, _ in spans[s]])
+                                 for s in order])
     except FileNotFoundError as e:  # removed after its size was checked
         raise IncompleteCheckpointError(f"{e.filename}: shard file is missing") from e
     for s, shard_blobs in zip(order, blobs):
-        for j, blob in zip(by_shard[s], shard_blobs):
-            r = reads[j]
-            if len(blob) != r.end - r.start:
+        for (a, b, js), blob in zip(spans[s], shard_blobs):
+            if len(blob) != b - a:
                 raise IncompleteCheckpointError(f"{store.join(shards[s].path)}: short read "
-                                                f"({len(blob)} of {r.end - r.start} bytes)")
-            out[j] = blob if isinstance(blob, memoryview) and not blob.readonly else \
+                                                f"({len(blob)} of {b - a} bytes)")
+            # Writable arrays, like the local path; a buffer the store filled is ours already.
+            view = blob if isinstance(blob, memoryview) and not blob.readonly else \
                 memoryview(bytearray(blob))
+            for j in js:
+                r = reads[j]
+                first = offset[r.row] + r.start - a
+                out[j] = view[first:first + r.end - r.start]
     return out
 
 
