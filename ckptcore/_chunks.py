@@ -108,6 +108,8 @@ def plan(table: TensorTable, requests: Sequence[Request]) -> Plan:
             if not inter:
                 continue
             covered += inter
+            if not length[row]:  # elements of 0 bytes (V0): nothing to read or copy
+                continue
             row_bytes = math.prod(shape[1:]) * dtypes[row].itemsize
             r0, r1 = (lo[0] - start[0], hi[0] - start[0]) if shape else (0, 1)
             need = (r0 * row_bytes, r1 * row_bytes) if shape else (0, length[row])
