@@ -575,6 +575,20 @@ def _chunk_columns(t: dict, table: TensorTable, starts: np.ndarray, itemsize: np
     check_chunks(table, source, starts=starts, itemsize=itemsize, parsed=parsed)
 
 
+def read_table(columns: Any, shards: Sequence[ShardEntry], *, source: str) -> TensorTable:
+    """A chunked table from its version-3 columns (``TensorTable.to_v3()``, e.g. as a rank sent
+    it through the group, msgpack-packed), validated as strictly as a manifest's against
+    ``shards`` (that rank's shard entries); ``SchemaError`` naming ``source`` otherwise."""
+    if not isinstance(columns, dict):
+        raise SchemaError(f"{source}: a tensor table is a map, not a {type(columns).__name__}")
+    try:
+        return _table_v2(columns, list(shards), source, chunked=True)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, OverflowError, IndexError) as e:  # backstop
+        raise SchemaError(f"{source}: malformed tensor table ({type(e).__name__}: {e})") from e
+
+
 def merge_tables(tables: Sequence[TensorTable], shard_offsets: Sequence[int], *,
                  source: str = "merged tensor table") -> TensorTable:
     """The tensor table of one save written by several ranks: ``tables[r]`` is rank r's own

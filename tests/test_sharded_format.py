@@ -196,3 +196,23 @@ def test_a_table_too_irregular_to_check_is_refused_quickly():
     with pytest.raises(SchemaError, match="'w'.*too irregularly"):
         check_chunks(t, "test")
     assert time.perf_counter() - began < 10
+
+
+def test_a_ranks_table_travels_as_v3_columns(tmp_path):
+    """What a rank sends its coordinator: ``table.to_v3()`` through msgpack, read back checked."""
+    from ckptcore import _codec, _io
+    from ckptcore._manifest import read_table
+
+    g = np.arange(40, dtype=np.float32).reshape(8, 5)
+    enc = _codec.encode_state(TrainingState(model={"w": _cut(g, [0, 3, 8]), "b": np.ones(2)}))
+    shards, table = _io.write_payload(Store(str(tmp_path)), enc.arrays, enc.names, "tok",
+                                      enc.dtypes, chunks=enc.chunks)
+    wire = msgpack.packb(table.to_v3(), use_bin_type=True)
+    back = read_table(msgpack.unpackb(wire, raw=False), shards, source="rank 1")
+    assert back == table and back.rows_of() == [[0, 1], [2]]
+    damaged = msgpack.unpackb(wire, raw=False)
+    damaged["start"] = np.array([0, 0, 2, 0, 0], "<u8").tobytes()  # chunk 2 now at row 2: overlap
+    with pytest.raises(SchemaError, match="rank 1: tensor 'model/w'.*overlap"):
+        read_table(damaged, shards, source="rank 1")
+    with pytest.raises(SchemaError, match="rank 1"):
+        read_table([1, 2], shards, source="rank 1")
