@@ -15,7 +15,7 @@ from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundE
                      IncompleteCheckpointError, SchemaError, LockedError, MigrationError,
                      MigrationWarning, UnappliedStateWarning, UnsafeCheckpointError)
 from .group import ProcessGroup, SingleProcessGroup, ThreadGroup
-from .sharding import Shard
+from .sharding import Chunks, Shard
 from .cursor import DataCursor
 from ._diff import CheckpointDiff, TensorDiff, diff
 from .layout import CheckpointListing, gc, list_checkpoints
@@ -35,7 +35,7 @@ __all__ = [
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
     "DataCursor", "capture_rng", "restore_rng",
     "TrainingState", "OptimizerState", "ScheduleState", "AccumulationState", "ParamInfo",
-    "RestoreReport", "Shard", "ProcessGroup", "SingleProcessGroup", "ThreadGroup",
+    "RestoreReport", "Shard", "Chunks", "ProcessGroup", "SingleProcessGroup", "ThreadGroup",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
     "IncompleteCheckpointError", "CorruptCheckpointError", "SchemaError", "UnsafeCheckpointError",
     "LockedError", "MigrationError", "UnappliedStateWarning", "GroupError", "GroupTimeoutError",

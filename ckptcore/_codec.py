@@ -17,13 +17,14 @@ import contextvars
 import functools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
 import numpy as np
 
 from .errors import SchemaError, UnsupportedCheckpointError
+from .sharding import Chunks, Shard
 from .state import (AccumulationState, OptimizerState, ParamInfo, ScheduleState,
                     TrainingState)
 
@@ -136,13 +137,36 @@ class TensorRef:
 
 
 @dataclass
+class Chunking:
+    """Where each array of an :class:`Encoded` state sits (parallel lists): the logical tensor
+    it is a chunk of (what the tree refers to), that tensor's global shape and the chunk's
+    offsets in it.  A plain array is one chunk covering its whole tensor."""
+
+    tensor: list[int]
+    global_shapes: list[tuple[int, ...]]
+    starts: list[tuple[int, ...]]
+
+    @classmethod
+    def whole(cls, arrays: list[np.ndarray]) -> Chunking:
+        """Every array a whole tensor of its own (a plain state written as version 3)."""
+        return cls(list(range(len(arrays))), [a.shape for a in arrays],
+                   [(0,) * a.ndim for a in arrays])
+
+
+@dataclass
 class Encoded:
-    """A state split into a packable tree, its arrays and their names (parallel lists)."""
+    """A state split into a packable tree, its arrays and their names (parallel lists).
+
+    Without ``Shard`` leaves, array *i* is tensor *i* of the tree and ``chunks`` is None.  With
+    them (``chunks`` set), the arrays are chunks: a ``Shard`` leaf is one array, a ``Chunks``
+    leaf one per part, all under the leaf's name and one tree reference (a logical index)."""
 
     tree: dict[str, Any]
     arrays: list[np.ndarray]
     names: list[str]
     dtypes: list[str]  # the format's dtype name of each array
+    chunks: Chunking | None = None
+    leaves: dict[str, Any] = field(default_factory=dict)  # name -> its Shard or Chunks leaf
 
 
 class _Encoder:
@@ -151,6 +175,30 @@ class _Encoder:
         self.names: list[str] = []
         self.dtypes: list[str] = []
         self._seen: set[str] = set()
+        # Set once the first Shard leaf is met: from then on, per array, its logical tensor,
+        # global shape and start (before it, array i is tensor i, whole).
+        self.chunks: Chunking | None = None
+        self._count = 0  # logical tensors so far
+        self.leaves: dict[str, Any] = {}
+
+    def _add_chunks(self, value: Shard | Chunks, path: tuple) -> int:
+        """A ``Shard`` or ``Chunks`` leaf: one logical tensor, an array per block."""
+        parts = value.parts if isinstance(value, Chunks) else (value,)
+        if self.chunks is None:
+            self.chunks = Chunking.whole(self.arrays)
+        chunks = self.chunks
+        k = self._add(parts[0].data, path)
+        chunks.global_shapes[-1], chunks.starts[-1] = parts[0].global_shape, parts[0].offsets
+        name, dtype = self.names[-1], self.dtypes[-1]
+        self.leaves[name] = value
+        for part in parts[1:]:
+            self.arrays.append(part.data)
+            self.names.append(name)
+            self.dtypes.append(dtype)
+            chunks.tensor.append(k)
+            chunks.global_shapes.append(part.global_shape)
+            chunks.starts.append(part.offsets)
+        return k
 
     def _add(self, arr: np.ndarray, path: tuple, name: str | None = None) -> int:
         if name is None:
@@ -163,7 +211,12 @@ class _Encoder:
         self._seen.add(unique)
         self.arrays.append(arr)
         self.names.append(unique)
-        return len(self.arrays) - 1
+        if self.chunks is not None:
+            self.chunks.tensor.append(self._count)
+            self.chunks.global_shapes.append(arr.shape)
+            self.chunks.starts.append((0,) * arr.ndim)
+        self._count += 1
+        return self._count - 1
 
     def encode(self, value: Any, path: tuple) -> Any:
         if len(path) > MAX_DEPTH and isinstance(value, (dict, list, tuple)):
@@ -180,6 +233,8 @@ class _Encoder:
             return _check_atom(value, path)
         if isinstance(value, np.ndarray):
             return _ext(EXT_TENSOR, self._add(value, path))
+        if isinstance(value, (Shard, Chunks)):
+            return _ext(EXT_TENSOR, self._add_chunks(value, path))
         if isinstance(value, dict):
             out = {}
             prefix = "/".join(map(str, path)) + "/"
@@ -198,7 +253,6 @@ class _Encoder:
         if isinstance(value, tuple):
             items = [self.encode(v, path + (i,)) for i, v in enumerate(value)]
             return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
-        _refuse_shard(value, _where(path))
         raise TypeError(f"{_where(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__}; "
                         "use numpy arrays, numbers, strings, bytes, lists, tuples and dicts")
 
@@ -224,14 +278,6 @@ def _check_atom(value: str | int, path: tuple) -> str | int:
     elif not _INT_MIN <= value <= _UINT_MAX:
         raise TypeError(f"{_where(path)}: integer {value} does not fit in 64 bits; store it as a string")
     return value
-
-
-def _refuse_shard(value: Any, where: str) -> None:
-    # Checked by type name: the codec sits below sharding.py in the layers.
-    if type(value).__name__ == "Shard" and type(value).__module__ == "ckptcore.sharding":
-        raise TypeError(f"{where}: a ckptcore.Shard (one block of a sharded array) cannot be "
-                        "saved by this version yet: sharded leaves come with format version 3; "
-                        "save the whole array")
 
 
 def _where(path: tuple) -> str:
@@ -401,9 +447,9 @@ def encode_state(state: TrainingState) -> Encoded:
     for name, arr in state.model.items():
         if not isinstance(name, str):
             raise TypeError(f"state.model: parameter names must be str, got {name!r}")
-        if not isinstance(arr, np.ndarray):
-            _refuse_shard(arr, f"state.model[{name!r}]")
-            raise TypeError(f"state.model[{name!r}]: expected numpy.ndarray, got {type(arr).__name__}")
+        if not isinstance(arr, (np.ndarray, Shard, Chunks)):
+            raise TypeError(f"state.model[{name!r}]: expected numpy.ndarray or ckptcore.Shard, "
+                            f"got {type(arr).__name__}")
     enc = _Encoder()
     tree = {
         "model": dict(state.model),
@@ -424,7 +470,7 @@ def encode_state(state: TrainingState) -> Encoded:
         "params": {k: v.to_dict() for k, v in state.params.items()},
     }
     tree = {k: enc.encode(v, (k,)) for k, v in tree.items()}
-    return Encoded(tree, enc.arrays, enc.names, enc.dtypes)
+    return Encoded(tree, enc.arrays, enc.names, enc.dtypes, enc.chunks, enc.leaves)
 
 
 def _section(tree: dict, key: str, kind: type, default: Any) -> Any:
@@ -478,7 +524,7 @@ def _tensors(d: dict, where: str) -> dict[str, np.ndarray]:
     for k, v in d.items():
         if type(v) is np.ndarray or (refs and type(v) is TensorRef and not v.scalar):
             continue
-        if not isinstance(v, np.ndarray):
+        if not isinstance(v, (np.ndarray, Shard, Chunks)):
             raise SchemaError(f"{where}[{_short(k)}] is a {type(v).__name__}, not a tensor")
     return d
 

@@ -21,7 +21,7 @@ import crc32c
 import numpy as np
 
 from . import _codec, _knobs
-from ._manifest import Manifest, ShardEntry, TensorEntry, TensorTable
+from ._manifest import CRC_BLOCK, Manifest, ShardEntry, TensorEntry, TensorTable
 from ._storage import Store, _close_quietly, _named, fsync_close, open_regular, start_writeback
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
@@ -103,15 +103,19 @@ def plan_shards(sizes: Sequence[int], shard_size: int, alignment: int) -> list[l
 class _Written:
     shard: ShardEntry
     tensors: list[tuple[int, int, int]]  # (index, offset, crc)
+    blocks: dict[int, list[int]]  # index -> block checksums (with ``block``, for longer arrays)
 
 
 def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
-               layout: list[tuple[int, int]]) -> _Written:
+               layout: list[tuple[int, int]], block: int = 0) -> _Written:
     f = store.open_write(path)
     chunk = max(1, int(_knobs.get("write_chunk")))
     kick = int(_knobs.get("writeback_bytes")) if store.local else 0
+    if block:  # the write pieces must not straddle checksum blocks
+        chunk = min(chunk, block)
     try:
         pos, kicked, shard_crc, out = 0, 0, 0, []
+        blocks: dict[int, list[int]] = {}
         report = progress.get()
         write, crc32 = f.write, crc32c.crc32c
         for idx, offset in layout:
@@ -134,9 +138,21 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
                     report(n)
             else:
                 crc = 0
+                # (with ``block``, each block's own CRC, combined into the array's)
+                own: list[int] | None = None
+                if block and n > block:
+                    own = blocks[idx] = []
+                bcrc, bfill = 0, 0
                 for part in _chunks(buf, chunk):
                     # Checksum a piece, then write it while it is still in the CPU cache.
-                    crc = crc32(part, crc)
+                    if own is None:
+                        crc = crc32(part, crc)
+                    else:
+                        bcrc, bfill = crc32(part, bcrc), bfill + len(part)
+                        if bfill == block or pos + len(part) - offset == n:
+                            own.append(bcrc)
+                            crc = bcrc if len(own) == 1 else crc32c_combine(crc, bcrc, bfill)
+                            bcrc, bfill = 0, 0
                     write(part)
                     pos += len(part)
                     if kick and pos - kicked >= kick:
@@ -156,25 +172,32 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
         _close_quietly(f, store.join(path))
         raise
     fsync_close(f)  # raises a failed flush, fsync or close; the file is closed either way
-    return _Written(ShardEntry(path=path, size=pos, checksum=shard_crc), out)
+    return _Written(ShardEntry(path=path, size=pos, checksum=shard_crc), out, blocks)
 
 
 def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[str],
-                  token: str, dtypes: Sequence[str] | None = None
-                  ) -> tuple[list[ShardEntry], TensorTable]:
+                  token: str, dtypes: Sequence[str] | None = None, *,
+                  chunks: _codec.Chunking | None = None) -> tuple[list[ShardEntry], TensorTable]:
     """Write ``arrays`` (little-endian, C-contiguous) into shards under ``store``; ``dtypes`` are
-    their format names when the caller has them already (see ``_codec.Encoded``)."""
+    their format names when the caller has them already (see ``_codec.Encoded``).
+
+    With ``chunks`` (``_codec.Encoded.chunks``, or ``Chunking.whole(arrays)``), the table is a
+    chunked (version-3) one: the arrays' logical tensors, global shapes and starts, and the
+    CRC-32C of every ``CRC_BLOCK`` bytes of each array longer than that, so that a load can
+    read and verify part of a chunk (docs/FORMAT.md, section 5)."""
     alignment = int(_knobs.get("alignment"))
     sizes = [a.nbytes for a in arrays]
     layout = plan_shards(sizes, store.shard_size, alignment)
     paths = [f"shard-{i:05d}-{token}.bin" for i in range(len(layout))]
     ctx = contextvars.copy_context()
+    block = CRC_BLOCK if chunks is not None else 0
     if len(layout) == 1:  # no pool for one shard: its thread would only add a hand-over
-        written = [ctx.copy().run(_write_one, store, paths[0], arrays, layout[0])]
+        written = [ctx.copy().run(_write_one, store, paths[0], arrays, layout[0], block)]
     else:
         with ThreadPoolExecutor(max(1, min(store.writers, len(layout)))) as pool:
             written = list(pool.map(lambda j: ctx.copy().run(_write_one, store, paths[j], arrays,
-                                                             layout[j]), range(len(layout))))
+                                                             layout[j], block),
+                                    range(len(layout))))
     n = len(arrays)
     shard, offset, crc = [0] * n, [0] * n, [0] * n
     for j, w in enumerate(written):
@@ -182,8 +205,15 @@ def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[st
             shard[idx], offset[idx], crc[idx] = j, off, c
     if dtypes is None:
         dtypes = [_dtype_name(a.dtype) for a in arrays]
-    table = TensorTable.from_columns(list(names), dtypes, [a.shape for a in arrays], shard,
-                                     offset, sizes, crc)
+    if chunks is None:
+        table = TensorTable.from_columns(list(names), dtypes, [a.shape for a in arrays], shard,
+                                         offset, sizes, crc)
+    else:
+        by_index = {i: b for w in written for i, b in w.blocks.items()}
+        table = TensorTable.from_columns(
+            list(names), dtypes, [a.shape for a in arrays], shard, offset, sizes, crc,
+            tensor=chunks.tensor, global_shapes=chunks.global_shapes, starts=chunks.starts,
+            block_crc=[c for i in sorted(by_index) for c in by_index[i]], crc_block=block)
     return [w.shard for w in written], table
 
 

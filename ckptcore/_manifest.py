@@ -24,12 +24,16 @@ import crc32c
 import numpy as np
 
 from . import _codec
+from ._chunkrules import _counts, check_chunks
 from .errors import (CheckpointError, CorruptCheckpointError, SchemaError, UnsafeCheckpointError,
                      UnsupportedCheckpointError)
 
 FORMAT_NAME = "ckptcore"
 FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+# Version 3 adds chunked tensors (global shapes, chunk offsets, per-block checksums); writers use
+# it only for states holding ``ckptcore.Shard`` leaves, so plain saves stay version 2.
+CHUNKED_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.msgpack"
 CHECKSUM = "crc32c"
 # Shard names are plain file names: no separators, no "..", so a manifest can never point outside
@@ -44,6 +48,20 @@ _SIZE_MAX = 2 ** 63 - 1
 # holds every tensor's dimensions one after the other (ndim[i] of them for tensor i).
 COLUMNS = {"dtype": "<u4", "ndim": "u1", "shape": "<u8", "shard": "<u4", "offset": "<u8",
            "length": "<u8", "checksum": "<u4"}
+# The further columns of a version-3 table (docs/FORMAT.md, section 5): each row is one chunk;
+# "tensor" is the logical tensor it belongs to (what the tree refers to), "gshape" and "start"
+# (ndim[i] values per row, like "shape") its tensor's global shape and the chunk's place in it,
+# "block_crc" the CRC-32C of every ``crc_block`` bytes of each chunk longer than ``crc_block``.
+CHUNK_COLUMNS = {"tensor": "<u4", "gshape": "<u8", "start": "<u8", "block_crc": "<u4"}
+CRC_BLOCK = 1 << 20  # what writers use: a partial read fetches at most this much beyond its rows
+MIN_CRC_BLOCK = 4096  # what readers accept (bounds the number of block checksums a length implies)
+
+
+def block_count(length: np.ndarray, crc_block: int) -> np.ndarray:
+    """How many block checksums each row of ``length`` bytes has in a version-3 table: none for
+    a row of at most one block (its own checksum covers it), else one per ``crc_block`` bytes."""
+    b = np.uint64(crc_block)
+    return np.where(length > b, (length + (b - np.uint64(1))) // b, np.uint64(0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,36 +89,67 @@ class TensorTable(Sequence[TensorEntry]):
 
     It is also a read-only sequence of :class:`TensorEntry` (indexing, iteration, ``len`` and
     equality with a tuple of entries work), built on first use: the hot paths read the columns.
+
+    Version 3 (``chunked``): each row is one *chunk* of a logical tensor, and the table also has
+    ``tensor`` (the logical tensor of each row: what the state tree refers to), ``gdims`` (each
+    row's global shape, concatenated like ``dims``), ``start`` (each chunk's offsets in it),
+    ``block_crc`` (the CRC-32C of every ``crc_block`` bytes of each row longer than
+    ``crc_block``, rows after rows).  Without them (versions 1 and 2) logical tensor *i* is row
+    *i*, whole.
     """
 
     __slots__ = ("names", "dtypes", "dtype", "ndim", "dims", "shard", "offset", "length",
-                 "checksum", "_starts", "_shapes", "_lists")
+                 "checksum", "tensor", "gdims", "start", "block_crc", "crc_block",
+                 "_starts", "_shapes", "_lists", "_rows", "_block_pos", "_firsts")
 
     def __init__(self, *, names: list[str], dtypes: list[str], dtype: np.ndarray, ndim: np.ndarray,
                  dims: np.ndarray, shard: np.ndarray, offset: np.ndarray, length: np.ndarray,
-                 checksum: np.ndarray) -> None:
+                 checksum: np.ndarray, tensor: np.ndarray | None = None,
+                 gdims: np.ndarray | None = None, start: np.ndarray | None = None,
+                 block_crc: np.ndarray | None = None, crc_block: int = 0) -> None:
         self.names, self.dtypes = names, dtypes
         self.dtype, self.ndim, self.dims = dtype, ndim, dims
         self.shard, self.offset, self.length, self.checksum = shard, offset, length, checksum
-        self._starts: np.ndarray | None = None
+        self.tensor, self.gdims, self.start = tensor, gdims, start
+        self.block_crc, self.crc_block = block_crc, int(crc_block)
+        self._starts: list[int] | None = None
         self._shapes: list[tuple[int, ...]] | None = None
         self._lists: dict[str, list] = {}
+        self._rows: list[list[int]] | None = None
+        self._block_pos: np.ndarray | None = None
+        self._firsts: np.ndarray | None = None
 
     @classmethod
     def from_columns(cls, names: list[str], dtype_names: Sequence[str],
                      shapes: Sequence[tuple[int, ...]], shard: Sequence[int],
                      offset: Sequence[int], length: Sequence[int],
-                     checksum: Sequence[int]) -> TensorTable:
-        """A table from per-tensor Python values (what a writer has); dtype names are interned."""
+                     checksum: Sequence[int], *, tensor: Sequence[int] | None = None,
+                     global_shapes: Sequence[tuple[int, ...]] | None = None,
+                     starts: Sequence[tuple[int, ...]] | None = None,
+                     block_crc: Sequence[int] | None = None, crc_block: int = 0) -> TensorTable:
+        """A table from per-tensor Python values (what a writer has); dtype names are interned.
+        With ``tensor`` (and ``global_shapes``, ``starts``, ``block_crc``, ``crc_block``), a
+        chunked (version-3) table whose rows are chunks."""
         index = {d: i for i, d in enumerate(dict.fromkeys(dtype_names))}
         codes = np.fromiter(map(index.__getitem__, dtype_names), np.uint32, len(dtype_names))
         ndim = np.fromiter(map(len, shapes), np.uint8, len(shapes))
-        dims = np.fromiter(itertools.chain.from_iterable(shapes), np.uint64,
-                           int(ndim.sum(dtype=np.int64)))
+        total = int(ndim.sum(dtype=np.int64))
+
+        def flat(seq: Sequence[tuple[int, ...]]) -> np.ndarray:
+            return np.fromiter(itertools.chain.from_iterable(seq), np.uint64, total)
+
+        chunked = tensor is not None
         table = cls(names=list(names), dtypes=list(index), dtype=codes,
-                    ndim=ndim, dims=dims, shard=np.array(shard, np.uint32),
+                    ndim=ndim, dims=flat(shapes), shard=np.array(shard, np.uint32),
                     offset=np.array(offset, np.uint64), length=np.array(length, np.uint64),
-                    checksum=np.array(checksum, np.uint32))
+                    checksum=np.array(checksum, np.uint32),
+                    tensor=np.array(tensor, np.uint32) if chunked else None,
+                    gdims=flat(global_shapes if global_shapes is not None else shapes)
+                    if chunked else None,
+                    start=(flat(starts) if starts is not None else np.zeros(total, np.uint64))
+                    if chunked else None,
+                    block_crc=np.array(block_crc or [], np.uint32) if chunked else None,
+                    crc_block=crc_block if chunked else 0)
         table._shapes = [s if type(s) is tuple else tuple(s) for s in shapes]
         return table
 
@@ -112,6 +161,74 @@ class TensorTable(Sequence[TensorEntry]):
                                 [t.shape for t in entries], [t.shard for t in entries],
                                 [t.offset for t in entries], [t.length for t in entries],
                                 [t.checksum for t in entries])
+
+    # ------------------------------------------------------------------ logical tensors
+    @property
+    def chunked(self) -> bool:
+        """Whether this is a version-3 table (rows are chunks of logical tensors)."""
+        return self.tensor is not None
+
+    def rows_of(self) -> list[list[int]]:
+        """The rows of each logical tensor, in table order (cached): ``[[i]]`` per row in
+        versions 1 and 2."""
+        if self._rows is None:
+            if self.tensor is None:
+                self._rows = [[i] for i in range(len(self))]
+            else:
+                rows: list[list[int]] = [[] for _ in range(self.logical_count())]
+                for i, k in enumerate(self.column("tensor")):
+                    rows[k].append(i)
+                self._rows = rows
+        return self._rows
+
+    def firsts(self) -> np.ndarray:
+        """The first row of each logical tensor (cached; set when a chunked table is checked)."""
+        if self._firsts is None:
+            if self.tensor is None:
+                self._firsts = np.arange(len(self))
+            else:
+                self._firsts = np.array([r[0] for r in self.rows_of()], np.intp)
+        return self._firsts
+
+    def logical_name(self, k: int) -> str:
+        return self.names[int(self.firsts()[k])]
+
+    def logical_count(self) -> int:
+        if self.tensor is None:
+            return len(self)
+        return int(self.tensor.max()) + 1 if len(self.tensor) else 0
+
+    def global_shape(self, row: int) -> tuple[int, ...]:
+        """The global shape of row ``row``'s logical tensor (its own shape in versions 1, 2)."""
+        if self.gdims is None:
+            return self.shapes[row]
+        s = self._row_starts()[row]
+        return tuple(self.gdims[s:s + int(self.ndim[row])].tolist())
+
+    def chunk_start(self, row: int) -> tuple[int, ...]:
+        """Where row ``row``'s chunk starts in its tensor (zeros in versions 1, 2)."""
+        if self.start is None:
+            return (0,) * int(self.ndim[row])
+        s = self._row_starts()[row]
+        return tuple(self.start[s:s + int(self.ndim[row])].tolist())
+
+    def _row_starts(self) -> list[int]:
+        if self._starts is None:
+            self._starts = (np.cumsum(self.ndim, dtype=np.int64) - self.ndim).tolist()
+        return self._starts
+
+    def blocks(self, row: int) -> list[int] | None:
+        """The block checksums of ``row`` (each of ``crc_block`` bytes, the last one shorter),
+        or None when the row has none (not chunked, or no longer than one block)."""
+        if self.block_crc is None or not self.crc_block:
+            return None
+        n = block_count(self.length, self.crc_block)
+        if not n[row]:
+            return None
+        if self._block_pos is None:
+            self._block_pos = np.cumsum(n, dtype=np.int64) - n
+        p = int(self._block_pos[row])
+        return self.block_crc[p:p + int(n[row])].tolist()
 
     # ------------------------------------------------------------------ column views as lists
     def column(self, key: str) -> list[int]:
@@ -167,7 +284,12 @@ class TensorTable(Sequence[TensorEntry]):
             return (self.names == other.names and self.dtype_names() == other.dtype_names()
                     and self.shapes == other.shapes
                     and all(self.column(k) == other.column(k)
-                            for k in ("shard", "offset", "length", "checksum")))
+                            for k in ("shard", "offset", "length", "checksum"))
+                    and self.chunked == other.chunked
+                    and (not self.chunked or (
+                        self.crc_block == other.crc_block
+                        and all(np.array_equal(getattr(self, k), getattr(other, k))
+                                for k in ("tensor", "gdims", "start", "block_crc")))))
         if isinstance(other, (tuple, list)):
             return len(other) == len(self) and all(a == b for a, b in zip(self, other))
         return NotImplemented
@@ -185,6 +307,16 @@ class TensorTable(Sequence[TensorEntry]):
                 "offset": self.offset, "length": self.length, "checksum": self.checksum}
         return {"names": list(self.names), "dtypes": list(self.dtypes),
                 **{k: np.ascontiguousarray(cols[k], COLUMNS[k]).tobytes() for k in COLUMNS}}
+
+    def to_v3(self) -> dict[str, Any]:
+        if self.tensor is None:  # its rows' block checksums were never computed
+            raise ValueError("a version-3 table needs chunk columns (written by "
+                             "_io.write_payload(..., chunks=...))")
+        cols = {"tensor": self.tensor, "gshape": self.gdims, "start": self.start,
+                "block_crc": self.block_crc}
+        return {**self.to_v2(), "crc_block": self.crc_block,
+                **{k: np.ascontiguousarray(cols[k], CHUNK_COLUMNS[k]).tobytes()
+                   for k in CHUNK_COLUMNS}}
 
     def to_v1(self) -> list[dict[str, Any]]:
         return [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "shard": t.shard,
@@ -219,11 +351,15 @@ class Manifest:
         if self.version not in READ_VERSIONS:
             raise ValueError(f"cannot write format version {self.version!r}; "
                              f"choose one of {READ_VERSIONS}")
+        if self.tensors.chunked and self.version < CHUNKED_VERSION:
+            raise ValueError(f"chunked tensors need format version {CHUNKED_VERSION}, "
+                             f"not {self.version}")
         body = _codec.pack({
             "created": self.created, "writer": self.writer, "library": self.library,
             "framework": self.framework, "checksum": CHECKSUM, "alignment": self.alignment,
             "shards": [{"path": s.path, "size": s.size, "checksum": s.checksum} for s in self.shards],
-            "tensors": self.tensors.to_v2() if self.version >= 2 else self.tensors.to_v1(),
+            "tensors": (self.tensors.to_v3() if self.version >= CHUNKED_VERSION
+                        else self.tensors.to_v2() if self.version == 2 else self.tensors.to_v1()),
             "tree": self.tree,
         })
         return _codec.pack({"format": FORMAT_NAME, "version": self.version, "body": body,
@@ -307,7 +443,8 @@ def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
             raise SchemaError(f"{source}: tensor names are not unique")
         table = TensorTable.from_entries(entries)
     else:
-        table = _table_v2(_req(b, "tensors", dict, source), shards, source)
+        table = _table_v2(_req(b, "tensors", dict, source), shards, source,
+                          chunked=version >= CHUNKED_VERSION)
     _check_layout(table, shards, source)
     tree = _req(b, "tree", dict, source)
     referenced = _check_tree(tree, refs, table, source)
@@ -332,10 +469,12 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _table_v2(t: dict, shards: list[ShardEntry], source: str) -> TensorTable:
+def _table_v2(t: dict, shards: list[ShardEntry], source: str, *, chunked: bool = False
+              ) -> TensorTable:
     """A version-2 tensor table, validated column by column with NumPy (docs/FORMAT.md, section
     5): as strict as version 1's entry-by-entry checks, in a few array operations.  Keys not
-    listed here are ignored (a later version may add optional columns)."""
+    listed here are ignored (a later version may add optional columns).  ``chunked``: a
+    version-3 table, whose rows are chunks (see :func:`_chunk_columns`)."""
     where = f"{source}: tensor table"
     names = _req(t, "names", list, where)
     dtypes = _req(t, "dtypes", list, where)
@@ -355,7 +494,7 @@ def _table_v2(t: dict, shards: list[ShardEntry], source: str) -> TensorTable:
     if bad:
         raise SchemaError(f"{source}: tensor {bad[0]}: field 'name' has the wrong type "
                           f"({type(names[bad[0]]).__name__})")
-    if len(set(names)) != n:  # readers key tensors by name
+    if not chunked and len(set(names)) != n:  # readers key tensors by name
         raise SchemaError(f"{source}: tensor names are not unique")
     parsed = []
     for j, d in enumerate(dtypes):
@@ -381,23 +520,8 @@ def _table_v2(t: dict, shards: list[ShardEntry], source: str) -> TensorTable:
         raise SchemaError(f"{where}: column 'shape' holds {len(dims)} dimensions; 'ndim' adds "
                           f"up to {total}")
     itemsize = np.array([d.itemsize for d in parsed] or [0], np.uint64)[code if n else []]
-    # The element count, exactly, in uint64 with overflow flagged: the product of the non-zero
-    # dimensions must stay below 2^63 (numpy's limit), so no step may exceed it.
     starts = np.cumsum(ndim, dtype=np.int64) - ndim
-    nonzero = np.ones(n, np.uint64)
-    empty = np.zeros(n, bool)
-    over = np.zeros(n, bool)
-    limit = np.uint64(_SIZE_MAX)
-    for k in range(int(ndim.max()) if n else 0):
-        rows = np.flatnonzero(ndim > k)
-        d = dims[starts[rows] + k]
-        empty[rows] |= d == 0
-        d = np.maximum(d, np.uint64(1))
-        cur = nonzero[rows]
-        big = cur > limit // d
-        over[rows] |= big
-        nonzero[rows] = np.where(big, cur, cur * d)
-    over |= nonzero > limit // np.maximum(itemsize, np.uint64(1))
+    nonzero, empty, over = _counts(ndim, dims, starts, itemsize)
     fail(over, lambda i: f"shape {list(dims[starts[i]:starts[i] + ndim[i]].tolist())} of "
          f"{parsed[code[i]]} is too large for any array")
     expected = np.where(empty, np.uint64(0), nonzero) * itemsize
@@ -409,8 +533,107 @@ def _table_v2(t: dict, shards: list[ShardEntry], source: str) -> TensorTable:
     fail((offset > sizes) | (length > sizes - np.minimum(offset, sizes)),
          lambda i: f"bytes {int(offset[i])}..{int(offset[i]) + int(length[i])} lie beyond the "
          f"end of shard {shards[int(shard[i])].path!r} ({shards[int(shard[i])].size} bytes)")
-    return TensorTable(names=names, dtypes=list(dtypes), dtype=code, ndim=ndim, dims=dims,
-                       shard=shard, offset=offset, length=length, checksum=cols["checksum"])
+    table = TensorTable(names=names, dtypes=list(dtypes), dtype=code, ndim=ndim, dims=dims,
+                        shard=shard, offset=offset, length=length, checksum=cols["checksum"])
+    if chunked:
+        _chunk_columns(t, table, starts, itemsize, parsed, source)
+    return table
+
+
+def _chunk_columns(t: dict, table: TensorTable, starts: np.ndarray, itemsize: np.ndarray,
+                   parsed: list[np.dtype], source: str) -> None:
+    """Read and check the version-3 columns of ``t`` into ``table`` (docs/FORMAT.md, section 5)."""
+    where = f"{source}: tensor table"
+    cols: dict[str, np.ndarray] = {}
+    for key, code in CHUNK_COLUMNS.items():
+        raw = _req(t, key, bytes, where)
+        width = np.dtype(code).itemsize
+        if len(raw) % width:
+            raise SchemaError(f"{where}: column {key!r} holds {len(raw)} bytes, not a whole "
+                              f"number of {width}-byte values")
+        cols[key] = np.frombuffer(raw, code)
+    crc_block = _nonneg(t, "crc_block", where)
+    if crc_block < MIN_CRC_BLOCK:
+        raise SchemaError(f"{where}: crc_block {crc_block} is below {MIN_CRC_BLOCK} bytes")
+    n, total = len(table), len(table.dims)
+    if len(cols["tensor"]) != n:
+        raise SchemaError(f"{where}: column 'tensor' holds {len(cols['tensor'])} values; "
+                          f"the table has {n} rows")
+    for key in ("gshape", "start"):
+        if len(cols[key]) != total:
+            raise SchemaError(f"{where}: column {key!r} holds {len(cols[key])} dimensions; "
+                              f"'ndim' adds up to {total}")
+    table.tensor, table.gdims, table.start = cols["tensor"], cols["gshape"], cols["start"]
+    table.crc_block = crc_block
+    blocks = block_count(table.length, crc_block)
+    # (lengths are below 2^63 and crc_block at least 4096: the sum cannot wrap)
+    need = int(blocks.sum(dtype=np.uint64)) if n else 0
+    if len(cols["block_crc"]) != need:
+        raise SchemaError(f"{where}: column 'block_crc' holds {len(cols['block_crc'])} "
+                          f"checksums; the chunks' lengths need {need}")
+    table.block_crc = cols["block_crc"]
+    check_chunks(table, source, starts=starts, itemsize=itemsize, parsed=parsed)
+
+
+def read_table(columns: Any, shards: Sequence[ShardEntry], *, source: str) -> TensorTable:
+    """A chunked table from its version-3 columns (``TensorTable.to_v3()``, e.g. as a rank sent
+    it through the group, msgpack-packed), validated as strictly as a manifest's against
+    ``shards`` (that rank's shard entries); ``SchemaError`` naming ``source`` otherwise."""
+    if not isinstance(columns, dict):
+        raise SchemaError(f"{source}: a tensor table is a map, not a {type(columns).__name__}")
+    try:
+        return _table_v2(columns, list(shards), source, chunked=True)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, OverflowError, IndexError) as e:  # backstop
+        raise SchemaError(f"{source}: malformed tensor table ({type(e).__name__}: {e})") from e
+
+
+def merge_tables(tables: Sequence[TensorTable], shard_offsets: Sequence[int], *,
+                 source: str = "merged tensor table") -> TensorTable:
+    """The tensor table of one save written by several ranks: ``tables[r]`` is rank r's own
+    chunked table (``_io.write_payload(..., chunks=...)``: one row per chunk that rank wrote,
+    ``shard`` indexing that rank's shard list) and ``shard_offsets[r]`` where rank r's shards
+    start in the merged shard list (the number of shards of the ranks before it).
+
+    Every rank encodes the same tree (``_codec.encode_state``), so a logical tensor has the
+    same index (the ``tensor`` column) and name on every rank, and the merge is a
+    concatenation of the ranks' rows, rank after rank, with shard indices shifted and dtype
+    indices re-interned.  A logical tensor may have rows from any number of ranks (a
+    ``Shard`` leaf on each, or a replicated array written by one); every index up to the
+    largest must have at least one.  The result is checked like a manifest read from disk
+    (:func:`check_chunks`: names, dtypes and global shapes agree, chunks inside the global
+    shape, none overlapping), raising ``SchemaError`` naming ``source`` and the tensor.
+    Whether each tensor is *complete* is not checked here: a reader asks for that when it
+    loads without a template."""
+    if len(tables) != len(shard_offsets):
+        raise ValueError(f"{len(tables)} tables but {len(shard_offsets)} shard offsets")
+    if not all(t.chunked for t in tables):
+        raise ValueError("merge_tables takes chunked tables (_io.write_payload(..., chunks=...))")
+    blocks = {t.crc_block for t in tables if len(t.block_crc)}
+    if len(blocks) > 1:
+        raise ValueError(f"the tables use different crc_block sizes {sorted(blocks)}")
+    dtypes = list(dict.fromkeys(d for t in tables for d in t.dtypes))
+    index = {d: i for i, d in enumerate(dtypes)}
+    cat = np.concatenate
+    merged = TensorTable(
+        names=[x for t in tables for x in t.names], dtypes=dtypes,
+        dtype=cat([np.array([index[d] for d in t.dtypes] or [0], np.uint32)[t.dtype]
+                   for t in tables] or [np.zeros(0, np.uint32)]).astype(np.uint32),
+        ndim=cat([t.ndim for t in tables] or [np.zeros(0, np.uint8)]).astype(np.uint8),
+        dims=cat([t.dims for t in tables] or [np.zeros(0, np.uint64)]).astype(np.uint64),
+        shard=cat([t.shard.astype(np.uint64) + np.uint64(o) for t, o in zip(tables, shard_offsets)]
+                  or [np.zeros(0, np.uint64)]).astype(np.uint32),
+        offset=cat([t.offset for t in tables] or [np.zeros(0, np.uint64)]).astype(np.uint64),
+        length=cat([t.length for t in tables] or [np.zeros(0, np.uint64)]).astype(np.uint64),
+        checksum=cat([t.checksum for t in tables] or [np.zeros(0, np.uint32)]).astype(np.uint32),
+        tensor=cat([t.tensor for t in tables] or [np.zeros(0, np.uint32)]).astype(np.uint32),
+        gdims=cat([t.gdims for t in tables] or [np.zeros(0, np.uint64)]).astype(np.uint64),
+        start=cat([t.start for t in tables] or [np.zeros(0, np.uint64)]).astype(np.uint64),
+        block_crc=cat([t.block_crc for t in tables] or [np.zeros(0, np.uint32)]).astype(np.uint32),
+        crc_block=blocks.pop() if blocks else (tables[0].crc_block if tables else CRC_BLOCK))
+    check_chunks(merged, source)
+    return merged
 
 
 def _check_layout(table: TensorTable, shards: list[ShardEntry], source: str) -> None:
@@ -439,7 +662,7 @@ def _check_tree(tree: dict, refs: list, table: TensorTable, source: str) -> tupl
     """Every reference indexes the tensor table once, scalar references name 0-d tensors, and
     the tree decodes to a valid state (with the references standing in for the tensors).
     Returns the referenced indices, ascending."""
-    n = len(table)
+    n = table.logical_count()
     indices = [r.index for r in refs]
     if indices and max(indices) >= n:
         bad = next(i for i in indices if i >= n)
@@ -449,14 +672,16 @@ def _check_tree(tree: dict, refs: list, table: TensorTable, source: str) -> tupl
     if len(unique) != len(indices):  # two values would share (alias) one buffer
         seen: set[int] = set()
         dup = next(i for i in indices if i in seen or seen.add(i))
-        raise SchemaError(f"{source}: the state tree refers to tensor {table.names[dup]!r} twice")
+        raise SchemaError(f"{source}: the state tree refers to tensor "
+                          f"{table.logical_name(dup)!r} twice")
     scalars = [r.index for r in refs if r.scalar]
     if scalars:
-        nd = table.ndim[np.array(scalars, np.intp)]
+        rows = table.firsts()[np.array(scalars, np.intp)]
+        nd = table.ndim[rows]
         if nd.any():
-            i = scalars[_first(nd != 0)]
+            i = int(rows[_first(nd != 0)])
             raise SchemaError(f"{source}: scalar reference to tensor {table.names[i]!r}, "
-                              f"which has shape {list(table.shapes[i])}")
+                              f"which has shape {list(table.global_shape(i))}")
     try:
         _codec.decode_state(tree, refs=True)
     except SchemaError as e:

@@ -19,8 +19,8 @@ from . import _codec, _io, _knobs
 from .adapter import restore_gate, warn_unapplied
 from ._version import __version__
 from ._commit import commit
-from ._manifest import (FORMAT_VERSION, MANIFEST_NAME, READ_VERSIONS, Manifest, ShardEntry,
-                        TensorTable)
+from ._manifest import (CHUNKED_VERSION, FORMAT_VERSION, MANIFEST_NAME, READ_VERSIONS, Manifest,
+                        ShardEntry, TensorTable, check_chunks)
 from ._storage import Store
 from .errors import (CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError,
                      SchemaError)
@@ -34,12 +34,18 @@ log = logging.getLogger("ckptcore")
 
 @dataclass(frozen=True, kw_only=True)
 class TensorInfo:
+    """One row of the tensor table: a whole tensor, or (format 3) one chunk of a sharded one,
+    the block of ``shape`` at ``start`` of an array of ``global_shape`` (rows of one tensor
+    share its ``name``)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     shard: str
     checksum: int
+    global_shape: tuple[int, ...] | None = None  # None: ``shape`` (a whole tensor)
+    start: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,10 +86,12 @@ class _TensorInfos(Sequence[TensorInfo]):
             t = m.tensors
             paths = [s.path for s in m.shards]
             self._items = tuple(
-                TensorInfo(name=name, dtype=dtype, shape=shape, nbytes=n, shard=paths[j], checksum=c)
-                for name, dtype, shape, n, j, c in zip(
+                TensorInfo(name=name, dtype=dtype, shape=shape, nbytes=n, shard=paths[j], checksum=c,
+                           global_shape=t.global_shape(i) if t.chunked else shape,
+                           start=t.chunk_start(i) if t.chunked else (0,) * len(shape))
+                for i, (name, dtype, shape, n, j, c) in enumerate(zip(
                     t.names, t.dtype_names(), t.shapes, t.column("length"), t.column("shard"),
-                    t.column("checksum")))
+                    t.column("checksum"))))
         return self._items
 
     def __len__(self) -> int:
@@ -112,7 +120,7 @@ class _TensorInfos(Sequence[TensorInfo]):
 def _info(url: str, m: Manifest) -> CheckpointInfo:
     tree = m.tree
     # Only the small sections are shown as values; tensors in them are named, not loaded.
-    named = {k: _codec.substitute(tree.get(k), lambda r: f"<tensor {m.tensors.names[r.index]}>")
+    named = {k: _codec.substitute(tree.get(k), lambda r: f"<tensor {m.tensors.logical_name(r.index)}>")
              for k in ("data", "metadata")}
     sections = tuple(k for k in TrainingState.SECTIONS
                      if tree.get(k) not in (None, {}, [], "") and k not in ("step", "epoch"))
@@ -161,6 +169,12 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     try:
         state, _ = capture_state(state, objects)  # borrowed arrays: written before we return
         enc = _codec.encode_state(state)
+        if group is not None and enc.chunks is not None:
+            # (the group save spreads whole replicated tensors; merging every rank's chunks
+            # with _manifest.merge_tables is the distributed commit's part of format 3)
+            raise TypeError("a ckptcore.Shard leaf cannot be saved with group= by this version "
+                            "yet: a save with a group writes replicated arrays; format version 3 "
+                            "(chunked tensors) is written by single-process saves")
         arrays = [_codec.to_little_endian(a) for a in enc.arrays]
     except Exception as e:
         if group is None:
@@ -170,6 +184,15 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         _dist.fail(store, group, e)  # the other ranks learn it at once, then this raises
         raise
     token = uuid.uuid4().hex[:16]
+    # Shard leaves need chunked tensors (format 3); a plain state keeps the knob's version.
+    if enc.chunks is not None or version >= CHUNKED_VERSION:
+        if version < 2:
+            raise ValueError("the format_version knob is 1, but the state holds ckptcore.Shard "
+                             "leaves, which need format version 3")
+        version = CHUNKED_VERSION
+        if enc.chunks is None:
+            enc.chunks = _codec.Chunking.whole(arrays)
+    count = enc.chunks.tensor[-1] + 1 if enc.chunks is not None and arrays else len(arrays)
 
     def make_manifest(shards: Sequence[ShardEntry], tensors: TensorTable) -> Manifest:
         return Manifest(
@@ -180,10 +203,17 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
             framework={"name": state.framework,
                        "versions": dict(state.metadata.get("versions") or {})},
             alignment=int(_knobs.get("alignment")), shards=tuple(shards), tensors=tensors,
-            tree=enc.tree, version=version, referenced=tuple(range(len(arrays))))
+            tree=enc.tree, version=version, referenced=tuple(range(count)))
 
     def write(target: Store) -> Manifest:
-        return make_manifest(*_io.write_payload(target, arrays, enc.names, token, enc.dtypes))
+        shards, table = _io.write_payload(target, arrays, enc.names, token, enc.dtypes,
+                                          chunks=enc.chunks)
+        if table.chunked:  # overlapping blocks of one array: a reader would refuse the file
+            try:
+                check_chunks(table, store.url)
+            except SchemaError as e:
+                raise ValueError(f"{e}; nothing was saved") from None
+        return make_manifest(shards, table)
 
     if group is not None:
         from . import _dist
@@ -226,8 +256,16 @@ def _select(tree: dict, keys: Iterable[str] | None) -> dict:
 
 
 def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[str] | None = None,
-               storage_options: Mapping[str, Any] | None = None, **objects: Any) -> TrainingState:
+               storage_options: Mapping[str, Any] | None = None,
+               like: TrainingState | None = None, **objects: Any) -> TrainingState:
     """Load the checkpoint at ``url``; with framework objects, restore into them too.
+
+    Sharded tensors (saved from ``ckptcore.Shard`` leaves) come back whole when their chunks
+    cover them.  ``like`` (a :class:`TrainingState` whose leaves are ``Shard``s, ``Chunks`` or
+    arrays; their values are ignored) asks for blocks instead: each ``Shard`` leaf comes back as
+    a ``Shard`` holding that block of the saved global array, however the checkpoint was cut,
+    and only the byte ranges of the chunks that intersect it are read (ranged reads on object
+    stores), each verified.  Other values come back as saved.
 
     Sizes are always checked before reading; with ``verify`` every tensor read
     is checked against its checksum before anything is returned.  ``keys``
@@ -255,7 +293,14 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
         wanted = (manifest.referenced_indices() if keys is None
                   else sorted({r.index for r in _codec.refs(tree)}))
         try:
-            reading = _io.Reading(store, manifest, wanted, verify=verify)
+            if like is not None or manifest.tensors.chunked:
+                from . import _chunks
+
+                state = _codec.decode_state(_chunks.load_tree(store, manifest, tree, like,
+                                                              verify=verify))
+                reading = None
+            else:
+                reading = _io.Reading(store, manifest, wanted, verify=verify)
             break
         except (IncompleteCheckpointError, FileNotFoundError):
             # An overwrite may have replaced the checkpoint between our reading its manifest and
@@ -264,6 +309,9 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
                 raise
             log.info("load_state: %s was overwritten while it was read; reading the new one "
                      "(attempt %d of %d)", store.url, attempt + 2, _READ_ATTEMPTS)
+    if reading is None:  # chunked tensors: read and verified already
+        restore_objects(state, objects)
+        return state
     try:
         stream = verify and _streams(manifest, objects)
         arrays = reading.arrays if stream else reading.result()
@@ -489,6 +537,10 @@ def verify(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None 
     tensor_files = {e.file for e in errors if getattr(e, "file", None)}
     shard_errors: list[CheckpointError] = []
     _io.verify_shards(store, manifest, shard_errors)
+    if manifest.tensors.chunked:
+        from . import _chunks
+
+        _chunks.verify_blocks(store, manifest, errors)
     # A damaged tensor already names its shard; report shard-level damage only where it adds news.
     errors += [e for e in shard_errors if getattr(e, "file", None) not in tensor_files
                and str(e) not in {str(x) for x in errors}]

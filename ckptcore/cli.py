@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 from typing import Any, Iterator, Mapping, Sequence
@@ -122,22 +123,64 @@ def cmd_inspect(args: argparse.Namespace, so: dict) -> int:
         print(f"data        epoch {d.get('epoch')} / position {d.get('position')} / seed {d.get('seed')}"
               + (f"  ({d.get('num_samples')} samples, batch {d.get('batch_size')})"
                  if "num_samples" in d else ""))
-    print(f"tensors     {len(info.tensors)} in {len(info.shards)} shard(s), {_size(info.nbytes)}")
+    n, chunks = _count(info)
+    print(f"tensors     {n}{chunks} in {len(info.shards)} shard(s), {_size(info.nbytes)}")
     _print_tree(info.tensors)
     return 0
 
 
+def _count(info: Any) -> tuple[int, str]:
+    """The number of tensors, and " (30 chunks)" when chunked tensors have more rows."""
+    if info.format_version < 3:
+        return len(info.tensors), ""
+    tensors = len({t.name for t in info.tensors})
+    return tensors, (f" ({len(info.tensors)} chunks)" if tensors != len(info.tensors) else "")
+
+
+def _chunking(chunks: list) -> str:
+    """How a tensor is cut, from its rows (TensorInfo): "" for one whole chunk, else e.g.
+    "3 chunks along dim 0: 0..13 13..25 25..37" or the boxes, and the share held when the
+    chunks do not cover the whole (one rank's part of a sharded array)."""
+    g = chunks[0].global_shape
+    if len(chunks) == 1 and chunks[0].shape == g:
+        return ""
+    total = math.prod(g)
+    held = sum(math.prod(c.shape) for c in chunks)
+    cut = [d for d in range(len(g)) if any(c.shape[d] != g[d] for c in chunks)]
+    shown = sorted(chunks, key=lambda c: c.start)
+    if len(cut) == 1:
+        d = cut[0]
+        spans = [f"{c.start[d]}..{c.start[d] + c.shape[d]}" for c in shown]
+        text = f"{len(chunks)} chunk(s) along dim {d}: "
+    else:
+        spans = ["[" + ", ".join(f"{a}:{a + n}" for a, n in zip(c.start, c.shape)) + "]"
+                 for c in shown]
+        text = f"{len(chunks)} chunk(s): "
+    text += " ".join(spans[:6]) + (f" ... ({len(spans) - 6} more)" if len(spans) > 6 else "")
+    if held != total:
+        text += f"  (holds {held} of {total} elements)"
+    return text
+
+
 def _print_tree(tensors) -> None:
+    groups: dict[str, list] = {}
+    for t in tensors:  # (the rows of a chunked tensor share its name)
+        groups.setdefault(t.name, []).append(t)
     last: list[str] = []
-    for t in tensors:
+    for name, rows in groups.items():
+        t = rows[0]
         parts = t.name.split("/")
         common = 0
         while common < min(len(last), len(parts) - 1) and last[common] == parts[common]:
             common += 1
         for depth in range(common, len(parts) - 1):
             print("  " * (depth + 1) + parts[depth] + "/")
-        shape = "x".join(map(str, t.shape)) or "scalar"
-        print("  " * len(parts) + f"{parts[-1]:<28} {t.dtype:<10} {shape:<16} {_size(t.nbytes)}")
+        whole = t.global_shape if t.global_shape is not None else t.shape
+        shape = "x".join(map(str, whole)) or "scalar"
+        size = _size(sum(r.nbytes for r in rows))
+        cut = _chunking(rows) if t.global_shape is not None else ""
+        print("  " * len(parts) + f"{parts[-1]:<28} {t.dtype:<10} {shape:<16} {size}"
+              + (f"   {cut}" if cut else ""))
         last = parts[:-1]
 
 
@@ -150,7 +193,9 @@ def cmd_verify(args: argparse.Namespace, so: dict) -> int:
     if problems:
         print(f"{args.url}: {len(problems)} problem(s)")
         return 1
-    print(f"{args.url}: OK ({len(info.tensors)} tensors, {_size(info.nbytes)})")
+    n, chunks = _count(info)
+    print(f"{args.url}: OK ({n} tensors{chunks}, every chunk checked, {_size(info.nbytes)})"
+          if chunks else f"{args.url}: OK ({n} tensors, {_size(info.nbytes)})")
     return 0
 
 

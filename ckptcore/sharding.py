@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Shard"]
+__all__ = ["Shard", "Chunks"]
 
 
 def _dims(value: Any, what: str) -> tuple[int, ...]:
@@ -67,3 +67,34 @@ class Shard:
     def __repr__(self) -> str:
         return (f"Shard({self.data.dtype}{list(self.data.shape)} at {list(self.offsets)} of "
                 f"{list(self.global_shape)})")
+
+
+@dataclass(frozen=True, eq=False)
+class Chunks:
+    """Several blocks of one global array held by this process (``parts``: ``Shard``s of the
+    same global shape and dtype, not overlapping): a leaf saved as one logical tensor with a
+    chunk per part, and a template leaf asking a load for several blocks at once."""
+
+    parts: tuple[Shard, ...]
+
+    def __post_init__(self) -> None:
+        parts = tuple(self.parts)
+        object.__setattr__(self, "parts", parts)
+        if not parts or not all(isinstance(p, Shard) for p in parts):
+            raise TypeError("Chunks: parts must be one or more ckptcore.Shard")
+        first = parts[0]
+        for p in parts[1:]:
+            if p.global_shape != first.global_shape or p.dtype != first.dtype:
+                raise ValueError(f"Chunks: parts of one array must share its global shape and "
+                                 f"dtype; {first!r} and {p!r} do not")
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return self.parts[0].global_shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parts[0].dtype
+
+    def __repr__(self) -> str:
+        return f"Chunks({', '.join(map(repr, self.parts))})"

@@ -357,7 +357,8 @@ BODY_CASES: dict[str, Callable[[dict], Any]] = {
 
 # Cases that write the manifest's envelope (or bytes) themselves: name -> function(ckpt dir, body).
 ENVELOPE_CASES: dict[str, Callable[[Path, dict], None]] = {
-    "version-3": lambda d, b: write_manifest(d, b, version=3),
+    "version-4": lambda d, b: write_manifest(d, b, version=4),
+    "version-3-with-v1-table": lambda d, b: write_manifest(d, b, version=3),
     "version-2-with-v1-table": lambda d, b: write_manifest(d, b, version=2),
     "version-str": lambda d, b: write_manifest(d, b, version="1"),
     "version-missing": lambda d, b: write_manifest(d, b, version=None),
@@ -530,6 +531,99 @@ V2_CASES: dict[str, Callable[[dict], Any]] = {
 }
 
 
+# Version 3: chunked tensors.  The good checkpoint (write_good_v3) holds good_state with "emb"
+# (40x8 int16) saved as two chunks, rows [0, 20) and [20, 40): rows 2 and 3 of the table, logical
+# tensor 2.  Every other tensor is one whole chunk.
+V3_COLUMNS = {**V2_COLUMNS, "tensor": "<u4", "gshape": "<u8", "start": "<u8", "block_crc": "<u4"}
+_EMB = 2  # the first row of "emb"; its dimensions start at position 3 of the dims columns
+
+
+def write_good_v3(path: Path, step: int = 7) -> None:
+    state = good_state(step)
+    emb = state.model["emb"]
+    state.model["emb"] = ckptcore.Chunks([ckptcore.Shard(emb[:20], emb.shape, (0, 0)),
+                                          ckptcore.Shard(emb[20:], emb.shape, (20, 0))])
+    with _knobs.override(shard_size=256):
+        ckptcore.save_state(str(path), state)
+
+
+def _c3(key: str, i: int, value: int) -> Callable[[dict], None]:
+    """Set element ``i`` of integer column ``key`` of a version-3 table."""
+    def edit(b: dict) -> None:
+        arr = np.frombuffer(b["tensors"][key], V3_COLUMNS[key]).copy()
+        arr[i] = value
+        b["tensors"][key] = arr.tobytes()
+    return edit
+
+
+def _emb_dims(key: str, row: int, dims: tuple[int, int]) -> Callable[[dict], None]:
+    """Row ``row`` (2 or 3, the chunks of "emb") gets ``dims`` in column ``key`` (shape, gshape
+    or start): rows 0 and 1 have 2 and 1 dimensions, so row 2's start at 3, row 3's at 5."""
+    at = {2: 3, 3: 5}[row]
+
+    def edit(b: dict) -> None:
+        arr = np.frombuffer(b["tensors"][key], "<u8").copy()
+        arr[at:at + 2] = dims
+        b["tensors"][key] = arr.tobytes()
+    return edit
+
+
+def _both(*edits: Callable[[dict], None]) -> Callable[[dict], None]:
+    def edit(b: dict) -> None:
+        for e in edits:
+            e(b)
+    return edit
+
+
+V3_CASES: dict[str, Callable[[dict], Any]] = {
+    # the form of the new columns
+    "v3-column-missing-tensor": _table("tensor", ...),
+    "v3-column-missing-gshape": _table("gshape", ...),
+    "v3-column-missing-start": _table("start", ...),
+    "v3-column-missing-block-crc": _table("block_crc", ...),
+    "v3-crc-block-missing": _table("crc_block", ...),
+    "v3-crc-block-0": _table("crc_block", 0),
+    "v3-crc-block-1": _table("crc_block", 1),
+    "v3-crc-block-str": _table("crc_block", "1M"),
+    "v3-column-str-tensor": _table("tensor", "0,1,2"),
+    "v3-column-short-tensor": _bytes("tensor", lambda x: x[:-4]),
+    "v3-column-odd-gshape": _bytes("gshape", lambda x: x[:-3]),
+    "v3-column-short-gshape": _bytes("gshape", lambda x: x[:-8]),
+    "v3-column-long-start": _bytes("start", lambda x: x + bytes(8)),
+    "v3-block-crc-unneeded": lambda b: (_table("crc_block", 4096)(b),
+                                        _table("block_crc", bytes(4))(b)),
+    # logical tensors
+    "v3-tensor-index-out": _c3("tensor", 0, 10 ** 6),
+    "v3-tensor-index-2^32-1": _c3("tensor", 0, 2 ** 32 - 1),
+    "v3-tensor-without-chunks": _c3("tensor", 1, 0),  # tensor 1 loses its only row
+    "v3-chunk-name-differs": _table("names", lambda x: x[:3] + ["model/other"] + x[4:]),
+    "v3-two-tensors-one-name": _table("names", lambda x: [x[1]] + x[1:]),
+    "v3-chunk-dtype-differs": lambda b: (  # float16: the same length, another dtype
+        _c3("dtype", 3, len(b["tensors"]["dtypes"]))(b),
+        _table("dtypes", lambda x: x + ["float16"])(b)),
+    "v3-chunk-ndim-differs": _both(_c3("ndim", 3, 1), _bytes("shape", lambda x: x[:-8]),
+                                   _bytes("gshape", lambda x: x[:-8]),
+                                   _bytes("start", lambda x: x[:-8])),
+    # global shapes and chunk places
+    "v3-gshape-inconsistent": _emb_dims("gshape", 3, (41, 8)),
+    "v3-gshape-smaller-than-chunk": _both(_emb_dims("gshape", 2, (10, 8)),
+                                          _emb_dims("gshape", 3, (10, 8))),
+    "v3-gshape-2^40x2^40": _both(_emb_dims("gshape", 2, (2 ** 40, 2 ** 40)),
+                                 _emb_dims("gshape", 3, (2 ** 40, 2 ** 40))),
+    "v3-gshape-2^64-1": _both(_emb_dims("gshape", 2, (2 ** 64 - 1, 8)),
+                              _emb_dims("gshape", 3, (2 ** 64 - 1, 8))),
+    "v3-chunks-overlap": _emb_dims("start", 3, (10, 0)),
+    "v3-chunks-same-place": _emb_dims("start", 3, (0, 0)),
+    "v3-chunk-outside": _emb_dims("start", 3, (30, 0)),
+    "v3-chunk-outside-dim1": _emb_dims("start", 3, (20, 1)),
+    "v3-start-2^64-1": _emb_dims("start", 3, (2 ** 64 - 1, 0)),
+    "v3-start-wraps": _emb_dims("start", 3, (2 ** 64 - 10, 0)),
+    "v3-chunk-length-mismatch": _c3("length", _EMB, 322),
+    "v3-chunk-shape-vs-length": _emb_dims("shape", 2, (21, 8)),
+    "v3-ref-out-of-range": _tree(("model", "dense/bias"), ref(6)),  # 7 rows, 6 tensors
+}
+
+
 def _append(path: Path, data: bytes) -> None:
     with open(path, "ab") as f:
         f.write(data)
@@ -579,12 +673,18 @@ FILE_CASES: dict[str, Callable[[Path, Path], None]] = {
     "manifest-sparse-3GiB": _sparse_manifest,
 }
 
-CASES = sorted([*BODY_CASES, *V2_CASES, *ENVELOPE_CASES, *FILE_CASES])
+CASES = sorted([*BODY_CASES, *V2_CASES, *V3_CASES, *ENVELOPE_CASES, *FILE_CASES])
 
 
 def build(name: str, case_dir: Path, outside: Path) -> Path:
     """Write case ``name`` under ``case_dir`` and return the checkpoint folder."""
     ckpt = case_dir / "ckpt"
+    if name in V3_CASES:
+        write_good_v3(ckpt)
+        body = read_body(ckpt)
+        new = V3_CASES[name](body)
+        write_manifest(ckpt, body if new is None or isinstance(new, tuple) else new, version=3)
+        return ckpt
     if name in V2_CASES:
         write_good(ckpt, version=2)
         body = read_body(ckpt)

@@ -404,7 +404,7 @@ def _assert_typed(url: str, opts: dict, error: type, match: str | None = None) -
             pytest.fail(f"{fn.__name__} accepted a bad manifest")
 
 
-@pytest.mark.parametrize("version", [0, 3, 99, "1", "2", None, 1.5, 2.0, True, 2**64 - 1])
+@pytest.mark.parametrize("version", [0, 4, 99, "1", "2", None, 1.5, 2.0, True, 2**64 - 1])
 def test_unknown_format_version(backend, version):
     body, _ = _good(backend)
     _write_manifest(backend, "c", outer={"version": version}, body=body)
@@ -576,19 +576,21 @@ def _rewrite_body(backend, name: str, edit, version: int) -> None:
 
 
 def test_writers_write_v2_and_v1_on_request(local_backend):
+    """(and version 3, whose table is chunked, for a state of plain arrays too)"""
     state = sample_state(3)
-    for version in (1, 2):
+    for version in (1, 2, 3):
         with _knobs.override(format_version=version):
             info = ckptcore.save_state(local_backend.url(f"v{version}"), state)
         assert info.format_version == version
         outer = msgpack.unpackb(local_backend.read(f"v{version}", MANIFEST_NAME), raw=False)
         assert outer["version"] == version
         assert_state_same(ckptcore.load_state(local_backend.url(f"v{version}")), state)
-    one, two = (ckptcore.inspect(local_backend.url(f"v{v}")) for v in (1, 2))
+    one, two, three = (ckptcore.inspect(local_backend.url(f"v{v}")) for v in (1, 2, 3))
     assert [(t.name, t.dtype, t.shape, t.nbytes, t.checksum) for t in one.tensors] == \
-           [(t.name, t.dtype, t.shape, t.nbytes, t.checksum) for t in two.tensors]
-    with _knobs.override(format_version=3), pytest.raises(ValueError, match="format_version"):
-        ckptcore.save_state(local_backend.url("v3"), state)
+           [(t.name, t.dtype, t.shape, t.nbytes, t.checksum) for t in two.tensors] == \
+           [(t.name, t.dtype, t.shape, t.nbytes, t.checksum) for t in three.tensors]
+    with _knobs.override(format_version=4), pytest.raises(ValueError, match="format_version"):
+        ckptcore.save_state(local_backend.url("v4"), state)
 
 
 def test_v2_readers_ignore_unknown_table_columns_and_body_keys(local_backend):

@@ -149,9 +149,11 @@ def test_ranks_with_different_states_are_refused_naming_the_tensor(backend):
 
 
 def test_sharded_leaves_are_refused_clearly(tmp_path):
+    """(a single-process save writes them as format 3: tests/test_sharded_format.py)"""
     state = TrainingState(model={"w": ckptcore.Shard(np.zeros(2), (4,), (0,))})
     with pytest.raises(TypeError, match="format version 3"):
-        ckptcore.save_state(tmp_path / "ck", state)
+        ckptcore.save_state(tmp_path / "ck", state, group=ckptcore.SingleProcessGroup())
+    assert not (tmp_path / "ck").exists()
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -244,3 +244,107 @@ def test_format_md_reader_rejects_damage(tmp_path, version):
     shard.write_bytes(bytes(data))
     with pytest.raises(AssertionError):
         _format_md_reader()(str(tmp_path / "c"))
+
+
+# ------------------------------------------------------------------------------------ format 3
+# tests/golden/v3: the same values, "model/dense/kernel" saved as chunks of rows [0, 1) and
+# [1, 4), "optimizer/slots/dense/kernel/m" as chunks of columns [0, 2) and [2, 3).
+def _v3_rows() -> list[tuple[str, str, tuple, tuple, tuple, bytes]]:
+    """(name, dtype, chunk shape, global shape, start, raw bytes) of every row of the v3 table."""
+    rows = []
+    for name, dtype, shape, raw in TENSORS:
+        arr = np.frombuffer(raw, ckptcore._codec.parse_dtype(dtype)).reshape(shape)
+        if name == "model/dense/kernel":
+            rows += [(name, dtype, (1, 3), shape, (0, 0), arr[:1].tobytes()),
+                     (name, dtype, (3, 3), shape, (1, 0), arr[1:].tobytes())]
+        elif name == "optimizer/slots/dense/kernel/m":
+            rows += [(name, dtype, (4, 2), shape, (0, 0), np.ascontiguousarray(arr[:, :2]).tobytes()),
+                     (name, dtype, (4, 1), shape, (0, 2), np.ascontiguousarray(arr[:, 2:]).tobytes())]
+        else:
+            rows.append((name, dtype, shape, shape, (0,) * len(shape), raw))
+    return rows
+
+
+def _v3_columns(body: dict) -> dict:
+    t = body["tensors"]
+    return {k: np.frombuffer(t[k], dt).tolist() for k, dt in (
+        ("tensor", "<u4"), ("gshape", "<u8"), ("start", "<u8"), ("block_crc", "<u4"))}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_v3_loads_whole_and_verifies(name):
+    state = ckptcore.load_state(_dir(3, name))
+    assert_state_same(state, expected_state())
+    assert state.model["dense/kernel"].tobytes() == _KERNEL.tobytes()
+    assert ckptcore.verify(_dir(3, name)) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_v3_manifest_fields(name):
+    outer, body = _manifest(3, name)
+    assert outer["version"] == 3 and outer["body_crc32c"] == crc32c.crc32c(outer["body"])
+    table = body["tensors"]
+    assert list(table) == ["names", "dtypes", "dtype", "ndim", "shape", "shard", "offset",
+                           "length", "checksum", "crc_block", "tensor", "gshape", "start",
+                           "block_crc"]
+    assert table["crc_block"] == 1 << 20
+    rows = _v3_rows()
+    entries = _entries(body)
+    cols = _v3_columns(body)
+    assert [(e["name"], e["dtype"], tuple(e["shape"])) for e in entries] == \
+           [(n, d, s) for n, d, s, _, _, _ in rows]
+    gshape = [g for _, _, _, g, _, _ in rows]
+    start = [s for _, _, _, _, s, _ in rows]
+    assert cols["gshape"] == [d for g in gshape for d in g]
+    assert cols["start"] == [d for s in start for d in s]
+    # rows of one tensor share its logical index; the tree refers to logical indices
+    names = [n for n, *_ in rows]
+    logical = list(dict.fromkeys(names))
+    assert cols["tensor"] == [logical.index(n) for n in names]
+    assert cols["block_crc"] == []  # no chunk is longer than one block
+    for e, (_, _, _, _, _, raw) in zip(entries, rows):
+        assert e["length"] == len(raw) and e["checksum"] == crc32c.crc32c(raw)
+    assert body["tree"]["model"]["dense/kernel"] == msgpack.ExtType(1, msgpack.packb(0))
+    assert body["tree"]["optimizer"]["extra"]["loss_scale"] == msgpack.ExtType(3, msgpack.packb(13))
+    info = ckptcore.inspect(_dir(3, name))
+    assert info.format_version == 3
+    assert [(t.name, t.shape, t.global_shape, t.start) for t in info.tensors] == \
+           [(n, s, g, st) for n, _, s, g, st, _ in rows]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_v3_shard_files_are_the_documented_layout(name):
+    _, body = _manifest(3, name)
+    for i, shard in enumerate(body["shards"]):
+        data = (_dir(3, name) / shard["path"]).read_bytes()
+        assert len(data) == shard["size"] and crc32c.crc32c(data) == shard["checksum"]
+        expect = bytearray()
+        for e, row in zip(_entries(body), _v3_rows()):
+            if e["shard"] == i:
+                assert e["offset"] >= len(expect) and e["offset"] % 64 == 0
+                expect += bytes(e["offset"] - len(expect)) + row[-1]
+        assert bytes(expect) == data
+
+
+def test_writer_still_produces_the_golden_v3_bytes(tmp_path):
+    spec = importlib.util.spec_from_file_location("make_golden", ROOT / "make_golden.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--out", str(tmp_path), "--version", "3"]) == 0
+    for name in NAMES:
+        for f in _dir(3, name).iterdir():
+            got = tmp_path / "v3" / name / f.name
+            assert got.read_bytes() == f.read_bytes(), f"v3/{name}/{f.name} drifted"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_format_md_reader_reads_the_golden_v3_checkpoints(name):
+    tree = _format_md_reader()(str(_dir(3, name)))
+    assert tree["model"]["dense/kernel"].tobytes() == _KERNEL.tobytes()
+    assert tree["optimizer"]["slots"]["dense/kernel"]["m"].tobytes() == np.full(12, 0.25, _F32).tobytes()
+    assert_state_same(TrainingState(
+        model=tree["model"], optimizer=OptimizerState(**tree["optimizer"]),
+        schedule=ScheduleState(**tree["schedule"]), rng=tree["rng"], data=tree["data"],
+        accumulation=AccumulationState(**tree["accumulation"]), step=tree["step"], epoch=tree["epoch"],
+        framework=tree["framework"], metadata=tree["metadata"], extra=tree["extra"],
+        params={k: ParamInfo(**v) for k, v in tree["params"].items()}), expected_state())

@@ -1,9 +1,9 @@
-"""Generate the golden checkpoints under tests/golden/v1/ and v2/ (run by hand, results committed).
+"""Generate the golden checkpoints under tests/golden/v1/, v2/ and v3/ (run by hand, results committed).
 
     python tests/golden/make_golden.py [--force]
 
 The checkpoints pin formats v1 and v2 (the same state in each, written with the
-``format_version`` knob): tests/test_golden.py loads them with the current code and compares
+``format_version`` knob) and v3 (the same values, two tensors saved as chunks): tests/test_golden.py loads them with the current code and compares
 every byte against values it computes itself.  Contents are deterministic (integer
 arithmetic only, no RNG); so is everything else in the files: the volatile manifest fields
 (creation time, writer id, host, library versions) are pinned and the shards renamed to fixed
@@ -33,7 +33,7 @@ from ckptcore._manifest import MANIFEST_NAME
 HERE = os.path.dirname(os.path.abspath(__file__))
 # name -> shard size: one shard, and several shards with padding between tensors.
 CHECKPOINTS = {"full": 1 << 20, "sharded": 256}
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 PINNED = {
     "created": 1700000000.0,
     "writer": {"id": "golden", "host": "golden", "pid": 0},
@@ -79,6 +79,18 @@ def golden_state() -> TrainingState:
     )
 
 
+def golden_state_v3() -> TrainingState:
+    """The golden state with two tensors saved as chunks (format 3): ``dense/kernel`` cut along
+    its rows (1 + 3), its Adam slot ``m`` along its columns (2 + 1)."""
+    state = golden_state()
+    kernel, m = state.model["dense/kernel"], state.optimizer.slots["dense/kernel"]["m"]
+    state.model["dense/kernel"] = ckptcore.Chunks([ckptcore.Shard(kernel[:1], (4, 3), (0, 0)),
+                                                   ckptcore.Shard(kernel[1:], (4, 3), (1, 0))])
+    state.optimizer.slots["dense/kernel"]["m"] = ckptcore.Chunks(
+        [ckptcore.Shard(m[:, :2], (4, 3), (0, 0)), ckptcore.Shard(m[:, 2:], (4, 3), (0, 2))])
+    return state
+
+
 def _pin(path: str) -> None:
     """Rewrite the manifest with pinned volatile fields and fixed shard names.
 
@@ -114,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 work = os.path.join(tmp, name)
                 with _knobs.override(shard_size=shard_size, alignment=64, format_version=version):
-                    ckptcore.save_state(work, golden_state())
+                    ckptcore.save_state(work, golden_state_v3() if version == 3 else golden_state())
                 _pin(work)
                 shutil.rmtree(target, ignore_errors=True)
                 os.makedirs(os.path.dirname(target), exist_ok=True)
