@@ -78,6 +78,21 @@ class CheckpointDiff:
         return not self.differences
 
 
+def _keys(m: Any) -> dict[str, int]:
+    """Row index by key: the tensor's name, or for a chunk of a tensor stored in several chunks
+    (format 3) ``name@[start]``, so every chunk is compared, not only the last of a name."""
+    table = m.tensors
+    names = [t.name for t in m.tensors]
+    seen: dict[str, int] = {}
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+    out: dict[str, int] = {}
+    for i, n in enumerate(names):
+        start = table.chunk_start(i) if hasattr(table, "chunk_start") else ()
+        out[f"{n}@{list(start)}" if seen[n] > 1 or any(start) else n] = i
+    return out
+
+
 def _spec(t: Any) -> str:
     return f"{t.dtype}{list(t.shape)}"
 
@@ -97,7 +112,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *,
     options = dict(storage_options or {})
     stores = [Store(os.fspath(u), options) for u in (a, b)]
     manifests = [api.read_manifest(s) for s in stores]
-    index = [{t.name: i for i, t in enumerate(m.tensors)} for m in manifests]
+    index = [_keys(m) for m in manifests]
     differences: list[TensorDiff] = []
     same: list[str] = []
     changed: list[str] = []

@@ -338,3 +338,27 @@ def test_many_small_chunked_tensors_on_s3(s3_backend):
                                 for k, a in arrays.items()})
     part = ckptcore.load_state(url, like=like, storage_options=opts)
     assert all(part.model[k].data.tobytes() == a[: len(a) // 3].tobytes() for k, a in arrays.items())
+
+
+def test_diff_compares_every_chunk_of_a_chunked_tensor(tmp_path):
+    """ckptcore.diff keys chunks by name and start: a change in the first chunk of a tensor is
+    found even though a later chunk has the same name."""
+    import numpy as np
+
+    import ckptcore
+
+    whole = np.arange(40, dtype=np.float32).reshape(8, 5)
+
+    def save(path, arr):
+        parts = ckptcore.Chunks([ckptcore.Shard(arr[:4].copy(), (8, 5), (0, 0)),
+                                 ckptcore.Shard(arr[4:].copy(), (8, 5), (4, 0))])
+        ckptcore.save_state(path, ckptcore.TrainingState(model={"w": parts}))
+
+    changed = whole.copy()
+    changed[0, 0] += 1
+    save(tmp_path / "a", whole)
+    save(tmp_path / "b", changed)
+    d = ckptcore.diff(tmp_path / "a", tmp_path / "b")
+    assert [t.name for t in d.differences] == ["model/w@[0, 0]"], d.differences
+    assert d.differences[0].change == "values"
+    assert "model/w@[4, 0]" in d.same
