@@ -226,3 +226,16 @@ def spread(times: list[float]) -> dict:
     """Median, min and max of a point's rounds (and the rounds themselves)."""
     return {"median": statistics.median(times), "min": min(times), "max": max(times),
             "all": times}
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free on 127.0.0.1 now (servers and the ranks of a job)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports

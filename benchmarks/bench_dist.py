@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -96,14 +95,6 @@ def worker(rank: int, ports: str, out: str, args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def _ports(n: int) -> str:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = ",".join(str(s.getsockname()[1]) for s in socks)
-    for s in socks:
-        s.close()
-    return ports
 
 
 def main(argv=None) -> int:
@@ -124,7 +115,9 @@ def main(argv=None) -> int:
         worker(int(args.worker[0]), args.worker[1], args.worker[2], args)
         return 0
     out = tempfile.mkdtemp(prefix="ckptbench-dist-", dir=args.dir)
-    ports = _ports(2)
+    from _common import free_ports
+
+    ports = ",".join(map(str, free_ports(2)))
     root = os.path.dirname(HERE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "adapters"),
                                                        os.environ.get("PYTHONPATH", "")]))

@@ -39,7 +39,7 @@ import time
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import fill, reset_peak_rss, vm_status  # noqa: E402
+from _common import fill, free_ports, reset_peak_rss, vm_status  # noqa: E402
 from _report import record  # noqa: E402
 
 _AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -49,17 +49,13 @@ BUCKET = "ckptcore-bench"
 TARGET = 0.9
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(kind: str):
     """Start moto on 127.0.0.1; return (storage options, stop function)."""
     os.environ.update(_AWS_ENV)
     os.environ.pop("AWS_PROFILE", None)
-    port = _free_port()
+    port = free_ports(1)[0]
     if kind == "thread":
         from moto.server import ThreadedMotoServer
 

@@ -262,7 +262,7 @@ def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], dige
         if "error" in reply:
             err = reply["error"]
             raise GroupError(f"{store.url}: {err['message']} ({err['type']}); nothing committed")
-    differ = [r for r, reply in enumerate(replies, start=1) if reply["digest"] != digest]
+    differ = [r for r, reply in enumerate(replies, start=1) if reply.get("digest") != digest]
     if differ:
         raise _Mismatch(store, differ)
     n = len(arrays)

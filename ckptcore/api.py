@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from . import _codec, _io, _knobs
+from . import _codec, _dist, _io, _knobs
 from .adapter import restore_gate, warn_unapplied
 from ._version import __version__
 from ._commit import commit
@@ -179,8 +179,6 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     except Exception as e:
         if group is None:
             raise
-        from . import _dist
-
         _dist.fail(store, group, e)  # the other ranks learn it at once, then this raises
         raise
     token = uuid.uuid4().hex[:16]
@@ -216,8 +214,6 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         return make_manifest(shards, table)
 
     if group is not None:
-        from . import _dist
-
         manifest = _dist.save(store, group, enc, arrays, make_manifest, token=token,
                               overwrite=overwrite)
         if manifest is None:  # another rank: rank 0 committed; describe what it committed

@@ -41,7 +41,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import _codec, _knobs, api, layout
+from . import _codec, _dist, _knobs, api, layout
 from ._lock import LockTakeoverWarning, WriterLock
 from ._manifest import MANIFEST_NAME
 from ._storage import Store, check_url
@@ -231,16 +231,12 @@ class CheckpointManager:
         if self.group is None:
             overwrite = self._prepare(step)
         else:
-            from . import _dist
-
             overwrite = _dist.decide(self.root, self.group, lambda: self._prepare(step))
         try:
             snapshot = self._snapshot(step, state, metrics, objects)
         except Exception as e:
             if self.group is None:
                 raise
-            from . import _dist
-
             # The other ranks are about to save: take part, so they fail at once, then raise.
             _dist.fail(self.root.child(name), self.group, e)
             raise
