@@ -1,9 +1,15 @@
 """A save by every rank of a process group, committed once by rank 0.
 
-Every rank calls ``save_state(url, state, group=g)`` with the same replicated state.  The bytes
-are spread: each tensor is written by exactly one rank, chosen by :func:`assign` (largest tensors
-first, each onto the least-loaded rank), which every rank computes alike from the names and
-sizes, so N ranks write about 1/N of the bytes each and no message carries the plan.
+Every rank calls ``save_state(url, state, group=g)`` with the same tree: the same replicated
+arrays and, for sharded tensors, ``Shard``/``Chunks`` leaves holding that rank's own blocks.
+The replicated bytes are spread: each such tensor is written by exactly one rank, chosen by
+:func:`assign` (largest tensors first, each onto the least-loaded rank), which every rank
+computes alike from the names and sizes, so N ranks write about 1/N of the bytes each and no
+message carries the plan.  Each rank writes its own blocks (:func:`plan`).  A state with blocks
+is saved in format 3: each rank sends its own chunk table (``TensorTable.to_v3()``), rank 0
+validates each as strictly as a manifest read from disk, concatenates them
+(``_manifest.merge_tables``, which refuses overlapping blocks) and refuses a tensor its ranks'
+blocks do not cover whole.  A plain state keeps format 2 and sends raw row columns instead.
 
 The order of collectives is the same on every rank, whatever happens:
 
@@ -39,7 +45,7 @@ import numpy as np
 
 from . import _codec, _io, _knobs
 from ._commit import commit
-from ._manifest import Manifest, ShardEntry, TensorTable
+from ._manifest import Manifest, ShardEntry, TensorTable, merge_tables, read_table
 from ._storage import Store
 from .errors import CheckpointError, GroupError, SchemaError
 
@@ -84,16 +90,28 @@ class _Part:
 
     shards: list[ShardEntry]
     rows: dict[str, np.ndarray]
+    table: TensorTable | None = None  # a chunked save: the rank's own version-3 table
 
-    def packed_rows(self) -> dict[str, bytes]:
-        return {k: np.ascontiguousarray(self.rows[k], _ROW_DTYPES[k]).tobytes()
-                for k in _ROW_DTYPES}
+    def to_reply(self) -> dict[str, Any]:
+        reply: dict[str, Any] = {"shards": [[s.path, s.size, s.checksum] for s in self.shards]}
+        if self.table is not None:
+            reply["table"] = self.table.to_v3()
+        else:
+            reply["rows"] = {k: np.ascontiguousarray(self.rows[k], _ROW_DTYPES[k]).tobytes()
+                             for k in _ROW_DTYPES}
+        return reply
 
     @classmethod
-    def from_reply(cls, reply: dict, rank: int) -> _Part:
+    def from_reply(cls, reply: dict, rank: int, source: str) -> _Part:
         try:
-            rows = {k: np.frombuffer(reply["rows"][k], _ROW_DTYPES[k]) for k in _ROW_DTYPES}
             shards = [ShardEntry(path=p, size=int(z), checksum=int(c)) for p, z, c in reply["shards"]]
+            if "table" in reply:  # validated as strictly as a manifest read from disk
+                return cls(shards, {}, read_table(reply["table"], shards,
+                                                  source=f"{source} (rank {rank}'s tensor table)",
+                                                  partial=True))
+            rows = {k: np.frombuffer(reply["rows"][k], _ROW_DTYPES[k]) for k in _ROW_DTYPES}
+        except SchemaError as e:
+            raise GroupError(f"rank {rank}'s reply is malformed: {e}") from e
         except (KeyError, TypeError, ValueError) as e:
             raise GroupError(f"rank {rank}'s reply is malformed ({type(e).__name__}: {e})") from e
         if len({len(a) for a in rows.values()}) != 1:
@@ -101,11 +119,30 @@ class _Part:
         return cls(shards, rows)
 
 
+def _logical(enc: _codec.Encoded, arrays: Sequence[np.ndarray]
+             ) -> tuple[list[str], list[str], list[list[int]], list[bool]]:
+    """Name, dtype, global shape and whether it is sharded, per logical tensor: what every rank
+    must agree on (a sharded tensor's blocks differ from rank to rank, its global shape not)."""
+    if enc.chunks is None:
+        return list(enc.names), list(enc.dtypes), [list(a.shape) for a in arrays], [False] * len(arrays)
+    names, dtypes, shapes, sharded = [], [], [], []
+    seen = -1
+    for i, k in enumerate(enc.chunks.tensor):
+        if k == seen:  # the further chunks of a Chunks leaf
+            continue
+        seen = k
+        names.append(enc.names[i])
+        dtypes.append(enc.dtypes[i])
+        shapes.append(list(enc.chunks.global_shapes[i]))
+        sharded.append(enc.names[i] in enc.leaves)
+    return names, dtypes, shapes, sharded
+
+
 def _digest(enc: _codec.Encoded, arrays: Sequence[np.ndarray]) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(_codec.pack(enc.tree))
-    for name, dtype, arr in zip(enc.names, enc.dtypes, arrays):
-        h.update(f"{name}\0{dtype}\0{arr.shape}\0".encode())
+    for name, dtype, shape, sharded in zip(*_logical(enc, arrays)):
+        h.update(f"{name}\0{dtype}\0{shape}\0{int(sharded)}\0".encode())
     return h.digest()
 
 
@@ -120,12 +157,34 @@ def _unpack(data: bytes, what: str) -> Any:
         raise GroupError(f"{what}: a peer's message could not be decoded ({type(e).__name__})") from e
 
 
+_OWN = -1  # in a plan: a block of a sharded tensor, written by the rank that holds it
+
+
+def plan(enc: _codec.Encoded, arrays: Sequence[np.ndarray], ranks: int) -> list[int]:
+    """Which rank writes each array: replicated arrays spread by :func:`assign`, each written
+    once; the blocks of ``Shard``/``Chunks`` leaves (``_OWN``) by the rank that holds them."""
+    if enc.chunks is None:
+        return assign([a.nbytes for a in arrays], ranks)
+    owner = [_OWN if name in enc.leaves else 0 for name in enc.names]
+    replicated = [i for i, r in enumerate(owner) if r == 0]
+    for i, r in zip(replicated, assign([arrays[i].nbytes for i in replicated], ranks)):
+        owner[i] = r
+    return owner
+
+
 def _write_part(target: Store, rank: int, owner: list[int], arrays: Sequence[np.ndarray],
                 enc: _codec.Encoded, token: str) -> _Part:
-    mine = [i for i, r in enumerate(owner) if r == rank]
+    mine = [i for i, r in enumerate(owner) if r == rank or r == _OWN]
+    chunks = None
+    if enc.chunks is not None:
+        c = enc.chunks
+        chunks = _codec.Chunking([c.tensor[i] for i in mine], [c.global_shapes[i] for i in mine],
+                                 [c.starts[i] for i in mine])
     shards, table = _io.write_payload(target, [arrays[i] for i in mine],
                                       [enc.names[i] for i in mine], f"r{rank:05d}-{token}",
-                                      [enc.dtypes[i] for i in mine])
+                                      [enc.dtypes[i] for i in mine], chunks=chunks)
+    if chunks is not None:  # format 3: the rank's own chunk table goes to rank 0 whole
+        return _Part(list(shards), {}, table)
     return _Part(list(shards), {"index": np.asarray(mine, np.int64), "shard": table.shard,
                                 "offset": table.offset, "crc": table.checksum})
 
@@ -153,8 +212,7 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
     manifest on rank 0, None on the others; raises on every rank if nothing was committed."""
     timeout = float(_knobs.get("group_timeout"))
     rank, size = int(group.rank), int(group.size)
-    sizes = [a.nbytes for a in arrays]
-    owner = assign(sizes, size)
+    owner = plan(enc, arrays, size)
     digest = _digest(enc, arrays)
     if rank == 0:
         return _coordinate(store, group, enc, arrays, owner, digest, make_manifest,
@@ -167,9 +225,7 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
     reply: dict[str, Any] = {"digest": digest}
     failure: BaseException | None = None
     try:
-        part = _write_part(target, rank, owner, arrays, enc, token)
-        reply["shards"] = [[s.path, s.size, s.checksum] for s in part.shards]
-        reply["rows"] = part.packed_rows()
+        reply.update(_write_part(target, rank, owner, arrays, enc, token).to_reply())
     except Exception as e:  # reported to rank 0, which commits nothing; raised here below
         failure = e
         reply["error"] = {"type": type(e).__name__, "message": f"rank {rank}: {e}"}
@@ -188,7 +244,8 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
 def _structure(enc: _codec.Encoded, arrays: Sequence[np.ndarray]) -> dict:
     """What a rank saves, tensor by tensor: sent only when the digests disagree (a million
     names from each of a thousand ranks would not fit the happy path)."""
-    return {"names": enc.names, "dtypes": enc.dtypes, "shapes": [list(a.shape) for a in arrays]}
+    names, dtypes, shapes, sharded = _logical(enc, arrays)
+    return {"names": names, "dtypes": dtypes, "shapes": shapes, "sharded": sharded}
 
 
 class _Mismatch(SchemaError):
@@ -265,13 +322,16 @@ def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], dige
     differ = [r for r, reply in enumerate(replies, start=1) if reply.get("digest") != digest]
     if differ:
         raise _Mismatch(store, differ)
+    parts = [part] + [_Part.from_reply(reply, r, store.url)
+                      for r, reply in enumerate(replies, start=1)]
+    if part.table is not None:
+        return make_manifest(*_merge_chunks(store, enc, arrays, parts))
     n = len(arrays)
     shards: list[ShardEntry] = []
     shard = np.zeros(n, np.uint32)
     offset = np.zeros(n, np.uint64)
     crc = np.zeros(n, np.uint32)
     written = np.zeros(n, np.int64)
-    parts = [part] + [_Part.from_reply(reply, r) for r, reply in enumerate(replies, start=1)]
     for r, p in enumerate(parts):
         idx, local = p.rows["index"], p.rows["shard"]
         if len(idx) and (idx.min() < 0 or idx.max() >= n or local.max() >= len(p.shards)):
@@ -290,32 +350,96 @@ def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], dige
     return make_manifest(shards, table)
 
 
+def _merge_chunks(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
+                  parts: list[_Part]) -> tuple[list[ShardEntry], TensorTable]:
+    """A chunked save: the ranks' own tables, concatenated (``merge_tables`` refuses blocks
+    that overlap, e.g. a replicated tensor written twice or two ranks' Shards of one region),
+    then every tensor must be covered whole by its blocks: a save by a whole group that leaves
+    a hole (a rank that forgot its Shard, offsets off by one) is refused, not committed."""
+    shards = [s for p in parts for s in p.shards]
+    offsets = np.cumsum([0] + [len(p.shards) for p in parts[:-1]]).tolist()
+    if any(p.table is None for p in parts):
+        raise GroupError(f"{store.url}: the ranks disagree on whether the state is chunked; "
+                         "nothing committed")
+    try:
+        table = merge_tables([p.table for p in parts], offsets,  # type: ignore[misc]
+                             source=f"{store.url}: the ranks' blocks")
+    except SchemaError as e:
+        raise ValueError(f"{e}; a save with a group needs disjoint Shard blocks; nothing "
+                         "committed") from None
+    names, _, shapes, _ = _logical(enc, arrays)
+    itemsize = {enc.chunks.tensor[i]: a.dtype.itemsize for i, a in enumerate(arrays)}  # type: ignore[union-attr]
+    have = np.bincount(table.tensor.astype(np.int64), weights=table.length.astype(np.float64),
+                       minlength=len(names))
+    for k, (name, shape) in enumerate(zip(names, shapes)):
+        want = int(np.prod(shape, dtype=np.int64)) * itemsize.get(k, 0)
+        if int(have[k]) != want:
+            raise ValueError(f"{store.url}: tensor {name!r} {shape}: the ranks' blocks hold "
+                             f"{int(have[k])} of its {want} bytes; a save with a group must "
+                             "cover every sharded tensor whole (nothing committed)")
+    return shards, table
+
+
 def _first_difference(enc: _codec.Encoded, arrays: Sequence[np.ndarray], reply: dict) -> str:
-    mine = list(zip(enc.names, enc.dtypes, [list(a.shape) for a in arrays]))
-    theirs = list(zip(reply["names"], reply["dtypes"], reply["shapes"]))
+    names, dtypes, shapes, sharded = _logical(enc, arrays)
+    mine = list(zip(names, dtypes, shapes, sharded))
+    theirs = list(zip(reply["names"], reply["dtypes"], reply["shapes"],
+                      reply.get("sharded") or [False] * len(reply["names"])))
+    kind = {True: " (a Shard)", False: ""}
     for a, b in zip(mine, theirs):
         if tuple(a) != tuple(b):
-            return f"tensor {a[0]!r} {a[1]}{a[2]} against {b[0]!r} {b[1]}{b[2]}"
+            return (f"tensor {a[0]!r} {a[1]}{a[2]}{kind[a[3]]} against "
+                    f"{b[0]!r} {b[1]}{b[2]}{kind[b[3]]}")
     if len(mine) != len(theirs):
         return f"{len(mine)} tensors against {len(theirs)}"
     return "the same tensors, other values in the rest of the state"
 
 
-def _error(err: dict, store: Store) -> Exception:
-    """Rank 0's failure, raised on another rank: the same class where it is ckptcore's own (or
-    ``ValueError``/``TypeError``, a caller's mistake), else ``GroupError``."""
+def _error(err: dict, store: Store, rank: int = 0) -> Exception:
+    """Rank ``rank``'s failure, raised on another rank: the same class where it is ckptcore's own
+    (or ``ValueError``/``TypeError``, a caller's mistake), else ``GroupError``."""
     from . import errors
 
     kind = getattr(errors, err.get("type", ""), None)
     if kind is None:
         kind = {"ValueError": ValueError, "TypeError": TypeError}.get(err.get("type", ""))
-    text = f"{err.get('message')} (raised on rank 0)"
+    text = f"{err.get('message')} (raised on rank {rank})"
     if isinstance(kind, type) and issubclass(kind, (CheckpointError, ValueError, TypeError)):
         try:
             return kind(text)
         except TypeError:  # a class with a richer constructor
             pass
-    return GroupError(f"{store.url}: the save failed on rank 0: {err.get('type')}: {text}")
+    return GroupError(f"{store.url}: failed on rank {rank}: {err.get('type')}: {text}")
+
+
+def agree(store: Store, group: Any, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` (this rank's part of a load) on every rank, then make every rank return or
+    raise alike: if any rank failed, the others raise its error (its class where it is
+    ckptcore's own, naming the rank), so no rank trains on while another could not restore
+    (and then hangs in the next collective)."""
+    timeout = float(_knobs.get("group_timeout"))
+    failure: BaseException | None = None
+    value = None
+    try:
+        value = fn()
+    except Exception as e:  # told to the others, raised here below
+        failure = e
+    mine = {} if failure is None else {"error": {"type": type(failure).__name__,
+                                                 "message": f"rank {group.rank}: {failure}"}}
+    gathered = group.gather(_pack(mine), timeout=timeout)
+    if group.rank == 0:
+        failed = [(r, m["error"]) for r, m in enumerate(_unpack(x, "load") for x in gathered)
+                  if isinstance(m, dict) and "error" in m]
+        outcome = ({"kind": "ok"} if not failed else
+                   {"kind": "error", "rank": failed[0][0], "error": failed[0][1]})
+        group.broadcast(_pack(outcome), timeout=timeout)
+    else:
+        outcome = _unpack(group.broadcast(None, timeout=timeout), "load")
+    if failure is not None:
+        raise failure
+    if outcome["kind"] != "ok":
+        raise _error(outcome["error"], store, int(outcome.get("rank", 0)))
+    return value
 
 
 def decide(store: Store, group: Any, fn: Callable[[], Any]) -> Any:

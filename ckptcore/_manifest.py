@@ -469,8 +469,8 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _table_v2(t: dict, shards: list[ShardEntry], source: str, *, chunked: bool = False
-              ) -> TensorTable:
+def _table_v2(t: dict, shards: list[ShardEntry], source: str, *, chunked: bool = False,
+              partial: bool = False) -> TensorTable:
     """A version-2 tensor table, validated column by column with NumPy (docs/FORMAT.md, section
     5): as strict as version 1's entry-by-entry checks, in a few array operations.  Keys not
     listed here are ignored (a later version may add optional columns).  ``chunked``: a
@@ -536,12 +536,12 @@ def _table_v2(t: dict, shards: list[ShardEntry], source: str, *, chunked: bool =
     table = TensorTable(names=names, dtypes=list(dtypes), dtype=code, ndim=ndim, dims=dims,
                         shard=shard, offset=offset, length=length, checksum=cols["checksum"])
     if chunked:
-        _chunk_columns(t, table, starts, itemsize, parsed, source)
+        _chunk_columns(t, table, starts, itemsize, parsed, source, partial)
     return table
 
 
 def _chunk_columns(t: dict, table: TensorTable, starts: np.ndarray, itemsize: np.ndarray,
-                   parsed: list[np.dtype], source: str) -> None:
+                   parsed: list[np.dtype], source: str, partial: bool = False) -> None:
     """Read and check the version-3 columns of ``t`` into ``table`` (docs/FORMAT.md, section 5)."""
     where = f"{source}: tensor table"
     cols: dict[str, np.ndarray] = {}
@@ -572,17 +572,20 @@ def _chunk_columns(t: dict, table: TensorTable, starts: np.ndarray, itemsize: np
         raise SchemaError(f"{where}: column 'block_crc' holds {len(cols['block_crc'])} "
                           f"checksums; the chunks' lengths need {need}")
     table.block_crc = cols["block_crc"]
-    check_chunks(table, source, starts=starts, itemsize=itemsize, parsed=parsed)
+    check_chunks(table, source, starts=starts, itemsize=itemsize, parsed=parsed, partial=partial)
 
 
-def read_table(columns: Any, shards: Sequence[ShardEntry], *, source: str) -> TensorTable:
+def read_table(columns: Any, shards: Sequence[ShardEntry], *, source: str,
+               partial: bool = False) -> TensorTable:
     """A chunked table from its version-3 columns (``TensorTable.to_v3()``, e.g. as a rank sent
     it through the group, msgpack-packed), validated as strictly as a manifest's against
-    ``shards`` (that rank's shard entries); ``SchemaError`` naming ``source`` otherwise."""
+    ``shards`` (that rank's shard entries); ``SchemaError`` naming ``source`` otherwise.
+    ``partial``: one rank's rows of a group save, chunks of only some of the logical tensors
+    (``check_chunks(partial=True)``); the merged table is checked whole."""
     if not isinstance(columns, dict):
         raise SchemaError(f"{source}: a tensor table is a map, not a {type(columns).__name__}")
     try:
-        return _table_v2(columns, list(shards), source, chunked=True)
+        return _table_v2(columns, list(shards), source, chunked=True, partial=partial)
     except CheckpointError:
         raise
     except (TypeError, ValueError, OverflowError, IndexError) as e:  # backstop

@@ -152,8 +152,10 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         array([0., 1., 2.])
 
     With ``group`` (a :class:`ckptcore.ProcessGroup`, e.g. ``ckptcore_paddle.process_group()``),
-    every rank calls ``save_state`` with the same replicated state: each writes about 1/N of
-    the bytes, rank 0 commits once, and every rank returns or raises alike (see
+    every rank calls ``save_state`` with the same replicated state, and its own blocks of
+    sharded tensors as ``ckptcore.Shard`` leaves (which the ranks' blocks must cover whole):
+    each writes its blocks and about 1/N of the replicated bytes, rank 0 commits once, and
+    every rank returns or raises alike (see
     ``ckptcore/_dist.py``; the ``group_timeout`` knob bounds every wait on a peer).
 
     Raises:
@@ -169,12 +171,6 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     try:
         state, _ = capture_state(state, objects)  # borrowed arrays: written before we return
         enc = _codec.encode_state(state)
-        if group is not None and enc.chunks is not None:
-            # (the group save spreads whole replicated tensors; merging every rank's chunks
-            # with _manifest.merge_tables is the distributed commit's part of format 3)
-            raise TypeError("a ckptcore.Shard leaf cannot be saved with group= by this version "
-                            "yet: a save with a group writes replicated arrays; format version 3 "
-                            "(chunked tensors) is written by single-process saves")
         arrays = [_codec.to_little_endian(a) for a in enc.arrays]
     except Exception as e:
         if group is None:
@@ -253,7 +249,8 @@ def _select(tree: dict, keys: Iterable[str] | None) -> dict:
 
 def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[str] | None = None,
                storage_options: Mapping[str, Any] | None = None,
-               like: TrainingState | None = None, **objects: Any) -> TrainingState:
+               like: TrainingState | None = None, group: Any = None,
+               **objects: Any) -> TrainingState:
     """Load the checkpoint at ``url``; with framework objects, restore into them too.
 
     Sharded tensors (saved from ``ckptcore.Shard`` leaves) come back whole when their chunks
@@ -273,6 +270,11 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
     be in the objects: restore them again after that error (``CheckpointManager.restore()``
     verifies a whole step before assigning anything).  See docs/RELIABILITY.md.
 
+    With ``group`` (the group the state was saved with, or another size), every rank calls
+    ``load_state`` with its own ``like``, reads only its blocks, and every rank returns or raises
+    alike: a rank whose read fails makes the others raise its error too (naming the rank),
+    so no rank trains on alone.
+
     Example:
         >>> state = ckptcore.load_state("memory://doc/ckpt-1", keys=["model"])  # doctest: +SKIP
 
@@ -282,6 +284,10 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
         IncompleteCheckpointError: a shard is missing or truncated.
         SchemaError: the manifest is malformed or of an unsupported version.
     """
+    if group is not None:
+        store = Store(os.fspath(url), dict(storage_options or {}))
+        return _dist.agree(store, group, lambda: load_state(
+            url, verify=verify, keys=keys, storage_options=storage_options, like=like, **objects))
     store = Store(os.fspath(url), dict(storage_options or {}))
     for attempt in range(_READ_ATTEMPTS):
         manifest = read_manifest(store)

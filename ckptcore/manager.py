@@ -46,7 +46,7 @@ from ._lock import LockTakeoverWarning, WriterLock
 from ._manifest import MANIFEST_NAME
 from ._storage import Store, check_url
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
-                     CorruptCheckpointError,
+                     CorruptCheckpointError, GroupError,
                      LockedError, StorageError, UnsafeCheckpointError, UnsupportedCheckpointError)
 from .policies import CheckpointEntry, as_policy
 from .state import TrainingState
@@ -484,18 +484,24 @@ class CheckpointManager:
         return layout.remove_leftovers(self.root, grace)
 
     # -- restoring ------------------------------------------------------------------------------
-    def restore(self, step: int | None = None, *, keys: Any = None, **objects: Any) -> TrainingState:
+    def restore(self, step: int | None = None, *, keys: Any = None,
+                like: TrainingState | None = None, **objects: Any) -> TrainingState:
         """Load a checkpoint (the newest that verifies, by default) and restore ``objects`` from it.
 
         ``keys`` loads only some sections (``keys=["model", "optimizer"]``), as
         :func:`ckptcore.load_state` does: the way to leave a saved part (the data position, the
-        optimizer) out on purpose.  Called without objects, it only returns the state.
+        optimizer) out on purpose.  ``like`` asks for this rank's blocks of sharded tensors (a
+        template of ``Shard`` leaves; see :func:`ckptcore.load_state`).  Called without objects,
+        it only returns the state.
 
         With ``step=None`` a newest checkpoint that is corrupt or incomplete is skipped with a
         :class:`CheckpointFallbackWarning` naming it; an explicit ``step`` never falls back.  A
         later ``save()`` of a skipped step's number replaces it (with a warning) if its data
         still fails to verify, so the resumed run can save where the corrupt checkpoint was
         (docs/RELIABILITY.md, "Restore and fallback").
+
+        With a group, every rank restores the same step: rank 0 lists the steps, every rank
+        reads its part of each candidate, and a step that fails on any rank is skipped by all.
         """
         if keys is not None:  # a usage error, not a step to fall back over
             wanted = [keys] if isinstance(keys, str) else list(keys)
@@ -503,10 +509,20 @@ class CheckpointManager:
             if unknown:
                 raise ValueError(f"unknown section(s) {unknown}; choose from {TrainingState.SECTIONS}")
             keys = wanted
+        group = self.group
+
+        def load(s: int) -> TrainingState:
+            return api.load_state(self.step_url(s), storage_options=self._options, keys=keys,
+                                  like=like, group=group)
+
         if step is not None:
-            return api.load_state(self.step_url(step), storage_options=self._options, keys=keys,
-                                  **objects)
-        steps = self.steps()
+            if group is None:  # streams: each tensor assigned once its own batch verified
+                return api.load_state(self.step_url(step), storage_options=self._options,
+                                      keys=keys, like=like, **objects)
+            state = load(step)
+            self._restore_into(state, objects)
+            return state
+        steps = self.steps() if group is None else _dist.decide(self.root, group, self.steps)
         if not steps:
             raise CheckpointNotFoundError(f"{self.root.url}: no committed checkpoints")
         last: Exception | None = None
@@ -514,9 +530,9 @@ class CheckpointManager:
         passed: set[int] = set()
         for s in reversed(steps):
             try:
-                state = api.load_state(self.step_url(s), storage_options=self._options, keys=keys)
-            except StorageError:
-                raise  # the store is out of reach: an older step would be no better, nor a fallback
+                state = load(s)
+            except (StorageError, GroupError):
+                raise  # the store or a peer is out of reach: an older step would be no better
             except Exception as e:  # noqa: BLE001 - any step that fails to decode or verify
                 warnings.warn(f"checkpoint step {s} ({self.step_url(s)}) does not verify: {e}; "
                               "falling back to an older one", CheckpointFallbackWarning, stacklevel=2)
@@ -527,13 +543,20 @@ class CheckpointManager:
                 if _is_damage(e):
                     damaged.add(s)
                 continue
-            api.restore_objects(state, objects)
+            self._restore_into(state, objects)
             # Only a run that did resume from an older step may later save over these.
             self._skipped = frozenset(damaged)
             self._fell_back = frozenset(passed)
             return state
         raise CorruptCheckpointError(f"{self.root.url}: none of the {len(steps)} checkpoints "
                                      f"verifies; the last error was: {last}") from last
+
+    def _restore_into(self, state: TrainingState, objects: dict) -> None:
+        """Assign a loaded state to the objects; with a group, every rank succeeds or raises."""
+        if self.group is None:
+            api.restore_objects(state, objects)
+        elif objects:
+            _dist.agree(self.root, self.group, lambda: api.restore_objects(state, objects))
 
     # -- preemption -----------------------------------------------------------------------------
     @property

@@ -148,12 +148,15 @@ def test_ranks_with_different_states_are_refused_naming_the_tensor(backend):
         ckptcore.load_state(url, storage_options=opts)
 
 
-def test_sharded_leaves_are_refused_clearly(tmp_path):
-    """(a single-process save writes them as format 3: tests/test_sharded_format.py)"""
+def test_a_group_save_of_an_incomplete_shard_is_refused(tmp_path):
+    """Without a group, a Shard is one process's own block (saved as it is: a partial
+    checkpoint); a whole group's save must cover every tensor (tests/test_dist_sharded.py)."""
     state = TrainingState(model={"w": ckptcore.Shard(np.zeros(2), (4,), (0,))})
-    with pytest.raises(TypeError, match="format version 3"):
+    with pytest.raises(ValueError, match="16 of its 32 bytes"):
         ckptcore.save_state(tmp_path / "ck", state, group=ckptcore.SingleProcessGroup())
-    assert not (tmp_path / "ck").exists()
+    with pytest.raises(ckptcore.CheckpointNotFoundError):
+        ckptcore.load_state(tmp_path / "ck")
+    ckptcore.save_state(tmp_path / "ck", state)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
