@@ -178,6 +178,10 @@ def _write_part(target: Store, rank: int, owner: list[int], arrays: Sequence[np.
     chunks = None
     if enc.chunks is not None:
         c = enc.chunks
+        # An empty block of a non-empty tensor (a rank that holds none of it, e.g. another
+        # rank's optimizer slot under ZeRO) adds nothing but a row: not written.
+        mine = [i for i in mine if owner[i] != _OWN or arrays[i].size
+                or not all(c.global_shapes[i])]
         chunks = _codec.Chunking([c.tensor[i] for i in mine], [c.global_shapes[i] for i in mine],
                                  [c.starts[i] for i in mine])
     shards, table = _io.write_payload(target, [arrays[i] for i in mine],

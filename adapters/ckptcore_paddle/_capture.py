@@ -37,6 +37,7 @@ tensors by their own name, ``optimizer/<param>/<slot>``, ``optimizer``, ``schedu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import sys
@@ -56,6 +57,7 @@ from ._optimizer import (attached_scheduler, capture_optimizer, capture_scaler, 
                          plan_scaler, plan_schedule)
 from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
+from ._sharding import shard_slots, unwrap_optimizer, whole_slots
 from ._tensors import assign, named_tensors, numpy_dtype, to_numpy, unwrap, values, views, writer
 
 log = logging.getLogger("ckptcore")
@@ -79,6 +81,8 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
     """
     layer, hapi_opt = unwrap(model)
     optimizer = hapi_opt if optimizer is None else optimizer
+    outer = optimizer
+    optimizer, sharding = unwrap_optimizer(optimizer)
     tensors, aliases = named_tensors(layer)
     runtime = {t.name: s for s, t in tensors.items()}
     state = TrainingState(framework="paddle", model=dict(zip(tensors, values(layer, list(tensors.values()), copy))),
@@ -89,6 +93,8 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
     sch = scheduler if scheduler is not None else (attached_scheduler(optimizer) if optimizer else None)
     if optimizer is not None:
         state.optimizer = capture_optimizer(optimizer, runtime, step=step, scheduler=sch, copy=copy)
+        if sharding is not None:  # this rank's slots, as the same tree on every rank
+            state.optimizer = shard_slots(state.optimizer, sharding, runtime, list(tensors))
         state.step = state.optimizer.step
     elif step is not None:
         state.step = int(step)
@@ -107,7 +113,7 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
         state.data = dict(cursor.state_dict())
     state.metadata = {"versions": {"paddle": paddle.__version__, "numpy": np.__version__},
                       "model_class": type(layer).__name__,
-                      "optimizer_class": None if optimizer is None else type(optimizer).__name__}
+                      "optimizer_class": None if outer is None else type(outer).__name__}
     state.extra = {"paddle": extra}
     return state
 
@@ -170,9 +176,16 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     layer, hapi_opt = unwrap(model)
     optimizer = hapi_opt if optimizer is None else optimizer
     state = convert_for(state, "paddle", {"model": model, "optimizer": optimizer, "scheduler": scheduler})
+    optimizer, sharding = unwrap_optimizer(optimizer)
     extra = (state.extra or {}).get("paddle") or {}
     plan = RestorePlan()
     tensors, aliases = named_tensors(layer)
+    if state.optimizer is not None and optimizer is not None:
+        # Whole slots only; under sharding, those of the parameters this rank owns now (the
+        # checkpoint holds every slot whole, whatever the sharding degree that saved it).
+        owned = None if sharding is None else {s for s, t in tensors.items()
+                                               if sharding.owner.get(t.name) == sharding.rank}
+        state = dataclasses.replace(state, optimizer=whole_slots(state.optimizer, owned))
     _plan_model(plan, state, extra, layer, tensors, aliases)
     _plan_grads(plan, state, extra, tensors)
     unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done

@@ -26,12 +26,18 @@ _EXTENDED = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 _PREFIX = "_layers."
 
 
+# Wrappers whose parameters are the plain layer's, replicated on every rank (``ShardingParallel``
+# is fleet's model wrapper under ZeRO stage 1: only the optimizer states are partitioned).
+_REPLICATING = ("DataParallel", "ShardingParallel")
+
+
 def unwrap(model: Any) -> tuple[Any, Any]:
-    """The plain layer inside a hapi ``Model`` and/or ``DataParallel``, and a hapi model's optimizer."""
+    """The plain layer inside a hapi ``Model`` and/or ``DataParallel`` (or fleet's
+    ``ShardingParallel``), and a hapi model's optimizer."""
     opt = None
     if type(model).__name__ == "Model" and hasattr(model, "network"):
         model, opt = model.network, getattr(model, "_optimizer", None)
-    while type(model).__name__ == "DataParallel" and hasattr(model, "_layers"):
+    while type(model).__name__ in _REPLICATING and hasattr(model, "_layers"):
         model = model._layers
     return model, opt
 
