@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._data import ResumableBatchSampler
     from ._loader import DataLoader
 
-__all__ = ["ADAPTER", "capture", "restore", "import_paddle_files", "export_paddle_files",
+__all__ = ["ADAPTER", "capture", "restore", "import_paddle_files", "import_paddle_dcp",
+           "export_paddle_files",
            "DataLoader", "ResumableBatchSampler", "Checkpoint", "process_group"]
 
 # Public classes, imported on first access (Checkpoint subclasses a Paddle class).
@@ -76,6 +77,14 @@ def import_paddle_files(pdparams: str | os.PathLike, pdopt: str | os.PathLike | 
     """Read ``paddle.save`` files without running code or importing Paddle (see ``_files.py``)."""
     from ._files import import_paddle_files as _import
     return _import(pdparams, pdopt)
+
+
+def import_paddle_dcp(path: str | os.PathLike, *, unique_id: int | None = None,
+                      model_key: str | None = None, optimizer_key: str | None = None) -> TrainingState:
+    """Read a ``paddle.distributed.save_state_dict`` folder without running code or importing
+    Paddle: every tensor assembled whole from the ranks' chunks (see ``_dcp.py``)."""
+    from ._dcp import import_paddle_dcp as _import
+    return _import(path, unique_id=unique_id, model_key=model_key, optimizer_key=optimizer_key)
 
 
 def export_paddle_files(state: TrainingState, prefix: str | os.PathLike, *,

@@ -57,7 +57,7 @@ from ._optimizer import (attached_scheduler, capture_optimizer, capture_scaler, 
                          plan_scaler, plan_schedule)
 from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
-from ._sharding import shard_slots, unwrap_optimizer, whole_slots
+from ._sharding import dist_block, dist_leaf, is_dist, shard_slots, unwrap_optimizer, whole_slots
 from ._tensors import assign, named_tensors, numpy_dtype, to_numpy, unwrap, values, views, writer
 
 log = logging.getLogger("ckptcore")
@@ -85,8 +85,11 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
     optimizer, sharding = unwrap_optimizer(optimizer)
     tensors, aliases = named_tensors(layer)
     runtime = {t.name: s for s, t in tensors.items()}
-    state = TrainingState(framework="paddle", model=dict(zip(tensors, values(layer, list(tensors.values()), copy))),
-                          params=describe_params(layer, tensors))
+    dist = {n for n, t in tensors.items() if is_dist(t)}  # shard_tensor: this rank's blocks
+    plain_names = [n for n in tensors if n not in dist]
+    arrays = dict(zip(plain_names, values(layer, [tensors[n] for n in plain_names], copy)))
+    model = {n: dist_leaf(tensors[n], n, copy) if n in dist else arrays[n] for n in tensors}
+    state = TrainingState(framework="paddle", model=model, params=describe_params(layer, tensors))
     extra: dict[str, Any] = {"param_names": {s: t.name for s, t in tensors.items()}}
     if aliases:
         extra["aliases"] = aliases
@@ -264,6 +267,13 @@ def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, layer: Any
             plan.missing(qualified("model", canonical))
             continue
         t, value, view = tensors[canonical], saved[src], view_of[canonical]
+        if is_dist(t):  # this rank's block of the saved tensor, into the local value
+            local = t._local_value()
+            block = dist_block(t, canonical, value)
+            plan.assign(qualified("model", canonical), block, shape=tuple(local.shape),
+                        dtype=numpy_dtype(local), put=functools.partial(assign, local, block))
+            used.add(src)
+            continue
         # A view carries the target's shape and dtype: no Paddle call per tensor to ask for them.
         shape, dtype = (t.shape, numpy_dtype(t)) if view is None else (view.shape, view.dtype)
         plan.assign(qualified("model", canonical), value, shape=shape, dtype=dtype, put=writer(t, view, value))

@@ -418,9 +418,32 @@ def _write(state: TrainingState, dst: str | os.PathLike, model: Any = None, opti
     return ", ".join(p for p in (params_path, opt_path) if p)
 
 
+def _is_dcp(path: str | os.PathLike) -> bool:
+    import re
+    try:
+        return any(re.fullmatch(r"\d{1,9}\.metadata", f) for f in os.listdir(os.fspath(path)))
+    except OSError:
+        return False
+
+
+def _read_dcp(src: str | os.PathLike, model: Any = None, optimizer: Any = None, *,
+              unique_id: Any = None, **options: Any) -> TrainingState:
+    """``ckpt import``: the folder of a ``paddle.distributed.save_state_dict`` checkpoint."""
+    if options:
+        raise TypeError(f"the paddle-dcp format takes no option {', '.join(sorted(options))} "
+                        "(it takes: unique_id)")
+    from ._dcp import import_paddle_dcp
+    return import_paddle_dcp(src, unique_id=None if unique_id is None else int(unique_id))
+
+
 FORMATS = (
     FileFormat(name="pdparams", framework="paddle",
                description="paddle.save files: a layer's .pdparams and its optimizer's .pdopt",
                detect=lambda p: os.fspath(p).endswith(".pdparams"), read=_read, write=_write,
                options={"pdopt": _PDOPT_HELP}),
+    FileFormat(name="paddle-dcp", framework="paddle",
+               description="a paddle.distributed.save_state_dict folder (<id>.metadata, "
+                           "<rank>_<id>.distcp), read only",
+               detect=_is_dcp, read=_read_dcp,
+               options={"unique_id": "which save of the folder to read (default: the newest)"}),
 )

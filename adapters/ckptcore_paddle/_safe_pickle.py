@@ -13,6 +13,13 @@ read it with the pure-Python unpickler restricted to what such files contain:
 * ``builtins.eval``, which static-mode saves use as ``eval("data", {"data": array})``: the stand-in
   never evaluates; it accepts only an identifier and returns that entry of the dict.
 
+``paddle.distributed.save_state_dict`` writes one more kind of file, its ``.metadata``: a pickled
+``Metadata`` dataclass holding ``LocalTensorMetadata`` and ``LocalTensorIndex`` dataclasses (the
+latter as dict keys).  :func:`load_dcp_metadata` admits exactly these three classes, from the
+modules Paddle has kept them in, each replaced by :class:`Record`, a plain record that takes only
+``NEWOBJ`` with no arguments and one ``BUILD`` of a dict of its class's own field names (never
+Paddle's class, which is not imported); the records are then turned into plain dicts.
+
 Every other global, persistent id, ``BUILD`` target, call or opcode that ``paddle.save`` never
 writes (``INST``/``OBJ``/``NEWOBJ``, sets, protocol-5 buffers) raises
 :class:`~ckptcore.errors.UnsafeCheckpointError` naming the file and what was asked for, before it
@@ -50,7 +57,49 @@ import numpy as np
 
 from ckptcore.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["load_paddle_pickle", "brief", "brief_error"]
+__all__ = ["load_paddle_pickle", "load_dcp_metadata", "Record", "brief", "brief_error"]
+
+# The dataclasses of a paddle.distributed.save_state_dict ``.metadata`` file and their fields
+# (Paddle 3.x: paddle/distributed/flex_checkpoint/dcp/metadata.py; 2.6-3.0: .../checkpoint/).
+_DCP_MODULES = ("paddle.distributed.flex_checkpoint.dcp.metadata",
+                "paddle.distributed.checkpoint.metadata")
+DCP_RECORDS = {
+    "Metadata": frozenset({"state_dict_metadata", "storage_metadata", "flat_mapping"}),
+    "LocalTensorMetadata": frozenset({"global_offset", "local_shape", "dtype", "global_shape",
+                                      "is_flattened", "flattened_range"}),
+    "LocalTensorIndex": frozenset({"tensor_key", "global_offset", "is_flattened",
+                                   "flattened_range", "replica_id", "local_shape"}),
+}
+
+
+class _RecordClass:
+    """What ``find_class`` returns for an admitted dataclass: only NEWOBJ may instantiate it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<record class {self.name}>"
+
+
+class Record:
+    """A plain stand-in for one of Paddle's metadata dataclasses: its class name and fields."""
+
+    __slots__ = ("kind", "fields", "_hash")
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.fields, self._hash = kind, None, None
+
+    def __hash__(self) -> int:  # (a LocalTensorIndex is a dict key, once built)
+        if self._hash is None:
+            self._hash = hash((self.kind, tuple(sorted((self.fields or {}).items()))))
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Record) and (self.kind, self.fields) == (other.kind, other.fields)
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({brief(self.fields)})"
 
 _NUMERIC_KINDS = "biufc"
 _SCALARS = (str, bytes, int, float, bool, type(None), np.generic)
@@ -145,7 +194,7 @@ def _invalid(code: int) -> Any:
 class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us check each opcode
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, file: BinaryIO, source: str, size: int):
+    def __init__(self, file: BinaryIO, source: str, size: int, *, records: bool = False):
         super().__init__(_BoundedReader(file, size), encoding="latin1")
         self.source, self.size = source, size
         # Every copy a legitimate file makes is of data the file holds once: protocol 2 stores an
@@ -167,6 +216,10 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ch
             ("builtins", "eval"): self._eval,
         }
         self.callables = {id(f) for f in self.globals.values()}
+        if records:
+            for module in _DCP_MODULES:
+                for name in DCP_RECORDS:
+                    self.globals[(module, name)] = _RecordClass(name)
 
     def _ndarray_class(self) -> type:
         """Stands in for ``numpy.ndarray``: only ``_reconstruct`` may use it; calling it is refused."""
@@ -274,9 +327,21 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ch
 
     dispatch[pickle.REDUCE[0]] = load_reduce
 
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not isinstance(cls, _RecordClass) or args != ():
+            raise self.refuse(f"the NEWOBJ opcode on {brief(cls)} (paddle.save never writes it)")
+        self.charge(256, f"a {cls.name} record")
+        self.append(Record(cls.name))
+
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+
     def _key(self, key: Any) -> Any:
         if type(key) in _KEY_SCALARS or isinstance(key, np.generic) or \
                 (type(key) is tuple and all(type(k) in _KEY_SCALARS for k in key)):
+            return key
+        if type(key) is Record and key.fields is not None:  # built from flat values: hashable
             return key
         raise self.refuse(f"a dict key of type {type(key).__name__} (keys are names, numbers or flat "
                           "tuples of them)")
@@ -321,7 +386,7 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ch
                      (pickle.APPENDS, load_appends), (pickle.STOP, load_stop)):
         dispatch[_op[0]] = _fn
     for _op, _what in ((pickle.INST, "the INST opcode"), (pickle.OBJ, "the OBJ opcode"),
-                       (pickle.NEWOBJ, "the NEWOBJ opcode"), (pickle.NEWOBJ_EX, "the NEWOBJ_EX opcode"),
+                       (pickle.NEWOBJ_EX, "the NEWOBJ_EX opcode"),
                        (pickle.EMPTY_SET, "a set"), (pickle.FROZENSET, "a frozenset"),
                        (pickle.ADDITEMS, "a set"), (pickle.BYTEARRAY8, "a protocol-5 bytearray"),
                        (pickle.NEXT_BUFFER, "a protocol-5 buffer"),
@@ -341,10 +406,26 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ch
             self._build_dtype(inst, state)
         elif type(inst) is np.ndarray:
             self._build_array(inst, state)
+        elif type(inst) is Record:
+            self._build_record(inst, state)
         else:
             raise self.refuse(f"setting the state of a {type(inst).__name__}")
 
     dispatch[pickle.BUILD[0]] = load_build
+
+    def _build_record(self, rec: Record, state: Any) -> None:
+        allowed = DCP_RECORDS[rec.kind]
+        if rec.fields is not None or type(state) is not dict or \
+                not all(type(k) is str and k in allowed for k in state):
+            raise self.refuse(f"the state {brief(state)} of a {rec.kind} record (it takes one dict "
+                              f"of the fields {sorted(allowed)})")
+        if rec.kind != "Metadata":  # its fields are keys' parts: flat numbers, strings, tuples
+            for k, v in state.items():
+                if not (type(v) in _KEY_SCALARS or (type(v) is tuple and
+                                                    all(type(x) in _KEY_SCALARS for x in v))):
+                    raise self.refuse(f"field {k!r} of a {rec.kind} record holding a "
+                                      f"{type(v).__name__}")
+        rec.fields = dict(state)
 
     def _build_dtype(self, d: np.dtype, state: Any) -> None:
         def is_int(x: Any, *allowed: int) -> bool:
@@ -380,13 +461,15 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ch
         arr.__setstate__((version, shape, dtype, bool(fortran), raw))
 
 
-def load_paddle_pickle(path: str | os.PathLike) -> Any:
-    """Unpickle a ``paddle.save`` file safely (see the module docstring); arrays come back as numpy."""
+def load_paddle_pickle(path: str | os.PathLike, *, records: bool = False) -> Any:
+    """Unpickle a ``paddle.save`` file safely (see the module docstring); arrays come back as numpy.
+    ``records``: admit the metadata dataclasses of a distributed checkpoint (see
+    :func:`load_dcp_metadata`, which is what callers use)."""
     source = os.fspath(path)
     try:
         with open(source, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            obj = _SafeUnpickler(f, source, size).load()
+            obj = _SafeUnpickler(f, source, size, records=records).load()
     except CheckpointError:
         raise
     except (pickle.UnpicklingError, EOFError, struct.error, ValueError, TypeError, LookupError,
@@ -394,11 +477,48 @@ def load_paddle_pickle(path: str | os.PathLike) -> Any:
         detail = brief_error(e) or ("the file ends before the pickle does" if isinstance(e, EOFError) else "")
         raise CorruptCheckpointError(f"{source}: not a readable paddle.save file ({type(e).__name__}"
                                      f"{': ' + detail if detail else ''})", file=source) from e
+    if records:
+        obj = _plain_records(obj, source, 0)
     # A tree-shaped pickle spends at least one byte per node (an array or a memo reference is one
     # node, and costs more); only containers referenced more than once, which paddle.save does not
     # write, make the tree larger than the file.  The slack admits a few small ones.
     _check_plain(obj, source, size + (1 << 16))
     return obj
+
+
+def load_dcp_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``.metadata`` file of a ``paddle.distributed.save_state_dict`` checkpoint, read without
+    running code or importing Paddle, as plain values: ``{"state_dict_metadata": {key: [chunk
+    dict, ...]}, "storage_metadata": [[index dict, file name], ...], "flat_mapping": {key:
+    path tuple}}`` (each record a dict of its fields; see the module docstring)."""
+    source = os.fspath(path)
+    obj = load_paddle_pickle(source, records=True)
+    if not isinstance(obj, dict) or obj.get("__record__") != "Metadata":
+        raise CorruptCheckpointError(f"{source}: holds a {type(obj).__name__}, not the Metadata "
+                                     "of a paddle.distributed checkpoint", file=source)
+    return obj
+
+
+def _plain_records(x: Any, source: str, depth: int) -> Any:
+    """Records as dicts (with their class under ``"__record__"``); dicts keyed by records as lists
+    of ``[key, value]`` pairs.  Containers are rebuilt: the walk's depth is bounded."""
+    if depth > _MAX_DEPTH:
+        raise CorruptCheckpointError(f"{source}: nested more than {_MAX_DEPTH} levels deep", file=source)
+    if type(x) is Record:
+        if x.fields is None:
+            raise UnsafeCheckpointError(f"{source}: refused a {x.kind} record that was never filled")
+        return {"__record__": x.kind, **{k: _plain_records(v, source, depth + 1)
+                                         for k, v in x.fields.items()}}
+    if isinstance(x, dict):
+        if any(type(k) is Record for k in x):
+            return [[_plain_records(k, source, depth + 1), _plain_records(v, source, depth + 1)]
+                    for k, v in x.items()]
+        return {k: _plain_records(v, source, depth + 1) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_plain_records(v, source, depth + 1) for v in x]
+    if type(x) is tuple:
+        return tuple(_plain_records(v, source, depth + 1) for v in x)
+    return x
 
 
 def _check_plain(obj: Any, source: str, max_nodes: int) -> None:

@@ -12,6 +12,14 @@ ranks: each rank holds the AdamW states of its own parameters) with a Checkpoint
 resuming from its newest step; ARG ``steps[:kill]``: train to ``steps``, and the last rank
 SIGKILLs itself right after finishing step ``kill``.  At the end each rank dumps its weights and
 its own optimizer slots, by structured name, to OUT/final<rank>.npz.
+MODE ``dist``: a model whose first layer is cut among the ranks with ``shard_tensor``
+(weight by columns, bias by rows) and whose second is replicated: without a checkpoint at URL,
+rank 0 dumps the dense values to OUT/global.npz and every rank saves its blocks with the group;
+with one, the ranks build the model with other values, restore it with ``load_state(...,
+model=, group=)`` and compare their local blocks with the dense values, bit for bit.
+MODE ``pdcp``: the same model, one AdamW step, saved with Paddle's own
+``paddle.distributed.save_state_dict({"model": ..., "opt": ...}, URL)``; rank 0 dumps the dense
+values after the step to OUT/global.npz.
 MODE ``plain``: a single process (no fleet, plain AdamW) restores URL's newest step and dumps
 every slot to OUT/final0.npz: a checkpoint of a sharded optimizer restored unsharded.
 Each rank writes what it saw to OUT/rank<r>.json.
@@ -57,6 +65,8 @@ def main() -> None:
         _zero(rank, len(ports), url, out, arg, report)
     elif mode == "plain":
         _plain(url, out, report)
+    elif mode in ("dist", "pdcp"):
+        _dist_tensors(rank, url, out, mode, opts, report)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     sys.exit(0)
@@ -209,6 +219,90 @@ def _plain(url: str, out: str, report: dict) -> None:
     report["start"] = state.step
     report["lr"] = float(opt.get_lr())
     _dump(net, opt, os.path.join(out, "final0.npz"))
+
+
+def _dist_net(world: int, dense: bool = False):
+    import paddle
+    import paddle.distributed as dist
+
+    net = _net()
+    if dense:
+        return net, None
+    mesh = dist.ProcessMesh(list(range(world)), dim_names=["x"])
+
+    def shard_fn(name, layer, pm):
+        if name == "0":
+            layer.weight = dist.shard_tensor(layer.weight, pm, [dist.Shard(1)])
+            layer.bias = dist.shard_tensor(layer.bias, pm, [dist.Shard(0)])
+        elif name == "2":
+            layer.weight = dist.shard_tensor(layer.weight, pm, [dist.Replicate()])
+
+    return dist.shard_layer(net, mesh, shard_fn), mesh
+
+
+def _dist_tensors(rank: int, url: str, out: str, mode: str, opts: dict, report: dict) -> None:
+    import numpy as np
+    import paddle
+    import paddle.distributed as dist
+
+    import ckptcore
+    import ckptcore_paddle
+
+    paddle.set_device("cpu")
+    dist.init_parallel_env()
+    world = dist.get_world_size()
+    group = ckptcore_paddle.process_group()
+    net, _ = _dist_net(world)
+
+    def dense(t):
+        return dist.reshard(t, t.process_mesh, [dist.Replicate()] * len(t.placements))._local_value() \
+            if t.is_dist() else t
+
+    if mode == "pdcp":
+        opt = paddle.optimizer.AdamW(0.01, parameters=net.parameters())
+        net(_batch(1, 0, 1)).square().mean().backward()
+        opt.step()
+        dist.save_state_dict({"model": net.state_dict(), "opt": opt.state_dict()}, url)
+        values = {k: dense(v).numpy() for k, v in net.state_dict().items()}  # (collective)
+        if rank == 0:
+            np.savez(os.path.join(out, "global.npz"), **values)
+        return
+    exists = ckptcore.inspect(url, storage_options=opts) if _exists(url, opts) else None
+    if exists is None:
+        values = {k: dense(v).numpy() for k, v in net.state_dict().items()}
+        if rank == 0:
+            np.savez(os.path.join(out, "global.npz"), **values)
+        state = ckptcore_paddle.capture(net, rng=False)
+        report["leaves"] = {k: type(v).__name__ for k, v in state.model.items()}
+        ckptcore.save_state(url, state, group=group, storage_options=opts)
+        return
+    for p in net.parameters():  # other values, so that the restore has to change them
+        local = p._local_value() if p.is_dist() else p
+        local.set_value(np.full(local.shape, 7.0, "float32"))
+    ckptcore.load_state(url, model=net, group=group, storage_options=opts)
+    with np.load(os.path.join(out, "global.npz")) as g:
+        want = {k: g[k] for k in g.files}
+    same = {}
+    for k, t in net.state_dict().items():
+        local = (t._local_value() if t.is_dist() else t).numpy()
+        if t.is_dist() and not all(p.is_replicated() for p in t.placements):
+            from ckptcore_paddle._sharding import _local_box
+            shape, offset, _ = _local_box(t, k)
+            block = want[k][tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        else:
+            block = want[k]
+        same[k] = block.tobytes() == local.tobytes()
+    report["same"] = same
+
+
+def _exists(url: str, opts: dict) -> bool:
+    import ckptcore
+
+    try:
+        ckptcore.inspect(url, storage_options=opts)
+        return True
+    except ckptcore.CheckpointNotFoundError:
+        return False
 
 
 if __name__ == "__main__":
