@@ -85,7 +85,7 @@ def merge(enc, arrays, digest, packed: list[bytes]):
     from ckptcore._manifest import Manifest
 
     replies = [msgpack.unpackb(b, raw=False) for b in packed]
-    part = _Part.from_reply(replies[0], 0)
+    part = _Part.from_reply(replies[0], 0, "sim://")
 
     def make(shards, table):
         return Manifest(created=0.0, writer={"id": "sim", "host": "sim", "pid": 0},
@@ -97,6 +97,64 @@ def merge(enc, arrays, digest, packed: list[bytes]):
         url = "sim://"
 
     return _merge(_S(), enc, arrays, digest, part, replies[1:], make)
+
+
+def build_sharded(ranks: int, tensors: int):
+    """A sharded state: every rank holds one block (rows ``8r..8r+7``) of each of ``tensors``
+    tensors of shape ``(8 * ranks,)``; each rank's reply as ``_dist`` packs it (its version-3
+    chunk table, ``TensorTable.to_v3()``)."""
+    import msgpack
+    import numpy as np
+
+    from ckptcore import _codec
+    from ckptcore._manifest import CRC_BLOCK, TensorTable
+
+    names = [f"block{k // 64}/layer{k % 64}/w{k}" for k in range(tensors)]
+    gshape = (8 * ranks,)
+    digest = hashlib.blake2b(b"sharded", digest_size=16).digest()
+    replies = []
+    for r in range(ranks):
+        table = TensorTable.from_columns(
+            names, ["float32"] * tensors, [(8,)] * tensors, [0] * tensors,
+            [64 * k for k in range(tensors)], [32] * tensors,
+            [(k * 2654435761 + r) & 0xFFFFFFFF for k in range(tensors)], tensor=range(tensors),
+            global_shapes=[gshape] * tensors, starts=[(8 * r,)] * tensors, block_crc=[],
+            crc_block=CRC_BLOCK)
+        replies.append(msgpack.packb({"digest": digest, "shards": [
+            [f"shard-00000-r{r:05d}-0123456789abcdef.bin", 64 * (tensors - 1) + 32, r]],
+            "table": table.to_v3()}, use_bin_type=True))
+    block = np.zeros(8, np.float32)
+    enc = _codec.Encoded(tree={"model": {}}, arrays=[block] * tensors, names=names,
+                         dtypes=["float32"] * tensors,
+                         chunks=_codec.Chunking(list(range(tensors)), [gshape] * tensors,
+                                                [(0,)] * tensors),
+                         leaves={n: None for n in names})
+    return enc, replies
+
+
+def _sharded_shards(packed: list[bytes]):
+    import msgpack
+
+    from ckptcore._manifest import ShardEntry
+
+    for b in packed:
+        for path, size, crc in msgpack.unpackb(b, raw=False)["shards"]:
+            yield ShardEntry(path=path, size=size, checksum=crc)
+
+
+def merge_sharded(enc, packed: list[bytes]):
+    """Rank 0's work for a sharded save: decode every reply, validate each rank's chunk table,
+    concatenate them (overlaps refused), check every tensor is covered whole."""
+    import msgpack
+
+    from ckptcore._dist import _merge_chunks, _Part
+
+    class _S:
+        url = "sim://"
+
+    parts = [_Part.from_reply(msgpack.unpackb(b, raw=False), r, "sim://")
+             for r, b in enumerate(packed)]
+    return _merge_chunks(_S(), enc, enc.arrays, parts)
 
 
 def s3_latencies(rounds: int) -> dict[str, float]:
@@ -140,6 +198,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.ranks, args.tensors, args.rounds, args.no_record = 100, 200, 1, True
+    from ckptcore import _codec
     from ckptcore._manifest import Manifest
 
     t = time.perf_counter()
@@ -165,7 +224,7 @@ def main(argv=None) -> int:
     def leader(group: list[bytes]) -> bytes:
         shards, cols = [], {k: [] for k in ("index", "shard", "offset", "crc")}
         for b in group:
-            p = _Part.from_reply(msgpack.unpackb(b, raw=False), 0)
+            p = _Part.from_reply(msgpack.unpackb(b, raw=False), 0, "sim://")
             for k in cols:
                 cols[k].append(p.rows[k] + (len(shards) if k == "shard" else 0))
             shards.extend([s.path, s.size, s.checksum] for s in p.shards)
@@ -177,6 +236,20 @@ def main(argv=None) -> int:
     level1 = (time.perf_counter() - t) / len(groups)  # one leader's work (leaders run in parallel)
     _, l2_med, _, _ = _timed(lambda: merge(enc, arrays, digest, leaders), args.rounds)
     per_leader_in = statistics.median([sum(map(len, g)) for g in groups])
+
+    t = time.perf_counter()
+    s_enc, s_replies = build_sharded(args.ranks, args.tensors)
+    s_built = time.perf_counter() - t
+    (_, s_table), s_med, s_min, s_max = _timed(lambda: merge_sharded(s_enc, s_replies), args.rounds)
+    s_gathered = sum(map(len, s_replies))
+    s_manifest = Manifest(created=0.0, writer={"id": "sim", "host": "sim", "pid": 0},
+                          library={"ckptcore": "sim"}, framework={"name": None, "versions": {}},
+                          alignment=64, shards=tuple(p for p in _sharded_shards(s_replies)),
+                          tensors=s_table, tree={"model": {f"w{k}": _codec._ext(_codec.EXT_TENSOR, k)
+                                                           for k in range(args.tensors)}},
+                          version=3, referenced=tuple(range(args.tensors)))
+    s_data = s_manifest.to_bytes()
+    _, sp_med, sp_min, sp_max = _timed(lambda: Manifest.from_bytes(s_data), args.rounds)
 
     lat = {} if args.no_s3 else s3_latencies(max(5, args.rounds * 3))
     # Shard keys: "<checkpoint>/shard-<n>-r<rank>-<token>.bin" all share the checkpoint's prefix;
@@ -196,6 +269,12 @@ def main(argv=None) -> int:
         f"| tree gather, fan {fan}: bytes into one leader | {per_leader_in / 2**20:.2f} MiB |",
         f"| tree gather: one leader's merge ({fan} replies) | {level1 * 1000:.0f} ms |",
         f"| tree gather: rank 0 merges {len(groups)} leaders' replies | {l2_med:.2f} s |",
+        f"| sharded: {args.tensors} tensors cut in {args.ranks} blocks ({len(s_table):,} chunk rows); "
+        f"bytes gathered | {s_gathered / 2**20:.1f} MiB ({s_gathered / args.ranks / 1024:.1f} KiB per rank) |",
+        f"| sharded: rank 0 decodes, validates each rank's table, merges, checks coverage | "
+        f"{s_med:.2f} s [{s_min:.2f}-{s_max:.2f}] (building the tables took {s_built:.1f} s) |",
+        f"| sharded: manifest size; parse + validate (chunk rules, overlaps) | "
+        f"{len(s_data) / 2**20:.1f} MiB; {sp_med:.2f} s [{sp_min:.2f}-{sp_max:.2f}] |",
     ]
     if lat:
         put, create, head = lat["PUT 1 KiB"], lat["create-only PUT 1 KiB"], lat["HEAD"]

@@ -92,13 +92,16 @@ class _Part:
     rows: dict[str, np.ndarray]
     table: TensorTable | None = None  # a chunked save: the rank's own version-3 table
 
+    def packed_rows(self) -> dict[str, bytes]:
+        return {k: np.ascontiguousarray(self.rows[k], _ROW_DTYPES[k]).tobytes()
+                for k in _ROW_DTYPES}
+
     def to_reply(self) -> dict[str, Any]:
         reply: dict[str, Any] = {"shards": [[s.path, s.size, s.checksum] for s in self.shards]}
         if self.table is not None:
             reply["table"] = self.table.to_v3()
         else:
-            reply["rows"] = {k: np.ascontiguousarray(self.rows[k], _ROW_DTYPES[k]).tobytes()
-                             for k in _ROW_DTYPES}
+            reply["rows"] = self.packed_rows()
         return reply
 
     @classmethod
@@ -375,6 +378,9 @@ def _merge_chunks(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray
     itemsize = {enc.chunks.tensor[i]: a.dtype.itemsize for i, a in enumerate(arrays)}  # type: ignore[union-attr]
     have = np.bincount(table.tensor.astype(np.int64), weights=table.length.astype(np.float64),
                        minlength=len(names))
+    if len(have) != len(names):
+        raise GroupError(f"{store.url}: a rank reports chunks of tensor {len(names)} or later, "
+                         f"but the state has {len(names)} tensors; nothing committed")
     for k, (name, shape) in enumerate(zip(names, shapes)):
         want = int(np.prod(shape, dtype=np.int64)) * itemsize.get(k, 0)
         if int(have[k]) != want:

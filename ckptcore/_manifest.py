@@ -490,7 +490,8 @@ def _table_v2(t: dict, shards: list[ShardEntry], source: str, *, chunked: bool =
             raise SchemaError(f"{where}: column {key!r} holds {len(raw)} bytes, not a whole "
                               f"number of {width}-byte values")
         cols[key] = np.frombuffer(raw, code)
-    bad = [i for i, x in enumerate(names) if type(x) is not str]
+    bad = [] if all(map(str.__instancecheck__, names)) else \
+        [i for i, x in enumerate(names) if type(x) is not str]
     if bad:
         raise SchemaError(f"{source}: tensor {bad[0]}: field 'name' has the wrong type "
                           f"({type(names[bad[0]]).__name__})")
@@ -572,7 +573,8 @@ def _chunk_columns(t: dict, table: TensorTable, starts: np.ndarray, itemsize: np
         raise SchemaError(f"{where}: column 'block_crc' holds {len(cols['block_crc'])} "
                           f"checksums; the chunks' lengths need {need}")
     table.block_crc = cols["block_crc"]
-    check_chunks(table, source, starts=starts, itemsize=itemsize, parsed=parsed, partial=partial)
+    if not partial:  # one rank's rows: merge_tables checks the rules on the merged table once
+        check_chunks(table, source, starts=starts, itemsize=itemsize, parsed=parsed)
 
 
 def read_table(columns: Any, shards: Sequence[ShardEntry], *, source: str,
@@ -580,8 +582,9 @@ def read_table(columns: Any, shards: Sequence[ShardEntry], *, source: str,
     """A chunked table from its version-3 columns (``TensorTable.to_v3()``, e.g. as a rank sent
     it through the group, msgpack-packed), validated as strictly as a manifest's against
     ``shards`` (that rank's shard entries); ``SchemaError`` naming ``source`` otherwise.
-    ``partial``: one rank's rows of a group save, chunks of only some of the logical tensors
-    (``check_chunks(partial=True)``); the merged table is checked whole."""
+    ``partial``: one rank's rows of a group save, chunks of only some of the logical tensors:
+    its columns and byte ranges are checked here, the chunk rules (names, global shapes,
+    overlaps) once on the merged table by :func:`merge_tables`."""
     if not isinstance(columns, dict):
         raise SchemaError(f"{source}: a tensor table is a map, not a {type(columns).__name__}")
     try:

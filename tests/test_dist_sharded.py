@@ -225,3 +225,53 @@ def test_chunks_leaves_several_blocks_per_rank(tmp_path):
     out = run_ranks(ThreadGroup.create(2), save)
     assert all(isinstance(v, ckptcore.CheckpointInfo) for v in out.values()), out
     _whole(ckptcore.load_state(url))
+
+
+class _Tampering:
+    """Rank 1 of a ThreadGroup whose save reply is rewritten by ``change`` on its way to rank 0
+    (a buggy or hostile peer): rank 0 must refuse it and commit nothing."""
+
+    def __init__(self, inner, change) -> None:
+        self._inner, self._change = inner, change
+        self.rank, self.size = inner.rank, inner.size
+
+    def gather(self, data, *, timeout):
+        import msgpack
+
+        reply = msgpack.unpackb(data, raw=False)
+        if "table" in reply:
+            self._change(reply)
+            data = msgpack.packb(reply, use_bin_type=True)
+        return self._inner.gather(data, timeout=timeout)
+
+    def broadcast(self, data, *, timeout):
+        return self._inner.broadcast(data, timeout=timeout)
+
+    def barrier(self, *, timeout):
+        return self._inner.barrier(timeout=timeout)
+
+
+def _tensor_column(value: int):
+    def change(reply):
+        col = np.frombuffer(reply["table"]["tensor"], np.uint32).copy()
+        col[0] = value
+        reply["table"]["tensor"] = col.tobytes()
+    return change
+
+
+@pytest.mark.parametrize("change", [
+    _tensor_column(40),  # a tensor the state does not have
+    lambda r: r["table"].update(names=["model/other"]),  # a chunk of w named otherwise
+    lambda r: r["table"].update(offset=b"\xff" * len(r["table"]["offset"])),  # beyond its shard
+    lambda r: r["table"].update(names=[7] * len(r["table"]["names"])),
+    lambda r: r.update(shards=[]),
+], ids=["unknown-tensor", "renamed", "offsets", "names", "no-shards"])
+def test_a_rank_reply_that_does_not_fit_is_refused(tmp_path, change):
+    url = str(tmp_path / "ck")
+    groups = ThreadGroup.create(2)
+    groups[1] = _Tampering(groups[1], change)
+    out = run_ranks(groups, lambda g: ckptcore.save_state(url, _only_w(2, g.rank), group=g))
+    assert all(isinstance(v, (ckptcore.CheckpointError, ValueError)) for v in out.values()), out
+    assert "rank 1" in str(out[0]) or "blocks" in str(out[0]), out[0]
+    with pytest.raises(ckptcore.CheckpointNotFoundError):
+        ckptcore.load_state(url)

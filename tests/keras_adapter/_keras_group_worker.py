@@ -3,7 +3,9 @@ ckptcore_keras.process_group(): ``python _keras_group_worker.py RANK PORTS OUT M
 
 MODE ``protocol``: rounds of gather/broadcast/barrier with payloads of every kind; rank 0 writes
 what it saw to OUT/rank0.json.  MODE ``kill``: after one good round, rank 1 SIGKILLs itself while
-rank 0 waits in a gather (timeout 5 s); rank 0 writes the error it got and how long it took.
+rank 0 waits in a gather (timeout 5 s); rank 0 writes the error it got and how long it took.  MODE ``sharded``: each worker saves its
+blocks of the sharded state of tests/_sharded_globals.py to the URL in ``CKPT_TEST_URL`` (S3
+options in ``CKPT_TEST_S3_OPTIONS``) through the group.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ def main() -> None:
             tf.distribute.get_strategy())).__name__  # the default strategy: one process
     elif mode in ("save", "savekill"):
         _save(group, out, rank, mode, report)
+    elif mode == "sharded":
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from _sharded_globals import rank_state
+
+        info = ckptcore.save_state(
+            os.environ["CKPT_TEST_URL"], rank_state(group.rank, group.size, template=False),
+            group=group, storage_options=json.loads(os.environ.get("CKPT_TEST_S3_OPTIONS") or "{}"))
+        report["writer"] = info.writer["id"]
     else:
         group.gather(b"ok", timeout=30)
         if rank == 1:

@@ -32,7 +32,8 @@ import os
 import signal
 import sys
 
-from _sharded_globals import WORLD_RNG, global_arrays, split
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from _sharded_globals import check_rank_state, load_template, rank_state as _state  # noqa: E402,I001
 
 
 def _env(rank: int, ports: list[str]) -> None:
@@ -72,27 +73,6 @@ def main() -> None:
     sys.exit(0)
 
 
-def _state(rank: int, world: int, *, template: bool):
-    import numpy as np
-
-    import ckptcore
-
-    def block(name, g):
-        a, b = split(g.shape[0], world)[rank:rank + 2]
-        data = np.zeros_like(g[a:b]) if template else np.ascontiguousarray(g[a:b])
-        return ckptcore.Shard(data, g.shape, (a,) + (0,) * (g.ndim - 1))
-
-    g = global_arrays()
-    rng = np.random.default_rng(WORLD_RNG + rank).integers(0, 2**32, (1, 4), dtype=np.uint32)
-    return ckptcore.TrainingState(
-        model={"emb": block("emb", g["emb"]), "head": g["head"]},  # head: replicated
-        optimizer=ckptcore.OptimizerState("adamw", step=9, slots={
-            "emb": {"moment1": block("m1", g["m1"]), "moment2": block("m2", g["m2"])}}),
-        rng={"numpy_rank": ckptcore.Shard(np.zeros_like(rng) if template else rng,
-                                          (world, 4), (rank, 0))},
-        data={"epoch": 1, "position": 40}, step=9)
-
-
 def _save(group, url: str, opts: dict, report: dict) -> None:
     import ckptcore
 
@@ -102,29 +82,11 @@ def _save(group, url: str, opts: dict, report: dict) -> None:
 
 
 def _load(group, url: str, opts: dict, saved_world: int, report: dict) -> None:
-    import numpy as np
-
     import ckptcore
 
-    like = _state(group.rank, group.size, template=True)
-    # the RNG rows were saved per rank of the saving job: ask for this rank's row if it had one
-    like.rng = {"numpy_rank": ckptcore.Shard(np.zeros((1, 4), np.uint32), (saved_world, 4),
-                                             (min(group.rank, saved_world - 1), 0))}
+    like = load_template(group.rank, group.size, saved_world)
     got = ckptcore.load_state(url, like=like, group=group, storage_options=opts)
-    want = _state(group.rank, group.size, template=False)
-    report["same"] = {
-        "emb": got.model["emb"].data.tobytes() == want.model["emb"].data.tobytes(),
-        "emb_offsets": got.model["emb"].offsets == want.model["emb"].offsets,
-        "head": got.model["head"].tobytes() == want.model["head"].tobytes(),
-        "m1": got.optimizer.slots["emb"]["moment1"].data.tobytes()
-        == want.optimizer.slots["emb"]["moment1"].data.tobytes(),
-        "m2": got.optimizer.slots["emb"]["moment2"].data.tobytes()
-        == want.optimizer.slots["emb"]["moment2"].data.tobytes(),
-        "rest": (got.step, got.data) == (9, {"epoch": 1, "position": 40}),
-        "rng": got.rng["numpy_rank"].data.tobytes() == np.random.default_rng(
-            WORLD_RNG + min(group.rank, saved_world - 1)).integers(
-                0, 2**32, (1, 4), dtype=np.uint32).tobytes(),
-    }
+    report["same"] = check_rank_state(got, group.rank, group.size, saved_world)
 
 
 def _net():
