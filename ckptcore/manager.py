@@ -425,14 +425,29 @@ class CheckpointManager:
         self._entries.pop(step, None)
         self._saved.discard(step)
 
+    def _on_coordinator(self, work: Any) -> Any:
+        """``work()`` here, or with a group on rank 0 only (it holds the writer lock), every rank
+        returning its result or raising its error: a deletion is one act of the job, not one
+        per rank racing the others."""
+        if self.group is None:
+            return work()
+        return _dist.decide(self.root, self.group, work)
+
     def delete(self, step: int) -> None:
-        """Remove checkpoint ``step`` (manifest first, then its data)."""
+        """Remove checkpoint ``step`` (manifest first, then its data).  With a group, every rank
+        calls it; rank 0 deletes."""
         self._check_open()
         self._wait_inflight()
-        self._acquire()
-        log.info("delete: deleting checkpoint step %d (%s)", step, self.step_url(step))
+
+        def work() -> None:
+            self._acquire()
+            log.info("delete: deleting checkpoint step %d (%s)", step, self.step_url(step))
+            self._delete(step)
+
+        self._on_coordinator(work)
         self._listed = None
-        self._delete(step)
+        self._entries.pop(step, None)
+        self._saved.discard(step)
 
     def rewind(self, step: int) -> list[int]:
         """Go back to before ``step``: delete every committed checkpoint at ``step`` or after.
@@ -449,22 +464,30 @@ class CheckpointManager:
         self._name(step)  # a non-negative int
         self._check_open()
         self._wait_inflight()
-        self._acquire()
-        gone = [s for s in reversed(self.steps()) if s >= step]
+
+        def work() -> list[int]:
+            self._acquire()
+            gone = [s for s in reversed(self.steps()) if s >= step]
+            for s in gone:
+                log.info("rewind(%d): deleting checkpoint step %d (%s)", step, s, self.step_url(s))
+                self._delete(s)
+            # Manifest-less step folders from there on (an interrupted deletion) would block
+            # saving their steps again: they are leftovers, and the run is going back over them.
+            self.root.fs.invalidate_cache()
+            for e in self.root.listdir():
+                m = layout.STEP.fullmatch(e.name)
+                if m and not e.is_link and int(m.group(1)) >= step:
+                    log.info("rewind(%d): removing leftover %s", step, self.root.child(e.name).url)
+                    try:
+                        self.root.child(e.name).delete_tree()
+                    except FileNotFoundError:
+                        pass  # an object store's folder vanishes with its last object
+            return gone
+
+        gone = [int(s) for s in self._on_coordinator(work)]
         for s in gone:
-            log.info("rewind(%d): deleting checkpoint step %d (%s)", step, s, self.step_url(s))
-            self._delete(s)
-        # Manifest-less step folders from there on (an interrupted deletion) would block saving
-        # their steps again: they are leftovers, and the run is going back over them now.
-        self.root.fs.invalidate_cache()
-        for e in self.root.listdir():
-            m = layout.STEP.fullmatch(e.name)
-            if m and not e.is_link and int(m.group(1)) >= step:
-                log.info("rewind(%d): removing leftover %s", step, self.root.child(e.name).url)
-                try:
-                    self.root.child(e.name).delete_tree()
-                except FileNotFoundError:
-                    pass  # an object store's folder vanishes with its last object
+            self._entries.pop(s, None)
+            self._saved.discard(s)
         self._listed = None
         self._fell_back = self._fell_back - set(gone)
         self._skipped = self._skipped - set(gone)
@@ -475,13 +498,18 @@ class CheckpointManager:
 
         Leftovers are temporary directories, step folders without a manifest, and shard files a
         committed manifest does not name.  Committed checkpoints are never touched.  The same as
-        :func:`ckptcore.gc`, under this manager's writer lock.
+        :func:`ckptcore.gc`, under this manager's writer lock.  With a group, every rank calls
+        it; rank 0 removes.
         """
         grace = layout.check_grace(grace)
         self._check_open()
         self._wait_inflight()
-        self._acquire()
-        return layout.remove_leftovers(self.root, grace)
+
+        def work() -> list[str]:
+            self._acquire()
+            return layout.remove_leftovers(self.root, grace)
+
+        return list(self._on_coordinator(work))
 
     # -- restoring ------------------------------------------------------------------------------
     def restore(self, step: int | None = None, *, keys: Any = None,

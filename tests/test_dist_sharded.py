@@ -275,3 +275,30 @@ def test_a_rank_reply_that_does_not_fit_is_refused(tmp_path, change):
     assert "rank 1" in str(out[0]) or "blocks" in str(out[0]), out[0]
     with pytest.raises(ckptcore.CheckpointNotFoundError):
         ckptcore.load_state(url)
+
+
+def test_delete_rewind_and_gc_with_a_group_are_done_once_by_rank_0(tmp_path, caplog):
+    root = str(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "step-000000000099.tmp-deadbeef").mkdir()  # a leftover for gc
+
+    def run(g):
+        with ckptcore.CheckpointManager(root, keep=10, group=g) as mgr:
+            for step in (1, 2, 3, 4):
+                mgr.save(step, _only_w(3, g.rank, step=step))
+            gone = mgr.rewind(3)
+            mgr.delete(1)
+            removed = mgr.gc(grace=0)
+            return gone, removed, mgr.steps(), mgr.latest_step()
+
+    with caplog.at_level("INFO", logger="ckptcore"):
+        out = run_ranks(ThreadGroup.create(3), run)
+    assert all(not isinstance(v, BaseException) for v in out.values()), out
+    assert len({repr(v) for v in out.values()}) == 1, out  # every rank saw the same
+    gone, removed, steps, latest = out[0]
+    assert gone == [4, 3] and steps == [2] and latest == 2
+    assert any("step-000000000099" in r for r in removed)
+    deletions = [r.getMessage() for r in caplog.records if "deleting checkpoint" in r.getMessage()]
+    assert len(deletions) == 3, deletions  # 4, 3 and 1, each deleted once (by rank 0)
+    with ckptcore.CheckpointManager(root) as mgr:
+        assert mgr.steps() == [2]
