@@ -36,7 +36,7 @@ import os
 from typing import Callable
 
 from ._manifest import MANIFEST_NAME, Manifest
-from ._storage import Store, _tick, fsync_dir
+from ._storage import CAS_PREFIX, Store, _tick, fsync_dir
 from .errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 
 TMP_MARK = ".tmp-"
@@ -187,7 +187,9 @@ def _remove_shards(store: Store, manifest: Manifest | None, token: str | None = 
     """Best-effort removal of this attempt's shards; ``gc()`` catches what this misses."""
     try:
         if manifest is not None:
-            names = [s.path for s in manifest.shards]
+            # (a deduplicated replica's chunks are shared with other steps: never removed here;
+            # unreferenced ones are swept under the root's lock, _backup.sweep)
+            names = [s.path for s in manifest.shards if not s.path.startswith(CAS_PREFIX)]
         else:
             names = [e.name for e in store.listdir() if token and token in e.name]
         for name in names:

