@@ -56,8 +56,8 @@ def sweep(root: Store, grace: float) -> list[str]:
     cutoff = time.time() - grace
     removed = []
     for name, (_, mtime) in sorted(chunks.items()):
-        if name in referenced or (mtime is not None and mtime > cutoff):
-            continue
+        if name in referenced or mtime is None or mtime > cutoff:
+            continue  # (a store that gives no time: its age is unknown, so it is kept)
         url = root.join(chunk_rel(name))
         log.info("backup: removing chunk %s, which no committed replica refers to", url)
         root.delete(chunk_rel(name))
@@ -119,6 +119,9 @@ class BackupTier:
         self._closed = False
         self._known: dict[str, Any] | None = None
         self._committed: set[int] | None = None  # replicas committed, as this tier knows them
+        # Steps whose replica this tier saw committed, including those its retention removed
+        # since: the local tier need not keep them for the backup's sake.
+        self._done: set[int] = set()
         self.last: CopyStats | None = None  # what the last replication moved
         self._thread: threading.Thread | None = None
 
@@ -128,13 +131,16 @@ class BackupTier:
         steps = [s for s, _ in layout.committed_steps(self.root)] if self.root.exists() else []
         with self._cond:
             self._committed = set(steps)
+            self._done |= self._committed
         return steps
 
     def replicated(self, step: int) -> bool:
-        """Whether ``step``'s replica is committed (as of this tier's last listing or copy)."""
+        """Whether ``step``'s replica was committed (as of this tier's last listing or copy;
+        the backup's own retention may have removed it since)."""
         with self._cond:
-            known = self._committed
-        return step in (known if known is not None else set(self.steps()))
+            if self._committed is not None:
+                return step in self._done
+        return step in self.steps() or step in self._done
 
     def pending(self) -> list[int]:
         with self._cond:
@@ -142,8 +148,16 @@ class BackupTier:
 
     # -- replication ----------------------------------------------------------------------------
     def resume(self, local_steps: list[int]) -> list[int]:
-        """Queue every local step the backup lacks (a run that died before replicating)."""
-        have = set(self.steps())
+        """Queue every local step the backup lacks (a run that died before replicating).  A
+        backup out of reach is logged and kept for ``wait()``: training goes on locally."""
+        try:
+            have = set(self.steps())
+        except (CheckpointError, OSError) as e:
+            log.error("backup: %s cannot be listed (%s: %s); the local steps are kept until it "
+                      "can be", self.root.url, type(e).__name__, e)
+            with self._cond:
+                self._errors.append(e)
+            have = set()
         missing = [s for s in local_steps if s not in have]
         for s in missing:
             log.info("backup: step %d under %s has no committed replica in %s; replicating it",
@@ -205,6 +219,7 @@ class BackupTier:
         with self._cond:
             if self._committed is not None:
                 self._committed.add(step)
+            self._done.add(step)
         self._retention()
 
     def _retention(self) -> None:

@@ -411,7 +411,7 @@ class Store:
         out = []
         for info in infos:
             name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-            mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
+            mtime = _mtime_of(info)
             size = info.get("size")
             out.append(Entry(name, info.get("type") == "directory", _as_time(mtime),
                              size=int(size) if isinstance(size, (int, float)) else None))
@@ -438,7 +438,7 @@ class Store:
             return []
         out = []
         for full, info in infos.items():
-            mtime = info.get("LastModified") or info.get("mtime") or info.get("created")
+            mtime = _mtime_of(info)
             size = info.get("size")
             out.append(Entry(full[len(path):].lstrip("/"), False, _as_time(mtime),
                              size=int(size) if isinstance(size, (int, float)) else None))
@@ -694,6 +694,17 @@ def fsync_dir(path: str) -> None:
         raise _named(e, "fsync of the folder", path) from e
     finally:
         os.close(fd)
+
+
+def _mtime_of(info: dict) -> float | None:
+    """When an object was last written, from a listing entry: s3fs says ``LastModified``,
+    gcsfs ``mtime``/``updated``, adlfs ``last_modified`` (without it every Azure object looked
+    infinitely old to gc's grace period)."""
+    for key in ("LastModified", "mtime", "last_modified", "updated", "created", "creation_time"):
+        value = _as_time(info.get(key))
+        if value is not None:
+            return value
+    return None
 
 
 def _as_time(value: Any) -> float | None:

@@ -411,6 +411,10 @@ class CheckpointManager:
         self._wait_inflight()
         if self.backup is not None:
             self.backup.wait()
+            if self._saved and self._coordinator:
+                # steps local retention kept for want of a replica may go now
+                self._acquire()
+                self._apply_retention()
 
     # -- retention and gc -----------------------------------------------------------------------
     def _entry(self, step: int) -> CheckpointEntry | None:
@@ -726,7 +730,7 @@ class CheckpointManager:
             return
         try:
             try:
-                self._wait_inflight()
+                self.wait()  # with a backup: replicated, and local retention applied after it
             finally:
                 if self.backup is not None:
                     self.backup.close()

@@ -138,6 +138,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         lock: Hold the root's writer lease while training (``CheckpointManager(lock=)``).
         save_on_preemption: Catch SIGTERM, save the batch just trained and stop ``fit``.
         storage_options: Passed to fsspec.
+        backup, backup_keep, backup_storage_options: A bucket tier behind ``root``, as
+            ``CheckpointManager(backup=...)`` takes them: each committed checkpoint replicated in
+            the background, restored from when ``root`` has none.
 
     Example:
         >>> cursor = ckptcore.DataCursor(len(x), 64, seed=0)                  # doctest: +SKIP
@@ -154,7 +157,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                  mode: str = "auto", save_best_only: bool = False,
                  delete_checkpoint: bool = False, lock: bool = True,
                  save_on_preemption: bool = True,
-                 storage_options: Mapping[str, Any] | None = None):
+                 storage_options: Mapping[str, Any] | None = None, backup: str | None = None,
+                 backup_keep: Any = None, backup_storage_options: Mapping[str, Any] | None = None):
         if root is None and backup_dir is None:
             raise TypeError("BackupAndRestore needs root (or backup_dir, Keras' spelling of it)")
         if root is not None and backup_dir is not None:
@@ -187,6 +191,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint, self.lock = bool(delete_checkpoint), lock
         self.save_on_preemption = bool(save_on_preemption)
         self.storage_options = dict(storage_options or {})
+        # A bucket tier behind the fast root (CheckpointManager(backup=...)): every committed
+        # step replicated in the background; on_train_end waits for it.
+        self._backup = ({} if backup is None else
+                        {"backup": backup, "backup_keep": backup_keep,
+                         "backup_storage_options": dict(backup_storage_options or {})})
         self._manager: CheckpointManager | None = None
         self._batches = 0          # batches trained in the whole run, over all processes
         self._epoch = 0            # the Keras epoch in progress
@@ -208,7 +217,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._manager is None:
             mgr = CheckpointManager(self.root, keep=self.keep, async_save=self.async_save,
                                     storage_options=self.storage_options, lock=self.lock,
-                                    save_on_preemption=self.save_on_preemption)
+                                    save_on_preemption=self.save_on_preemption, **self._backup)
             stale = _OPEN.pop(mgr.root.url, None)
             if stale is not None:
                 try:

@@ -82,6 +82,9 @@ class Checkpoint(paddle.callbacks.Callback):
             ``ckptcore.adapter.CALLBACK_KEEP``, the newest 3, as in every adapter's callback).
         async_save: Write in a background thread.
         storage_options: Passed to fsspec (through the manager).
+        backup, backup_keep, backup_storage_options: A bucket tier behind ``root``, as
+            ``CheckpointManager(backup=...)`` takes them: each committed checkpoint replicated in
+            the background, restored from when ``root`` has none.
         lock: Take the root's writer lock (the manager's ``lock=``).
         save_on_preemption: Catch SIGTERM (the manager's ``save_on_preemption=``): after the batch
             in progress, save it and stop ``fit`` cleanly (``model.stop_training``).  With a
@@ -109,7 +112,8 @@ class Checkpoint(paddle.callbacks.Callback):
     def __init__(self, root: str | os.PathLike, *, save_freq: str | int = "epoch", cursor: Any = None,
                  keep: Any = CALLBACK_KEEP, async_save: bool = False, storage_options: Mapping[str, Any] | None = None,
                  lock: bool = True, save_on_preemption: bool = True, monitor: str = "loss", mode: str = "auto",
-                 save_best_only: bool = False):
+                 save_best_only: bool = False, backup: str | None = None, backup_keep: Any = None,
+                 backup_storage_options: Mapping[str, Any] | None = None):
         # Checked before anything else: "" would put checkpoints in "/" and None in a folder "None".
         root = check_url(root, "root")
         super().__init__()
@@ -132,6 +136,11 @@ class Checkpoint(paddle.callbacks.Callback):
         self.cursor = cursor
         self.keep, self.async_save, self.storage_options = keep, async_save, dict(storage_options or {})
         self.lock, self.save_on_preemption = bool(lock), bool(save_on_preemption)
+        # A bucket tier behind the fast root (CheckpointManager(backup=...)): every committed
+        # step replicated in the background; on_train_end waits for it.
+        self._backup = ({} if backup is None else
+                        {"backup": backup, "backup_keep": backup_keep,
+                         "backup_storage_options": dict(backup_storage_options or {})})
         self.monitor, self.save_best_only = monitor, bool(save_best_only)
         self.mode = mode if mode != "auto" else ("max" if "acc" in monitor else "min")
         self.best: float | None = None
@@ -151,7 +160,8 @@ class Checkpoint(paddle.callbacks.Callback):
             self._manager.close()
         self._manager = CheckpointManager(self.root, keep=self.keep, async_save=self.async_save,
                                           storage_options=self.storage_options, lock=self.lock,
-                                          save_on_preemption=self.save_on_preemption)
+                                          save_on_preemption=self.save_on_preemption,
+                                          **self._backup)
         self._batches = self._epoch = self._pass_batches = 0
         self._saved_at, self._due, self._stopped, self.restored = None, False, False, None
         self._metrics, self.best, self._preempted = {}, None, False
