@@ -5,6 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh "dev,keras,paddle"
+# Azurite (Azure Blob Storage's emulator, an npm package) for the Azure tests: once, into
+# .venv/node.  Without npm, or if the install fails, those tests are skipped with the reason.
+if [ ! -x .venv/node/node_modules/.bin/azurite-blob ] && command -v npm >/dev/null 2>&1; then
+  echo "installing Azurite into .venv/node (once)..." >&2
+  npm install --prefix .venv/node azurite@3 --no-audit --no-fund --silent >/dev/null 2>&1 \
+    || echo "npm could not install Azurite: the Azure tests will be skipped" >&2
+fi
 
 status=0
 run() {  # pytest exit 5 means "no tests collected": not a failure for an optional group

@@ -249,7 +249,7 @@ def memory_backend():
         pass
 
 
-BACKENDS = ("local", "memory", "s3")
+BACKENDS = ("local", "memory", "s3", "gcs", "azure")
 
 
 @pytest.fixture(params=BACKENDS)

@@ -303,7 +303,7 @@ def training_states(draw, empty: bool = True) -> TrainingState:
 SECTIONS = ["model", "optimizer", "schedule", "accumulation", "params", "rng", "data", "metadata", "extra"]
 
 
-EXAMPLES = {"local": 40, "memory": 40, "s3": 12}  # S3 requests cost ~10 ms each on moto
+EXAMPLES = {"local": 40, "memory": 40, "s3": 12, "gcs": 12, "azure": 12}  # ~10 ms per request
 
 
 def test_hypothesis_roundtrip(backend):
