@@ -33,6 +33,7 @@ benchmarks=(
   bench_paddle.py
   bench_async.py
   bench_dist.py
+  bench_backup.py
   bench_scale_sim.py
 )
 

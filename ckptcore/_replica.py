@@ -122,7 +122,8 @@ def _write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
 
 def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any] | None = None,
                     overwrite: bool = False, progress: Callable[[int], None] | None = None,
-                    pack_below: int = PACK_BELOW) -> tuple[Manifest, CopyStats]:
+                    pack_below: int = PACK_BELOW,
+                    gate: Callable[[], None] | None = None) -> tuple[Manifest, CopyStats]:
     """Copy the committed checkpoint at ``src`` to ``dst`` (a step folder; with ``dedup`` its
     parent is a deduplicating root whose chunks ``known`` lists, updated with what is written).
     Returns the destination's manifest and what was moved."""
@@ -142,7 +143,8 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
 
     def write(target: Store) -> Manifest:
         if dedup:
-            return _write_dedup(src, target, root, manifest, known, stats, progress, pack_below)
+            return _write_dedup(src, target, root, manifest, known, stats, progress, pack_below,
+                                gate)
         return _write_plain(src, target, manifest, stats, progress)
 
     out = commit(dst, write, token=token, overwrite=overwrite)
@@ -179,7 +181,11 @@ def _write_plain(src: Store, target: Store, manifest: Manifest, stats: CopyStats
 
 def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, known: dict,
                  stats: CopyStats, progress: Callable[[int], None] | None,
-                 pack_below: int) -> Manifest:
+                 pack_below: int, gate: Callable[[], None] | None = None) -> Manifest:
+    """The deduplicated layout (module docstring).  Pipelined: two threads hash (hashlib
+    releases the GIL), and each new object is handed to the upload threads as soon as it is
+    named, so hashing, reading the next shard and uploading overlap.  ``gate()`` is called
+    between objects: the backup tier pauses there while its manager saves."""
     table = manifest.tensors
     n = len(table)
     shard_col, offset_col = table.shard.astype(np.int64), table.offset.astype(np.int64)
@@ -193,16 +199,27 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
     row_offset = np.zeros(n, np.uint64)
     pack = bytearray()
     pack_rows: list[tuple[int, int]] = []
-    hasher = ThreadPoolExecutor(2)  # hashlib releases the GIL: the two cores hash at once
+    hasher = ThreadPoolExecutor(2, thread_name_prefix="ckptcore-hash")
+    uploader = ThreadPoolExecutor(max(1, root.writers), thread_name_prefix="ckptcore-upload")
+    pending: list[Any] = []
+    added: list[str] = []
+
+    def upload(name: str, data: memoryview) -> None:
+        if gate is not None:
+            gate()
+        _write_objects(root, {name: data})
+
     try:
         for s, rows in sorted(by_shard.items()):
+            if gate is not None:
+                gate()
             data = _read_shard(src, manifest.shards[s])
             stats.read += len(data)
             views = [data[int(offset_col[r]):int(offset_col[r] + length_col[r])] for r in rows]
             big = [(r, v) for r, v in zip(rows, views) if len(v) >= pack_below]
-            names = list(hasher.map(content_name, [v for _, v in big]))
-            uploads: dict[str, memoryview] = {}
-            for (r, v), name in zip(big, names):
+            hashing = [hasher.submit(content_name, v) for _, v in big]
+            for (r, v), fut in zip(big, hashing):
+                name = fut.result()  # in order: a duplicate's copy number is deterministic
                 copy = 0
                 while name in index:  # the same bytes again in this step: the next copy's name
                     copy += 1
@@ -213,21 +230,29 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
                 row_shard[r], row_offset[r] = index[name], 0
                 if name in known and known[name][0] == len(v):
                     stats.reused += 1
-                else:
-                    uploads[name] = v
+                    continue
+                pending.append(uploader.submit(upload, name, v))
+                added.append(name)
+                known[name] = (len(v), time.time())
+                stats.written += len(v)
+                stats.objects += 1
             for r, v in zip(rows, views):
                 if len(v) < pack_below:
                     pack_rows.append((r, len(pack)))
                     pack += v
                     pack += bytes((-len(pack)) % _ALIGN)
-            _write_objects(root, uploads)
-            for name, v in uploads.items():
-                known[name] = (len(v), time.time())
-                stats.written += len(v)
-                stats.objects += 1
             if progress:
                 progress(len(data))
+        for fut in pending:  # every object in place before the manifest can name it
+            fut.result()
+    except BaseException:
+        for fut in pending:
+            fut.cancel()
+        for name in added:  # not known to be in the root: the next copy uploads them again
+            known.pop(name, None)
+        raise
     finally:
+        uploader.shutdown(wait=True)
         hasher.shutdown()
     if pack_rows:
         end = max(off + int(length_col[r]) for r, off in pack_rows)

@@ -233,7 +233,15 @@ class CheckpointManager:
         return [step for step, _ in layout.committed_steps(self.root)]
 
     def latest_step(self) -> int | None:
-        steps = self.steps()
+        """The newest committed step; with a backup, the newest in either tier (what
+        ``restore()`` starts from)."""
+        steps = self.steps() if self.root.exists() else []
+        if self.backup is not None:
+            try:
+                steps = sorted(set(steps) | set(self.backup.steps()))
+            except (CheckpointError, OSError) as e:  # the bucket out of reach: the local tier
+                log.warning("latest_step: the backup %s cannot be listed (%s); the local tier "
+                            "only", self.backup.root.url, e)
         return steps[-1] if steps else None
 
     # -- saving ---------------------------------------------------------------------------------
@@ -369,6 +377,8 @@ class CheckpointManager:
 
     def _write(self, step: int, url: str, state: TrainingState,
                overwrite: bool = False) -> api.CheckpointInfo:
+        if self.backup is not None:
+            self.backup.pause()
         try:
             info = api.save_state(url, state, storage_options=self._options, overwrite=overwrite,
                                   group=self.group)
@@ -383,6 +393,9 @@ class CheckpointManager:
                 f"and a manager replaces only the steps it saved itself: to resume from it, call "
                 f"mgr.restore() and save the steps after it; to discard it, call mgr.rewind({step}) "
                 "(deletes it and every newer checkpoint) and save again") from e
+        finally:
+            if self.backup is not None:
+                self.backup.proceed()
         self._saved.add(step)
         self._entries[step] = CheckpointEntry(step, info.created,
                                               _saved_metrics(step, state.metadata))

@@ -245,7 +245,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             # go back to that checkpoint, as a new process would.
             log.info("%s: the previous fit with this callback was interrupted; resuming from "
                      "step %d", self.root, latest)
-        self._restore(self.manager.restore())
+        self._restore(self.manager.restore(seed=True))  # (from the bucket: kept locally too)
 
     def _restore(self, state: Any) -> None:
         progress = _progress(state)

@@ -292,7 +292,7 @@ class Checkpoint(paddle.callbacks.Callback):
         objects = self._objects()
         if self.cursor is not None:
             objects["cursor"] = self._cursor()
-        state = self._manager.restore(**objects)
+        state = self._manager.restore(seed=True, **objects)  # (from the bucket: kept locally too)
         fit = ((state.extra or {}).get("paddle") or {}).get("fit") or {}
         self._batches = int(fit.get("batches", state.step))
         self._epoch = int(fit.get("epoch", state.epoch))

@@ -1,0 +1,136 @@
+"""The kill loop of the backup-tier tests (framework-free): run a training worker with a local
+root and a bucket backup, SIGKILL it at random points (often while it replicates), restart it,
+and after every kill check what the two tiers hold.
+
+A worker prints ``READY`` once imported and restored, ``REPL-START``/``REPL-END`` around each
+replication (from the ``ckptcore`` log) and ``DONE`` at the end, after writing its final state.
+
+After each kill: every step listed in the backup verifies (no half replica is ever listed), and
+every step seen committed in either tier so far is still in one of them (local retention deletes
+a step only once its replica is committed; the backup keeps every step).  Every few kills the
+local root is deleted (a lost machine): the worker then resumes from the bucket.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ckptcore
+from ckptcore import layout
+from ckptcore._storage import Store
+
+
+@dataclass
+class KillLog:
+    kills: int = 0
+    mid_replication: int = 0
+    local_lost: int = 0
+    runs: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _steps(url: str, opts: dict | None = None) -> set[int]:
+    store = Store(url, opts or {})
+    return {s for s, _ in layout.committed_steps(store)} if store.exists() else set()
+
+
+def check_tiers(local: str, backup: str, opts: dict, seen: set[int]) -> set[int]:
+    """The invariants after a kill; returns the steps committed now in either tier."""
+    in_backup = _steps(backup, opts)
+    for step in sorted(in_backup):
+        url = f"{backup}/{layout.step_name(step)}"
+        problems = ckptcore.verify(url, storage_options=opts)
+        assert not problems, f"a listed replica does not verify: {url}: {problems}"
+    now = _steps(local) | in_backup
+    lost = seen - now
+    assert not lost, f"committed steps lost from both tiers: {sorted(lost)}"
+    return now
+
+
+def run_until_done(cmd: list[str], env: dict, cwd: str, local: str, backup: str, opts: dict,
+                   log: KillLog, rng: random.Random, *, max_kills: int, window: float,
+                   lose_local_every: int = 6, timeout: float = 300) -> str:
+    """Run ``cmd`` to completion, SIGKILLing it up to ``max_kills`` times; returns its output."""
+    seen: set[int] = set()
+    kills_here = 0
+    while True:
+        if kills_here and kills_here % lose_local_every == 0 and Path(local).exists():
+            shutil.rmtree(local)  # a lost machine: only the bucket is left
+            log.local_lost += 1
+            seen = _steps(backup, opts)
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        log.runs += 1
+        lines: list[str] = []
+        state = {"ready": None, "repl": False}
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith("READY") and state["ready"] is None:
+                    state["ready"] = time.monotonic()
+                elif line.startswith("REPL-START"):
+                    state["repl"] = True
+                elif line.startswith("REPL-END"):
+                    state["repl"] = False
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        start = time.monotonic()
+        killed = False
+        if kills_here < max_kills:
+            while state["ready"] is None and proc.poll() is None and time.monotonic() - start < timeout:
+                time.sleep(0.01)
+            if proc.poll() is None and state["ready"] is not None:
+                if rng.random() < 0.5:  # half the kills aimed at a replication in progress
+                    until = time.monotonic() + window
+                    while not state["repl"] and proc.poll() is None and time.monotonic() < until:
+                        time.sleep(0.002)
+                    time.sleep(rng.uniform(0.0, 0.05))
+                else:
+                    time.sleep(rng.uniform(0.0, window))
+                if proc.poll() is None:
+                    mid = state["repl"]
+                    proc.kill()
+                    killed = True
+                    log.kills += 1
+                    kills_here += 1
+                    log.mid_replication += mid
+        try:
+            proc.wait(timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        reader.join(10)
+        out = "".join(lines)
+        if killed:
+            seen |= check_tiers(local, backup, opts, seen)
+            continue
+        assert proc.returncode == 0 and "DONE" in out, f"the worker failed:\n{out[-4000:]}"
+        check_tiers(local, backup, opts, seen)
+        return out
+
+
+def print_events(logger_name: str = "ckptcore") -> None:
+    """In a worker: print REPL-START / REPL-END as the backup tier logs them."""
+    import logging
+
+    class _Events(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if msg.startswith("backup: replicating step"):
+                print("REPL-START", flush=True)
+            elif msg.startswith("copy:"):
+                print("REPL-END", flush=True)
+
+    log = logging.getLogger(logger_name)
+    log.addHandler(_Events())
+    log.setLevel(logging.INFO)
+    sys.stdout.reconfigure(line_buffering=True)
