@@ -22,7 +22,7 @@ from . import _knobs, api
 from ._commit import TMP_MARK
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
-from ._storage import Entry, Store
+from ._storage import CAS_DIR, Entry, Store
 from .errors import CheckpointError
 
 __all__ = ["gc", "list_checkpoints", "CheckpointListing", "step_name"]
@@ -121,8 +121,9 @@ def gc(root: str | os.PathLike, *, grace: float | None = None,
     """Remove leftovers of interrupted saves under ``root`` untouched for ``grace`` seconds.
 
     Leftovers are temporary folders of a save, step folders without a manifest, and shard files a
-    committed manifest does not name; committed checkpoints are never touched.  Takes the root's
-    writer lock, so it is refused while a run writes there.  Returns the URLs removed.
+    committed manifest does not name; in a backup root, also the chunks no committed replica
+    names.  Committed checkpoints are never touched.  Takes the root's writer lock, so it is
+    refused while a run writes there.  Returns the URLs removed.
 
     Example:
         >>> removed = ckptcore.gc("s3://runs/exp1", grace=3600)            # doctest: +SKIP
@@ -165,6 +166,9 @@ def remove_leftovers(root: Store, grace: float) -> list[str]:
                 removed.append(child.url)
         elif STEP.fullmatch(e.name):
             removed += _gc_shards(child, cutoff)
+        elif e.name == CAS_DIR and e.is_dir:  # a backup root: chunks no replica names any more
+            from ._backup import sweep
+            removed += sweep(root, grace)
     return removed
 
 

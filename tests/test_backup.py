@@ -242,3 +242,18 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="group"):
         CheckpointManager(str(tmp_path / "a"), backup="memory://x",
                           group=ckptcore.SingleProcessGroup())
+
+
+def test_ckpt_gc_of_a_backup_root_sweeps_unreferenced_chunks(tiers, capsys):
+    local, backup, opts = tiers
+    with CheckpointManager(local, backup=backup, backup_storage_options=opts) as mgr:
+        mgr.save(1, _state(1))
+    root = Store(backup, opts)
+    orphan = "chunks/cd/" + "cd" * 32  # an upload whose replica was never committed
+    root.write_bytes(orphan, b"orphan")
+    before = set(list_chunks(root))
+    assert ckptcore.gc(backup, grace=3600, storage_options=opts) == []  # young: kept
+    removed = ckptcore.gc(backup, grace=0, storage_options=opts)
+    assert [u.rsplit("/", 1)[-1] for u in removed] == ["cd" * 32]
+    assert set(list_chunks(root)) == before - {"cas:" + "cd" * 32}
+    assert _same(ckptcore.load_state(f"{backup}/step-000000000001", storage_options=opts), _state(1))
