@@ -12,9 +12,9 @@ Two layouts:
 * **deduplicated** (a backup root): every tensor's bytes become a content-addressed object
   ``<root>/chunks/<hh>/<hash>`` (BLAKE2b-256 of the bytes, docs/FORMAT.md, "Deduplicated
   replicas"), shared by every step that holds the same bytes, so a frozen layer is uploaded
-  once.  Tensors under ``pack_below`` bytes travel together in one object per step (a small
-  tensor each would cost a request apiece), as does a second tensor of the same bytes in one
-  step (two rows of a manifest never share bytes).  Objects already in the root (``known``,
+  once.  Tensors under ``pack_below`` bytes travel together in packs of about 1 MiB, in table
+  order (a small tensor each would cost a request apiece); a second object of the same bytes in
+  one step is named with a salted hash (two rows of a manifest never share bytes).  Objects already in the root (``known``,
   listed once by the caller) are not uploaded again.  The manifest's rows keep their checksums
   and point at the objects; only shard paths and offsets change.
 
@@ -40,13 +40,14 @@ import numpy as np
 
 from ._commit import commit
 from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, encoded_tree
-from ._storage import CAS_DIR, CAS_PREFIX, Store
+from ._storage import CAS_DIR, CAS_PREFIX, Store, fsync_dir
 from .errors import CorruptCheckpointError
 
 log = logging.getLogger("ckptcore")
 
 HASH = "blake2b-256"
-PACK_BELOW = 256 << 10  # tensors below this many bytes share their step's pack object
+PACK_BELOW = 256 << 10  # tensors below this many bytes travel in packs
+PACK_SIZE = 1 << 20  # a pack is closed once it holds this many bytes
 _ALIGN = 64
 
 
@@ -113,6 +114,7 @@ def _write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
             tmp = f"{rel}.tmp-{uuid.uuid4().hex[:8]}"
             root.write_bytes(tmp, bytes(data))
             os.replace(root.join(tmp), root.join(rel))
+            fsync_dir(os.path.dirname(root.join(rel)))  # the rename, durable before the manifest
         return
     for name in objects:  # (object stores have no folders to make; the call is cheap)
         root.makedirs(os.path.dirname(chunk_rel(name)))
@@ -184,8 +186,10 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
                  pack_below: int, gate: Callable[[], None] | None = None) -> Manifest:
     """The deduplicated layout (module docstring).  Pipelined: two threads hash (hashlib
     releases the GIL), and each new object is handed to the upload threads as soon as it is
-    named, so hashing, reading the next shard and uploading overlap.  ``gate()`` is called
-    between objects: the backup tier pauses there while its manager saves."""
+    named, so hashing, reading the next shard and uploading overlap.  Small tensors are packed
+    in table order, a pack closed at ``PACK_SIZE``: the small tensors of frozen layers (next to
+    each other in the table) then fill packs that do not change from step to step.  ``gate()``
+    is called between objects: the backup tier pauses there while its manager saves."""
     table = manifest.tensors
     n = len(table)
     shard_col, offset_col = table.shard.astype(np.int64), table.offset.astype(np.int64)
@@ -197,17 +201,45 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
     index: dict[str, int] = {}
     row_shard = np.zeros(n, np.uint32)
     row_offset = np.zeros(n, np.uint64)
-    pack = bytearray()
-    pack_rows: list[tuple[int, int]] = []
     hasher = ThreadPoolExecutor(2, thread_name_prefix="ckptcore-hash")
     uploader = ThreadPoolExecutor(max(1, root.writers), thread_name_prefix="ckptcore-upload")
     pending: list[Any] = []
     added: list[str] = []
+    pack = bytearray()
+    pack_rows: list[tuple[int, int]] = []
 
-    def upload(name: str, data: memoryview) -> None:
+    def upload(name: str, data: Any) -> None:
         if gate is not None:
             gate()
         _write_objects(root, {name: data})
+
+    def place(name: str, data: Any, checksum: int, rows: list[tuple[int, int]]) -> None:
+        """Name ``data`` (its hash ``name``; a further copy in this step gets a salted one),
+        list it as a shard, point ``rows`` (row, offset) at it, upload it unless known."""
+        copy = 0
+        while name in index:  # the same bytes again in this step: the next copy's name
+            copy += 1
+            name = content_name(data, copy)
+        index[name] = len(new_shards)
+        new_shards.append(ShardEntry(path=name, size=len(data), checksum=checksum))
+        for r, off in rows:
+            row_shard[r], row_offset[r] = index[name], off
+        if name in known and known[name][0] == len(data):
+            stats.reused += 1
+            return
+        pending.append(uploader.submit(upload, name, data))
+        added.append(name)
+        known[name] = (len(data), time.time())
+        stats.written += len(data)
+        stats.objects += 1
+
+    def close_pack() -> None:
+        nonlocal pack, pack_rows
+        if pack_rows:
+            end = max(off + int(length_col[r]) for r, off in pack_rows)
+            body = bytes(pack[:end])
+            place(content_name(body), body, _crc.crc32c(body), pack_rows)
+        pack, pack_rows = bytearray(), []
 
     try:
         for s, rows in sorted(by_shard.items()):
@@ -217,32 +249,19 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
             stats.read += len(data)
             views = [data[int(offset_col[r]):int(offset_col[r] + length_col[r])] for r in rows]
             big = [(r, v) for r, v in zip(rows, views) if len(v) >= pack_below]
-            hashing = [hasher.submit(content_name, v) for _, v in big]
-            for (r, v), fut in zip(big, hashing):
-                name = fut.result()  # in order: a duplicate's copy number is deterministic
-                copy = 0
-                while name in index:  # the same bytes again in this step: the next copy's name
-                    copy += 1
-                    name = content_name(v, copy)
-                index[name] = len(new_shards)
-                new_shards.append(ShardEntry(path=name, size=len(v),
-                                             checksum=int(table.checksum[r])))
-                row_shard[r], row_offset[r] = index[name], 0
-                if name in known and known[name][0] == len(v):
-                    stats.reused += 1
+            hashing = iter([hasher.submit(content_name, v) for _, v in big])
+            for r, v in zip(rows, views):  # in table order: a duplicate's copy number is fixed
+                if len(v) >= pack_below:
+                    place(next(hashing).result(), v, int(table.checksum[r]), [(r, 0)])
                     continue
-                pending.append(uploader.submit(upload, name, v))
-                added.append(name)
-                known[name] = (len(v), time.time())
-                stats.written += len(v)
-                stats.objects += 1
-            for r, v in zip(rows, views):
-                if len(v) < pack_below:
-                    pack_rows.append((r, len(pack)))
-                    pack += v
-                    pack += bytes((-len(pack)) % _ALIGN)
+                pack_rows.append((r, len(pack)))
+                pack += v
+                pack += bytes((-len(pack)) % _ALIGN)
+                if len(pack) >= PACK_SIZE:
+                    close_pack()
             if progress:
                 progress(len(data))
+        close_pack()
         for fut in pending:  # every object in place before the manifest can name it
             fut.result()
     except BaseException:
@@ -254,24 +273,6 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
     finally:
         uploader.shutdown(wait=True)
         hasher.shutdown()
-    if pack_rows:
-        end = max(off + int(length_col[r]) for r, off in pack_rows)
-        body = bytes(pack[:end])
-        name = content_name(body)
-        if name in index:  # (a pack equal to one of this step's tensors: vanishingly rare)
-            name = content_name(body + b"\0")
-            body += b"\0"
-        index[name] = len(new_shards)
-        new_shards.append(ShardEntry(path=name, size=len(body), checksum=_crc.crc32c(body)))
-        for r, off in pack_rows:
-            row_shard[r], row_offset[r] = index[name], off
-        if name in known and known[name][0] == len(body):
-            stats.reused += 1
-        else:
-            _write_objects(root, {name: body})
-            known[name] = (len(body), time.time())
-            stats.written += len(body)
-            stats.objects += 1
     new_table = table.with_locations(row_shard, row_offset)
     return dataclasses.replace(manifest, shards=tuple(new_shards), tensors=new_table)
 

@@ -257,3 +257,24 @@ def test_ckpt_gc_of_a_backup_root_sweeps_unreferenced_chunks(tiers, capsys):
     assert [u.rsplit("/", 1)[-1] for u in removed] == ["cd" * 32]
     assert set(list_chunks(root)) == before - {"cas:" + "cd" * 32}
     assert _same(ckptcore.load_state(f"{backup}/step-000000000001", storage_options=opts), _state(1))
+
+
+def test_many_small_frozen_tensors_are_not_uploaded_again(tmp_path, s3_backend):
+    """A model of hundreds of small tensors (a frozen backbone's norms and biases) fills packs
+    that do not change from step to step."""
+    opts, backup = s3_backend.storage_options, s3_backend.url("many")
+    rng = np.random.default_rng(5)
+    frozen = {f"backbone/{i:03d}": rng.standard_normal(2_500).astype(np.float32)
+              for i in range(400)}  # 4 MB in 10 KB tensors
+    state_bytes = 4_000_000 + 400_000
+    grown = []
+    with CheckpointManager(str(tmp_path / "l"), backup=backup, backup_storage_options=opts) as mgr:
+        for step in (1, 2, 3):
+            head = np.random.default_rng(step).standard_normal(100_000).astype(np.float32)
+            before = _bytes_in(backup, opts) if step > 1 else 0
+            mgr.save(step, TrainingState(model={**frozen, "zz_head": head}, step=step))
+            mgr.wait()
+            grown.append(_bytes_in(backup, opts) - before)
+    assert all(g <= 0.15 * state_bytes for g in grown[1:]), (grown, state_bytes)
+    got = ckptcore.load_state(f"{backup}/step-000000000003", storage_options=opts)
+    assert all(got.model[k].tobytes() == v.tobytes() for k, v in frozen.items())
