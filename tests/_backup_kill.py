@@ -134,3 +134,39 @@ def print_events(logger_name: str = "ckptcore") -> None:
     log.addHandler(_Events())
     log.setLevel(logging.INFO)
     sys.stdout.reconfigure(line_buffering=True)
+
+
+def campaigns(worker: str, here: Path, tmp_path: Path, s3_backend, kills: int, seed: int) -> KillLog:
+    """The whole test of one framework's worker: a reference run, then runs SIGKILLed until
+    ``kills`` kills are done, each ending bit for bit equal to the reference."""
+    import json
+
+    import numpy as np
+
+    from _support import subprocess_env
+
+    def final(path: Path) -> dict:
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
+
+    opts = s3_backend.storage_options
+    env = {**subprocess_env(here), "CKPT_TEST_S3_OPTIONS": json.dumps(opts)}
+    log = KillLog()
+    ref = tmp_path / "reference.npz"
+    run_until_done([sys.executable, worker, str(tmp_path / "ref-local"), s3_backend.url("ref"),
+                    str(ref)], env, str(here), str(tmp_path / "ref-local"), s3_backend.url("ref"),
+                   opts, log, random.Random(0), max_kills=0, window=0)
+    expected = final(ref)
+    rng = random.Random(seed)
+    campaign = 0
+    while log.kills < kills:
+        campaign += 1
+        local, backup = str(tmp_path / f"local{campaign}"), s3_backend.url(f"backup{campaign}")
+        out = tmp_path / f"run{campaign}.npz"
+        run_until_done([sys.executable, worker, local, backup, str(out)], env, str(here), local,
+                       backup, opts, log, rng, max_kills=kills - log.kills, window=1.5)
+        got = final(out)
+        assert got.keys() == expected.keys()
+        for k in expected:
+            assert got[k].tobytes() == expected[k].tobytes(), k
+    return log
