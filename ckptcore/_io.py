@@ -224,14 +224,21 @@ def _check_size(store: Store, shard: ShardEntry) -> None:
     try:
         real = store.size(shard.path)
     except FileNotFoundError as e:
-        raise IncompleteCheckpointError(f"{store.join(shard.path)}: shard file is missing") from e
+        raise IncompleteCheckpointError(f"{store.join(shard.path)}: shard file is missing"
+                                        f"{_of(store, shard)}") from e
     _compare_size(store, shard, real)
+
+
+def _of(store: Store, shard: ShardEntry) -> str:
+    """For a deduplicated replica's chunk (outside the checkpoint's folder): whose it is."""
+    return f" (chunk {shard.path} of {store.url})" if shard.path.startswith("cas:") else ""
 
 
 def _compare_size(store: Store, shard: ShardEntry, real: int) -> None:
     if real < shard.size:
         raise IncompleteCheckpointError(
-            f"{store.join(shard.path)}: shard is truncated ({real} of {shard.size} bytes)")
+            f"{store.join(shard.path)}: shard is truncated ({real} of {shard.size} bytes)"
+            f"{_of(store, shard)}")
     if real > shard.size:
         raise CorruptCheckpointError(
             f"{store.join(shard.path)}: shard has {real} bytes, the manifest says {shard.size}",
@@ -245,7 +252,7 @@ def _map_local(store: Store, shard: ShardEntry) -> memoryview:
     try:
         fd, st = open_regular(path)
     except FileNotFoundError as e:
-        raise IncompleteCheckpointError(f"{path}: shard file is missing") from e
+        raise IncompleteCheckpointError(f"{path}: shard file is missing{_of(store, shard)}") from e
     try:
         _compare_size(store, shard, st.st_size)
         if shard.size == 0:

@@ -263,6 +263,13 @@ BODY_CASES: dict[str, Callable[[dict], Any]] = {
     "shard-path-nul": _s(0, path="shard\x00.bin"),
     "shard-path-unicode-sep": _s(0, path="shard\u2215x.bin"),
     "shard-path-int": _s(0, path=7),
+    # a deduplicated replica's chunk names (cas:<64 hex>), crafted
+    "shard-path-cas-dotdot": _s(0, path="cas:../../../etc/passwd"),
+    "shard-path-cas-short": _s(0, path="cas:" + "ab" * 31),
+    "shard-path-cas-upper": _s(0, path="cas:" + "AB" * 32),
+    "shard-path-cas-slash": _s(0, path="cas:" + "ab" * 31 + "/x"),
+    "shard-path-cas-newline": _s(0, path="cas:" + "ab" * 32 + "\n"),
+    "shard-path-cas-missing": _s(0, path="cas:" + "ab" * 32),
     "shard-path-dup": _dup_shard,
     "tensor-name-dup": _dup_tensor_name,
     "tensor-name-int": _t(0, name=5),

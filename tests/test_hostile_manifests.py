@@ -57,6 +57,8 @@ def watch(allowed: Path):
 MANIFEST_CASES = [*corpus.BODY_CASES, *corpus.V2_CASES, *corpus.V3_CASES, *corpus.ENVELOPE_CASES,
                   "link-manifest-to-outside-copy", "manifest-is-fifo", "manifest-is-directory",
                   "manifest-sparse-3GiB"]
+# A well-formed manifest naming a deduplicated chunk that is not there: the data is at fault.
+MANIFEST_CASES.remove("shard-path-cas-missing")
 
 
 def test_corpus_is_large_enough():
