@@ -204,6 +204,11 @@ def crash_child(root: str, options: dict | None, kill_at: int, async_save: bool,
 
     def hook(op: str, path: str) -> None:
         n = next(counter)  # atomic under the GIL: shards are written from several threads
+        if 0 < kill_at < n:
+            # Another writer thread, past the kill point while SIGKILL is on its way: it must
+            # not report (or perform) an operation the process never reached (S3 saves write
+            # remote_concurrency shards at once; under load one could report several).
+            time.sleep(3600)
         say(f"op {n} {op} {path}")
         if n == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
