@@ -39,7 +39,7 @@ import crc32c as _crc
 import numpy as np
 
 from ._commit import commit
-from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, encoded_tree
+from ._manifest import Manifest, ShardEntry, encoded_tree
 from ._storage import CAS_DIR, CAS_PREFIX, Store, fsync_dir
 from .errors import CorruptCheckpointError
 
@@ -87,8 +87,8 @@ def list_chunks(root: Store) -> dict[str, tuple[int, float | None]]:
     return out
 
 
-def _read_shard(src: Store, shard: ShardEntry) -> memoryview:
-    data = memoryview(src.read(shard.path))
+def _read_shard(src: Store, shard: ShardEntry) -> bytes:
+    data = src.read(shard.path)
     if len(data) != shard.size:
         raise CorruptCheckpointError(f"{src.join(shard.path)}: {len(data)} bytes, the manifest "
                                      f"says {shard.size}; not copied", file=src.join(shard.path))
@@ -129,19 +129,15 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
     """Copy the committed checkpoint at ``src`` to ``dst`` (a step folder; with ``dedup`` its
     parent is a deduplicating root whose chunks ``known`` lists, updated with what is written).
     Returns the destination's manifest and what was moved."""
-    from . import _knobs
-    from .api import read_manifest
+    from .api import read_manifest_bytes
 
     started = time.perf_counter()
-    manifest = read_manifest(src)
-    raw = src.read(MANIFEST_NAME, max_bytes=int(_knobs.get("max_manifest_bytes")))
-    if Manifest.from_bytes(raw, source=src.join(MANIFEST_NAME)) != manifest:
-        raise CorruptCheckpointError(f"{src.url}: its manifest changed while it was copied")
+    manifest, raw = read_manifest_bytes(src)
     manifest = dataclasses.replace(manifest, tree=encoded_tree(raw))  # written back as stored
     stats = CopyStats()
     token = uuid.uuid4().hex[:16]
     known = {} if known is None else known
-    root = _parent(dst)
+    root = dst.parent()
 
     def write(target: Store) -> Manifest:
         if dedup:
@@ -157,13 +153,6 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
     return out, stats
 
 
-def _parent(store: Store) -> Store:
-    if store.local:
-        return Store(os.path.dirname(store.path), _fs=store.fs, _path=os.path.dirname(store.path))
-    url = store.url.rstrip("/").rsplit("/", 1)[0]
-    return Store(url, _fs=store.fs, _path=store.path.rsplit("/", 1)[0])
-
-
 def _write_plain(src: Store, target: Store, manifest: Manifest, stats: CopyStats,
                  progress: Callable[[int], None] | None) -> Manifest:
     shards = []
@@ -171,7 +160,7 @@ def _write_plain(src: Store, target: Store, manifest: Manifest, stats: CopyStats
         data = _read_shard(src, shard)
         name = (f"shard-{shard.path[len(CAS_PREFIX):]}.bin" if shard.path.startswith(CAS_PREFIX)
                 else shard.path)
-        target.write_bytes(name, bytes(data))
+        target.write_bytes(name, data)
         shards.append(ShardEntry(path=name, size=shard.size, checksum=shard.checksum))
         stats.read += len(data)
         stats.written += len(data)
@@ -245,7 +234,7 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
         for s, rows in sorted(by_shard.items()):
             if gate is not None:
                 gate()
-            data = _read_shard(src, manifest.shards[s])
+            data = memoryview(_read_shard(src, manifest.shards[s]))  # slices: views, no copy
             stats.read += len(data)
             views = [data[int(offset_col[r]):int(offset_col[r] + length_col[r])] for r in rows]
             big = [(r, v) for r, v in zip(rows, views) if len(v) >= pack_below]

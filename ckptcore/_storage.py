@@ -223,10 +223,15 @@ class Store:
         return Store(self.url.rstrip("/") + "/" + name, _fs=self.fs, _path=self.path + sep + name)
 
     def sibling(self, name: str) -> Store:
-        parent = os.path.dirname(self.path) if self.local else self.path.rsplit("/", 1)[0]
-        sep = os.sep if self.local else "/"
-        base = self.url.rstrip("/").rsplit("/", 1)[0]
-        return Store(base + "/" + name, _fs=self.fs, _path=parent + sep + name)
+        return self.parent().child(name)
+
+    def parent(self) -> Store:
+        """The folder (or prefix) this store is in: a checkpoint's root."""
+        return Store(self.url.rstrip("/").rsplit("/", 1)[0], _fs=self.fs, _path=self._parent_path)
+
+    @property
+    def _parent_path(self) -> str:
+        return os.path.dirname(self.path) if self.local else self.path.rsplit("/", 1)[0]
 
     @property
     def name(self) -> str:
@@ -238,8 +243,8 @@ class Store:
         if rel.startswith(CAS_PREFIX):  # (the manifest admits only "cas:" + 64 hex digits)
             digest = rel[len(CAS_PREFIX):]
             if self.local:
-                return os.path.join(os.path.dirname(self.path), CAS_DIR, digest[:2], digest)
-            return f"{self.path.rsplit('/', 1)[0]}/{CAS_DIR}/{digest[:2]}/{digest}"
+                return os.path.join(self._parent_path, CAS_DIR, digest[:2], digest)
+            return f"{self._parent_path}/{CAS_DIR}/{digest[:2]}/{digest}"
         return os.path.join(self.path, rel) if self.local else f"{self.path}/{rel}"
 
     # -- reads ----------------------------------------------------------------------------------

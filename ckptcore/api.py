@@ -221,6 +221,11 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
 
 def read_manifest(store: Store) -> Manifest:
     """The validated manifest at ``store``; ``CheckpointNotFoundError`` if there is none."""
+    return read_manifest_bytes(store)[0]
+
+
+def read_manifest_bytes(store: Store) -> tuple[Manifest, bytes]:
+    """:func:`read_manifest` and the bytes it was parsed from (a copy writes them back)."""
     try:
         data = store.read(MANIFEST_NAME, max_bytes=int(_knobs.get("max_manifest_bytes")))
     except CheckpointError:
@@ -229,7 +234,7 @@ def read_manifest(store: Store) -> Manifest:
         what = ("has no manifest: it is not a committed checkpoint (perhaps the leftovers of an "
                 "interrupted save)") if store.exists() else "does not exist"
         raise CheckpointNotFoundError(f"{store.url}: {what}") from e
-    return Manifest.from_bytes(data, source=store.join(MANIFEST_NAME))
+    return Manifest.from_bytes(data, source=store.join(MANIFEST_NAME)), data
 
 
 def _select(tree: dict, keys: Iterable[str] | None) -> dict:

@@ -34,7 +34,7 @@ from ckptcore.errors import (CheckpointNotFoundError, IncompleteCheckpointError,
                              UnsupportedCheckpointError)
 from ckptcore.state import TrainingState
 
-from ._files import NAME_TABLE, _import_optimizer, _model_arrays
+from ._files import NAME_TABLE, _import_optimizer, _model_arrays, _structure_errors
 from ._safe_pickle import brief, load_dcp_metadata, load_paddle_pickle
 
 _METADATA = re.compile(r"(\d{1,9})\.metadata")
@@ -215,7 +215,7 @@ def _to_state(arrays: dict[str, np.ndarray], mapping: dict[str, tuple[str, ...]]
         return {k: ".".join(r[1:]) for k, r in route.items() if len(r) > 1 and r[0] == top}
 
     model_keys = entries(model_key)
-    with _errors(folder):
+    with _structure_errors(folder):
         model, aliases = _model_arrays({n: arrays[k] for k, n in model_keys.items()},
                                        {n: names[k] for k, n in model_keys.items() if k in names},
                                        folder)
@@ -229,7 +229,7 @@ def _to_state(arrays: dict[str, np.ndarray], mapping: dict[str, tuple[str, ...]]
     used = set(model_keys)
     if optimizer_key is not None:
         opt_keys = entries(optimizer_key)
-        with _errors(folder):
+        with _structure_errors(folder):
             _import_optimizer(state, {n: arrays[k] for k, n in opt_keys.items()}, folder,
                               {r: s for s, r in param_names.items()})
         used |= set(opt_keys)
@@ -238,8 +238,3 @@ def _to_state(arrays: dict[str, np.ndarray], mapping: dict[str, tuple[str, ...]]
         state.extra = {"paddle_dcp": rest}
     state.extra = {**(state.extra or {}), "paddle": extra}
     return state
-
-
-def _errors(source: str) -> Any:
-    from ._files import _structure_errors
-    return _structure_errors(source)
