@@ -10,10 +10,11 @@ from ._version import __version__
 
 from . import errors
 from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
-                     CorruptCheckpointError, GroupError, GroupTimeoutError,
-                     IncompleteCheckpointError, SchemaError, LockedError, MigrationError,
-                     MigrationWarning, UnappliedStateWarning, UnsafeCheckpointError)
+from .errors import (AdapterNotFoundError, CaptureError, CheckpointError, CheckpointExistsError,
+                     CheckpointNotFoundError, CorruptCheckpointError, GroupError,
+                     GroupTimeoutError, IncompleteCheckpointError, LockedError, MigrationError,
+                     MigrationWarning, RestoreError, SchemaError, StorageError,
+                     UnappliedStateWarning, UnsafeCheckpointError, UnsupportedCheckpointError)
 from .group import ProcessGroup, SingleProcessGroup, ThreadGroup
 from .sharding import Chunks, Shard
 from .cursor import DataCursor
@@ -39,4 +40,6 @@ __all__ = [
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
     "IncompleteCheckpointError", "CorruptCheckpointError", "SchemaError", "UnsafeCheckpointError",
     "LockedError", "MigrationError", "UnappliedStateWarning", "GroupError", "GroupTimeoutError",
+    "StorageError", "RestoreError", "CaptureError", "AdapterNotFoundError",
+    "UnsupportedCheckpointError",
 ]

@@ -32,8 +32,8 @@ from . import _knobs, layout
 from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
 from ._replica import CopyStats, chunk_rel, copy_checkpoint, list_chunks, references
-from ._storage import Store, check_url
-from .errors import CheckpointError
+from ._storage import Store, _bucket_missing, check_url
+from .errors import CheckpointError, LockedError, StorageError
 from .policies import CheckpointEntry, as_policy
 
 log = logging.getLogger("ckptcore")
@@ -97,6 +97,19 @@ def retain(root: Store, policy: Any, options: Mapping[str, Any], *,
     return gone
 
 
+def transient(e: BaseException) -> bool:
+    """Whether a failed replication may succeed if tried again: the store failing (network,
+    throttling, an outage) or another writer's lock, not a missing bucket, refused credentials
+    or a damaged source."""
+    if isinstance(e, LockedError):
+        return True
+    if isinstance(e, StorageError):
+        return not _bucket_missing(e)
+    if isinstance(e, CheckpointError):
+        return False
+    return isinstance(e, (ConnectionError, TimeoutError))
+
+
 class BackupTier:
     """Replication of one manager's committed steps to ``url`` (see the module docstring)."""
 
@@ -116,7 +129,11 @@ class BackupTier:
         self._queue: collections.deque[int] = collections.deque()
         self._cond = threading.Condition()
         self._busy = False
-        self._errors: list[BaseException] = []
+        # What failed since the last wait(), by step (None: listing the backup at the start);
+        # a step replicated on a later try drops its error.
+        self._errors: dict[int | None, BaseException] = {}
+        self._down = False  # the last step was given up on after every retry
+        self._gave_up: set[int] = set()  # steps to retry once the backup answers again
         self._closed = False
         self._known: dict[str, Any] | None = None
         self._committed: set[int] | None = None  # replicas committed, as this tier knows them
@@ -161,7 +178,7 @@ class BackupTier:
             log.error("backup: %s cannot be listed (%s: %s); the local steps are kept until it "
                       "can be", self.root.url, type(e).__name__, e)
             with self._cond:
-                self._errors.append(e)
+                self._errors[None] = e
             have = set()
         missing = [s for s in local_steps if s not in have]
         for s in missing:
@@ -192,18 +209,60 @@ class BackupTier:
                 step = self._queue[0]
                 self._busy = True
             try:
-                self._replicate(step)
-            except BaseException as e:  # kept for wait()/close(); the next steps still go
-                log.error("backup: replicating step %d to %s failed: %s: %s", step, self.root.url,
-                          type(e).__name__, e)
-                with self._cond:
-                    self._errors.append(e)
+                error = self._attempts(step)
+                if error is not None:  # kept for wait()/close(); the next steps still go
+                    log.error("backup: replicating step %d to %s failed: %s: %s", step,
+                              self.root.url, type(error).__name__, error)
+                    with self._cond:
+                        self._errors[step] = error
             finally:
                 with self._cond:
                     if self._queue and self._queue[0] == step:
                         self._queue.popleft()
                     self._busy = False
                     self._cond.notify_all()
+
+    def _attempts(self, step: int) -> BaseException | None:
+        """Replicate ``step``, trying again after a store failure (``backup_retries`` times, with
+        a doubling wait), once only while the backup is known to be down.  Returns what failed
+        last, or None.  A success retries the steps given up on during an outage."""
+        tries = 1 if self._down else 1 + int(_knobs.get("backup_retries"))
+        delay = float(_knobs.get("backup_retry_seconds"))
+        for attempt in range(1, tries + 1):
+            try:
+                self._replicate(step)
+            except BaseException as e:  # noqa: BLE001 - judged below, raised by wait()
+                if not transient(e):
+                    return e
+                if attempt == tries:
+                    log.warning("backup: giving up on step %d for now (%d tries); it is kept "
+                                "under %s and tried again after the next replication that "
+                                "succeeds, or at the next start", step, tries, self.local.url)
+                    self._down = True
+                    self._gave_up.add(step)
+                    return e
+                log.warning("backup: replicating step %d to %s failed (%s: %s); trying again "
+                            "in %.3g s (try %d of %d)", step, self.root.url, type(e).__name__, e,
+                            delay, attempt + 1, tries)
+                time.sleep(delay)
+                delay = min(2 * delay, 60.0)
+                continue
+            self._down = False
+            with self._cond:
+                self._errors.pop(step, None)
+                self._errors.pop(None, None)  # the backup answers: a failed listing is stale
+            self._gave_up.discard(step)
+            self._requeue_given_up()
+            return None
+        return None
+
+    def _requeue_given_up(self) -> None:
+        with self._cond:
+            again = sorted(s for s in self._gave_up if s not in self._queue)
+            self._gave_up.clear()
+            for s in again:
+                log.info("backup: the backup %s answers again; retrying step %d", self.root.url, s)
+                self._queue.append(s)
 
     def _replicate(self, step: int) -> None:
         name = layout.step_name(step)
@@ -262,7 +321,7 @@ class BackupTier:
                     raise TimeoutError(f"backup: {len(self._queue)} step(s) still to replicate "
                                        f"to {self.root.url}")
                 self._cond.wait(left)
-            errors, self._errors = self._errors, []
+            errors, self._errors = list(self._errors.values()), {}
         if errors:
             raise errors[0]
 

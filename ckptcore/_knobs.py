@@ -59,6 +59,12 @@ _DEFAULTS = {
     # a rank that does not arrive in time is taken for dead, and the save fails on every rank
     # with nothing committed.  It must exceed the slowest rank's write of its part.
     "group_timeout": 120.0,
+    # A backup replication that fails on the store (network, throttling, an outage) is tried
+    # again this many times, waiting backup_retry_seconds, then twice that, ... (at most 60 s)
+    # in between; a step that still fails is left to the next successful replication or the
+    # next start (its local copy is kept meanwhile).  4 tries from 2 s: about 30 s of outage.
+    "backup_retries": 4,
+    "backup_retry_seconds": 2.0,
 }
 _ENV = {k: "CKPTCORE_" + k.upper() for k in _DEFAULTS}
 _overrides: dict[str, float] = {}

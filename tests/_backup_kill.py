@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import ckptcore
 from ckptcore import layout
@@ -56,8 +57,13 @@ def check_tiers(local: str, backup: str, opts: dict, seen: set[int]) -> set[int]
 
 def run_until_done(cmd: list[str], env: dict, cwd: str, local: str, backup: str, opts: dict,
                    log: KillLog, rng: random.Random, *, max_kills: int, window: float,
-                   lose_local_every: int = 6, timeout: float = 300) -> str:
-    """Run ``cmd`` to completion, SIGKILLing it up to ``max_kills`` times; returns its output."""
+                   lose_local_every: int = 6, timeout: float = 300, min_mid: int = 0,
+                   more: Callable[[], bool] | None = None) -> str:
+    """Run ``cmd`` to completion, SIGKILLing it up to ``max_kills`` times; returns its output.
+
+    Half the kills wait for a replication to start; while fewer than ``min_mid`` kills have
+    landed mid-replication, most do (whether one lands there depends on the machine's pace).
+    ``more()``, when given, says whether another kill is still wanted."""
     seen: set[int] = set()
     kills_here = 0
     while True:
@@ -85,11 +91,12 @@ def run_until_done(cmd: list[str], env: dict, cwd: str, local: str, backup: str,
         reader.start()
         start = time.monotonic()
         killed = False
-        if kills_here < max_kills:
+        if kills_here < max_kills and (more is None or more()):
             while state["ready"] is None and proc.poll() is None and time.monotonic() - start < timeout:
                 time.sleep(0.01)
             if proc.poll() is None and state["ready"] is not None:
-                if rng.random() < 0.5:  # half the kills aimed at a replication in progress
+                aim = 0.5 if log.mid_replication >= min_mid else 0.9
+                if rng.random() < aim:  # kills aimed at a replication in progress
                     until = time.monotonic() + window
                     while not state["repl"] and proc.poll() is None and time.monotonic() < until:
                         time.sleep(0.002)
@@ -136,9 +143,12 @@ def print_events(logger_name: str = "ckptcore") -> None:
     sys.stdout.reconfigure(line_buffering=True)
 
 
-def campaigns(worker: str, here: Path, tmp_path: Path, s3_backend, kills: int, seed: int) -> KillLog:
+def campaigns(worker: str, here: Path, tmp_path: Path, s3_backend, kills: int, seed: int,
+              min_mid: int = 5) -> KillLog:
     """The whole test of one framework's worker: a reference run, then runs SIGKILLed until
-    ``kills`` kills are done, each ending bit for bit equal to the reference."""
+    ``kills`` kills are done, ``min_mid`` of them mid-replication, each run ending bit for bit
+    equal to the reference.  A few extra kills (at most ``kills // 2``) are allowed for the
+    mid-replication quota."""
     import json
 
     import numpy as np
@@ -159,12 +169,18 @@ def campaigns(worker: str, here: Path, tmp_path: Path, s3_backend, kills: int, s
     expected = final(ref)
     rng = random.Random(seed)
     campaign = 0
-    while log.kills < kills:
+    cap = kills + kills // 2
+
+    def more() -> bool:
+        return log.kills < kills or (log.mid_replication < min_mid and log.kills < cap)
+
+    while more():
         campaign += 1
         local, backup = str(tmp_path / f"local{campaign}"), s3_backend.url(f"backup{campaign}")
         out = tmp_path / f"run{campaign}.npz"
         run_until_done([sys.executable, worker, local, backup, str(out)], env, str(here), local,
-                       backup, opts, log, rng, max_kills=kills - log.kills, window=1.5)
+                       backup, opts, log, rng, max_kills=cap - log.kills, window=1.5,
+                       min_mid=min_mid, more=more)
         got = final(out)
         assert got.keys() == expected.keys()
         for k in expected:

@@ -371,7 +371,8 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize("path, value, error", BAD_BODIES,
-                         ids=[f"{p}={v!r}"[:60] for p, v, _ in BAD_BODIES])
+                         ids=[f"{p}={'<derived>' if callable(v) else repr(v)}"[:60]
+                              for p, v, _ in BAD_BODIES])
 def test_bad_manifest_bodies(local_backend, path, value, error):
     body, _ = _good(local_backend)
     _set(path, value)(body)
@@ -621,3 +622,19 @@ def test_checkpoint_info_tensors_behave_as_a_tuple(local_backend):
     assert info.nbytes == sum(t.nbytes for t in items)
     with pytest.raises(IndexError):
         info.tensors[len(items)]
+
+
+def test_every_error_and_warning_class_is_exported_at_the_top_level():
+    # ``except ckptcore.StorageError`` is what a user writes: every class of the hierarchy is
+    # reachable there, and listed in __all__.
+    import inspect as pyinspect
+
+    from ckptcore import errors
+
+    classes = [n for n, c in vars(errors).items()
+               if pyinspect.isclass(c) and issubclass(c, (Exception, Warning))
+               and c.__module__ == errors.__name__]
+    assert "StorageError" in classes and len(classes) >= 15
+    for name in classes:
+        assert getattr(ckptcore, name, None) is getattr(errors, name), name
+        assert name in ckptcore.__all__, name

@@ -17,6 +17,7 @@ from ckptcore._backup import sweep
 from ckptcore._replica import list_chunks
 from ckptcore._storage import Store
 from ckptcore.cli import main as ckpt
+from _proxy import CuttingProxy
 
 FROZEN = np.random.default_rng(0).standard_normal(450_000).astype(np.float32)  # 1.8 MB
 
@@ -278,3 +279,79 @@ def test_many_small_frozen_tensors_are_not_uploaded_again(tmp_path, s3_backend):
     assert all(g <= 0.15 * state_bytes for g in grown[1:]), (grown, state_bytes)
     got = ckptcore.load_state(f"{backup}/step-000000000003", storage_options=opts)
     assert all(got.model[k].tobytes() == v.tobytes() for k, v in frozen.items())
+
+
+@pytest.fixture
+def outage(s3_backend, s3_storage_options):
+    """The S3 server behind a proxy that can be taken down (connections closed on accept) and
+    brought back: storage options through the proxy, failing fast."""
+    port = int(s3_storage_options["client_kwargs"]["endpoint_url"].rsplit(":", 1)[1])
+    proxy = CuttingProxy(port)
+    opts = {**s3_storage_options, "skip_instance_cache": True,
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"},
+            "config_kwargs": {"connect_timeout": 1, "read_timeout": 5,
+                              "retries": {"max_attempts": 1}}}
+    yield proxy, s3_backend.url("backup"), opts
+    proxy.close()
+
+
+def test_a_short_bucket_outage_is_ridden_out_by_retries(tmp_path, outage, caplog):
+    proxy, url, opts = outage
+    caplog.set_level(logging.INFO, logger="ckptcore")
+    with _knobs.override(backup_retry_seconds=0.3, backup_retries=4):
+        with CheckpointManager(str(tmp_path / "local"), keep=1, backup=url,
+                               backup_storage_options=opts) as mgr:
+            mgr.save(1, _state(1))
+            mgr.wait()
+            proxy.down = True
+            mgr.save(2, _state(2))
+            deadline = time.monotonic() + 60
+            while "trying again" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "trying again" in caplog.text  # the first try failed on the outage
+            proxy.down = False
+            mgr.wait()  # a later try went through: nothing to raise
+            assert mgr.backup.steps() == [1, 2] and mgr.steps() == [2]
+    assert proxy.refused > 0
+    assert _same(ckptcore.load_state(f"{url}/{ckptcore.layout.step_name(2)}",
+                                     storage_options=opts), _state(2))
+
+
+def test_steps_given_up_in_a_long_outage_go_up_once_the_bucket_answers(tmp_path, outage, caplog):
+    proxy, url, opts = outage
+    caplog.set_level(logging.INFO, logger="ckptcore")
+    with _knobs.override(backup_retry_seconds=0.05, backup_retries=1):
+        with CheckpointManager(str(tmp_path / "local"), keep=1, backup=url,
+                               backup_storage_options=opts) as mgr:
+            mgr.save(1, _state(1))
+            mgr.wait()
+            proxy.down = True
+            mgr.save(2, _state(2))
+            mgr.save(3, _state(3))
+            with pytest.raises(ckptcore.StorageError):
+                mgr.wait()  # every try failed: the outage is reported
+            assert "giving up on step 2" in caplog.text
+            assert caplog.text.count("trying again") == 1  # step 3: once, the bucket being down
+            assert mgr.steps() == [2, 3]  # unreplicated local steps kept (keep=1)
+            proxy.down = False
+            mgr.save(4, _state(4))
+            mgr.wait()  # step 4 went up, then the steps given up on: no error left
+            assert mgr.backup.steps() == [1, 2, 3, 4]
+            assert mgr.steps() == [4]
+            assert "answers again; retrying step 2" in caplog.text
+    for step in (2, 3, 4):
+        assert not ckptcore.verify(f"{url}/{ckptcore.layout.step_name(step)}",
+                                   storage_options=opts)
+
+
+def test_what_is_worth_retrying():
+    from ckptcore._backup import transient
+
+    assert transient(ckptcore.StorageError("s3://b/x: put failed: EndpointConnectionError"))
+    assert transient(ckptcore.LockedError("s3://b: held by another writer"))
+    assert transient(ConnectionResetError()) and transient(TimeoutError())
+    missing = ckptcore.StorageError("s3://b/x: the bucket 'b' does not exist (put failed)")
+    missing.__cause__ = FileNotFoundError("NoSuchBucket: The specified bucket does not exist")
+    assert not transient(missing)
+    assert not transient(ckptcore.CorruptCheckpointError("local shard damaged"))
+    assert not transient(PermissionError("denied")) and not transient(ValueError("bug"))
