@@ -17,7 +17,12 @@ status=0
 run() {  # pytest exit 5 means "no tests collected": not a failure for an optional group
   .venv/bin/python -m pytest "$@" || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
 }
-run tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter "${@}"
+# The core suite in 2-4 worker processes (pytest-xdist), a test module per worker at a time: much
+# of it waits on subprocesses and the local servers, so two workers on two cores halve its time.
+# Each worker starts its own servers (session fixtures).
+workers=$(nproc 2>/dev/null || echo 2)
+workers=$(( workers < 2 ? 2 : (workers > 4 ? 4 : workers) ))
+run tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter -n "$workers" --dist loadfile "${@}"
 # Docstring examples of the core and the framework-free NumPy adapter, in a run of their own:
 # --doctest-modules over tests/ would import the framework test helpers (Keras and Paddle in one
 # process).  ckptcore/testing.py is the conformance suite that adapters' tests subclass, not docs.
