@@ -23,6 +23,7 @@ names is never removed.  An unreadable manifest stops the sweep (its references 
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import threading
 import time
@@ -33,7 +34,7 @@ from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
 from ._replica import CopyStats, chunk_rel, copy_checkpoint, list_chunks, references
 from ._storage import Store, _bucket_missing, check_url
-from .errors import CheckpointError, LockedError, StorageError
+from .errors import CheckpointError, CheckpointExistsError, LockedError, StorageError
 from .policies import CheckpointEntry, as_policy
 
 log = logging.getLogger("ckptcore")
@@ -97,17 +98,63 @@ def retain(root: Store, policy: Any, options: Mapping[str, Any], *,
     return gone
 
 
+# Store answers worth another try (throttling, a server's own failure) and those that are not
+# (credentials, permissions, a missing bucket), as S3, GCS and Azure spell them.
+_TRANSIENT_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
+                              "Throttling", "ThrottlingException", "TooManyRequests",
+                              "RequestLimitExceeded", "ServerBusy", "OperationTimedOut",
+                              "500", "502", "503", "504"})
+_PERMANENT_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                              "NoSuchBucket", "AllAccessDisabled", "InvalidBucketName",
+                              "AccountProblem", "AuthenticationFailed", "AuthorizationFailure",
+                              "ContainerNotFound", "403", "404"})
+_PERMANENT_CLASSES = frozenset({"NoCredentialsError", "PartialCredentialsError",
+                                "CredentialRetrievalError", "ClientAuthenticationError",
+                                "DefaultCredentialsError", "RefreshError"})
+# errno values of a network or a server failing for now (s3fs maps SlowDown and
+# ServiceUnavailable to EBUSY, InternalError to EREMOTEIO).
+_TRANSIENT_ERRNOS = frozenset(getattr(errno, n) for n in (
+    "EBUSY", "EAGAIN", "ETIMEDOUT", "ECONNRESET", "ECONNREFUSED", "ECONNABORTED", "EPIPE",
+    "EREMOTEIO", "ENETUNREACH", "EHOSTUNREACH", "ENETDOWN") if hasattr(errno, n))
+
+
+def _chain(e: BaseException | None) -> list[BaseException]:
+    out: list[BaseException] = []
+    while e is not None and len(out) < 8 and e not in out:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _code(e: BaseException) -> str:
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        return str((response.get("Error") or {}).get("Code", ""))
+    return str(getattr(e, "error_code", "") or getattr(e, "code", "") or "")
+
+
 def transient(e: BaseException) -> bool:
-    """Whether a failed replication may succeed if tried again: the store failing (network,
-    throttling, an outage) or another writer's lock, not a missing bucket, refused credentials
-    or a damaged source."""
+    """Whether a failed replication may succeed if tried again: the store or the network failing
+    for now (an outage, a reset connection, throttling, a server error) or another writer's
+    lock; not a missing bucket, missing or refused credentials, a permission, a damaged source
+    or a bug."""
+    chain = _chain(e)
+    if any(type(x).__name__ in _PERMANENT_CLASSES or _code(x) in _PERMANENT_CODES
+           or isinstance(x, PermissionError) for x in chain) or _bucket_missing(e):
+        return False
     if isinstance(e, LockedError):
         return True
+    if isinstance(e, CheckpointError) and not isinstance(e, StorageError):
+        return False  # damaged or incomplete source, schema, usage
+    if any(_code(x) in _TRANSIENT_CODES for x in chain):
+        return True
     if isinstance(e, StorageError):
-        return not _bucket_missing(e)
-    if isinstance(e, CheckpointError):
+        return True  # the store failing: what ckptcore's storage layer wraps is network trouble
+    if isinstance(e, (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)):
         return False
-    return isinstance(e, (ConnectionError, TimeoutError))
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
 
 
 class BackupTier:
@@ -134,6 +181,8 @@ class BackupTier:
         self._errors: dict[int | None, BaseException] = {}
         self._down = False  # the last step was given up on after every retry
         self._gave_up: set[int] = set()  # steps to retry once the backup answers again
+        self._once: set[int] = set()  # steps queued again after an outage: one try each
+        self._closing = threading.Event()  # close() started: no long waits between tries
         self._closed = False
         self._known: dict[str, Any] | None = None
         self._committed: set[int] | None = None  # replicas committed, as this tier knows them
@@ -210,6 +259,9 @@ class BackupTier:
                 self._busy = True
             try:
                 error = self._attempts(step)
+            except BaseException as e:  # noqa: BLE001 - this thread must not die: wait() would hang
+                error = e
+            try:
                 if error is not None:  # kept for wait()/close(); the next steps still go
                     log.error("backup: replicating step %d to %s failed: %s: %s", step,
                               self.root.url, type(error).__name__, error)
@@ -222,31 +274,52 @@ class BackupTier:
                     self._busy = False
                     self._cond.notify_all()
 
+    def _schedule(self, step: int) -> tuple[int, float]:
+        """How many tries ``step`` gets and the first wait between them: the full schedule for a
+        new step; one try while the backup is known to be down, for a step retried after it
+        came back, and once close() started (at most two then: the run is ending)."""
+        retries, delay = _knobs.get("backup_retries"), _knobs.get("backup_retry_seconds")
+        if int(retries) != retries or retries < 0 or not delay >= 0:
+            raise ValueError(f"the knobs backup_retries={retries!r} (a whole number >= 0) and "
+                             f"backup_retry_seconds={delay!r} (>= 0) do not make a schedule")
+        tries = 1 + int(retries)
+        if self._down or step in self._once:
+            tries = 1
+        elif self._closing.is_set():
+            tries = min(tries, 2)
+        return tries, float(delay)
+
     def _attempts(self, step: int) -> BaseException | None:
-        """Replicate ``step``, trying again after a store failure (``backup_retries`` times, with
-        a doubling wait), once only while the backup is known to be down.  Returns what failed
-        last, or None.  A success retries the steps given up on during an outage."""
-        tries = 1 if self._down else 1 + int(_knobs.get("backup_retries"))
-        delay = float(_knobs.get("backup_retry_seconds"))
-        for attempt in range(1, tries + 1):
+        """Replicate ``step``, trying again after a store failure with a doubling wait (see
+        ``_schedule``).  Returns what failed last, or None.  A success also queues again the
+        steps given up on while the backup was down."""
+        tries, delay = self._schedule(step)
+        self._once.discard(step)
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                self._replicate(step)
+                done = self._replicate(step)
             except BaseException as e:  # noqa: BLE001 - judged below, raised by wait()
                 if not transient(e):
                     return e
-                if attempt == tries:
-                    log.warning("backup: giving up on step %d for now (%d tries); it is kept "
+                if attempt >= tries:
+                    log.warning("backup: giving up on step %d for now (%d %s); it is kept "
                                 "under %s and tried again after the next replication that "
-                                "succeeds, or at the next start", step, tries, self.local.url)
+                                "succeeds, or at the next start", step, attempt,
+                                "try" if attempt == 1 else "tries", self.local.url)
                     self._down = True
                     self._gave_up.add(step)
                     return e
                 log.warning("backup: replicating step %d to %s failed (%s: %s); trying again "
                             "in %.3g s (try %d of %d)", step, self.root.url, type(e).__name__, e,
                             delay, attempt + 1, tries)
-                time.sleep(delay)
+                if self._closing.wait(delay):
+                    tries = min(tries, attempt + 1)  # closing: one last try, at once
                 delay = min(2 * delay, 60.0)
                 continue
+            if not done:  # its local copy is gone: nothing learnt about the backup
+                return None
             self._down = False
             with self._cond:
                 self._errors.pop(step, None)
@@ -254,7 +327,6 @@ class BackupTier:
             self._gave_up.discard(step)
             self._requeue_given_up()
             return None
-        return None
 
     def _requeue_given_up(self) -> None:
         with self._cond:
@@ -262,26 +334,49 @@ class BackupTier:
             self._gave_up.clear()
             for s in again:
                 log.info("backup: the backup %s answers again; retrying step %d", self.root.url, s)
+                self._once.add(s)  # one try each: a step failing for its own reasons costs little
                 self._queue.append(s)
 
-    def _replicate(self, step: int) -> None:
+    def _replicate(self, step: int) -> bool:
+        """Copy ``step`` to the backup (False: its local copy is gone, nothing was done)."""
+        from .api import read_manifest
+
         name = layout.step_name(step)
         if self._lock is not None:
             self._lock.acquire()
         dst = self.root.child(name)
+        src = self.local.child(name)
         if dst.exists(MANIFEST_NAME):
-            log.info("backup: step %d is already in %s", step, self.root.url)
-        else:
-            src = self.local.child(name)
-            if not src.exists(MANIFEST_NAME):
-                log.warning("backup: step %d is no longer under %s (deleted before it was "
-                            "replicated); skipping it", step, self.local.url)
-                return
-            if self._known is None and self.dedup:
-                self._known = list_chunks(self.root)
-            log.info("backup: replicating step %d to %s", step, self.root.url)
-            _, self.last = copy_checkpoint(src, dst, dedup=self.dedup, known=self._known,
-                                           gate=self._gate)
+            there = read_manifest(dst)
+            here = read_manifest(src) if src.exists(MANIFEST_NAME) else None
+            if here is None or here.writer.get("id") == there.writer.get("id"):
+                log.info("backup: step %d is already in %s", step, self.root.url)
+                self._committed_now(step)
+                return True
+            if not here.created > there.created:
+                raise CheckpointExistsError(
+                    f"backup: {dst.url} holds another checkpoint of step {step} (writer "
+                    f"{there.writer.get('id')}, saved after the local one): not replacing it; "
+                    "is another run replicating to this backup root?")
+            # The local step was saved again (a run resumed from before it): its replica is stale.
+            log.warning("backup: replacing the replica of step %d in %s: the local step was "
+                        "saved again since (writer %s, was %s)", step, self.root.url,
+                        here.writer.get("id"), there.writer.get("id"))
+            dst.delete(MANIFEST_NAME)  # uncommit first
+            dst.delete_tree()
+        if not src.exists(MANIFEST_NAME):
+            log.warning("backup: step %d is no longer under %s (deleted before it was "
+                        "replicated); skipping it", step, self.local.url)
+            return False
+        if self._known is None and self.dedup:
+            self._known = list_chunks(self.root)
+        log.info("backup: replicating step %d to %s", step, self.root.url)
+        _, self.last = copy_checkpoint(src, dst, dedup=self.dedup, known=self._known,
+                                       gate=self._gate)
+        self._committed_now(step)
+        return True
+
+    def _committed_now(self, step: int) -> None:
         with self._cond:
             if self._committed is not None:
                 self._committed.add(step)
@@ -325,7 +420,12 @@ class BackupTier:
         if errors:
             raise errors[0]
 
+    def closing(self) -> None:
+        """The manager is closing: at most one more try per failing step, without long waits."""
+        self._closing.set()
+
     def close(self) -> None:
+        self.closing()
         try:
             self.wait()
         finally:
@@ -335,4 +435,8 @@ class BackupTier:
             if self._thread is not None:
                 self._thread.join()
             if self._lock is not None:
-                self._lock.release()
+                try:
+                    self._lock.release()
+                except (CheckpointError, OSError) as e:  # its lease expires by itself
+                    log.warning("backup: releasing the writer lock of %s failed (%s: %s); its "
+                                "lease expires by itself", self.root.url, type(e).__name__, e)

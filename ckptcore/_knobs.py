@@ -75,8 +75,25 @@ def get(name: str) -> int | float:
         return _overrides[name]
     env = os.environ.get(_ENV[name])
     if env is not None:
-        return type(_DEFAULTS[name])(env)
+        return _parse(name, env)
     return _DEFAULTS[name]
+
+
+def _parse(name: str, text: str) -> int | float:
+    """An environment override, as the default's type ("3.0" is fine for a whole number); one
+    that is not a number is a ValueError naming the variable, not a crash deep in a save."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{_ENV[name]}={text!r} is not a number (default {_DEFAULTS[name]!r})")
+    if isinstance(_DEFAULTS[name], int):
+        if value != int(value):
+            raise ValueError(f"{_ENV[name]}={text!r} is not a whole number "
+                             f"(default {_DEFAULTS[name]!r})")
+        return int(value)
+    return value
 
 
 @contextlib.contextmanager

@@ -42,7 +42,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import _backup, _codec, _dist, _knobs, api, layout
-from ._lock import LockTakeoverWarning, WriterLock
+from ._lock import LockTakeoverWarning, WriterLock, _caller_level
 from ._manifest import MANIFEST_NAME
 from ._storage import Store, check_url
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
@@ -159,7 +159,8 @@ class CheckpointManager:
             to, in the background, with the same commit protocol (docs/RELIABILITY.md, "Backup
             tiers"); ``save()`` does not wait for it, ``wait()`` and ``close()`` do and raise its
             errors.  ``restore()`` takes the newest step that verifies in either tier, local
-            first.  Unchanged tensors are not uploaded again (``backup_dedup``).
+            first.  Unchanged tensors are not uploaded again (``backup_dedup``).  With a group,
+            rank 0 replicates the group's steps (every rank passes the same ``backup``).
         backup_keep: The backup's own retention (as ``keep``); None keeps every replica.
         backup_storage_options: Passed to fsspec for ``backup``.
         backup_dedup: Store replicas as content-addressed chunks shared between steps (default);
@@ -180,9 +181,6 @@ class CheckpointManager:
                  backup_keep: Any = None, backup_storage_options: Mapping[str, Any] | None = None,
                  backup_dedup: bool = True, keep_unreplicated: bool = True):
         self.root = Store(check_url(root, "root"), dict(storage_options or {}))
-        if backup is not None and group is not None:
-            raise ValueError("backup= with group= is not supported yet: replicate the group's "
-                             "root with `ckpt sync` instead")
         if backup is None and (backup_keep is not None or backup_storage_options):
             raise ValueError("backup_keep and backup_storage_options need backup=URL")
         self.backup = (None if backup is None else _backup.BackupTier(
@@ -219,7 +217,10 @@ class CheckpointManager:
         _live.add(self)
         if save_on_preemption:
             _catch_sigterm(self)
-        if self.backup is not None:  # a run that died before replicating: finish it now
+        # A run that died before replicating: finish it now.  With a group only rank 0
+        # replicates (the group's root is shared: it sees every rank's files); the other ranks'
+        # tier only lists and reads the backup.
+        if self.backup is not None and self._coordinator:
             self.backup.resume(self.steps() if self.root.exists() else [])
 
     # -- listing --------------------------------------------------------------------------------
@@ -339,7 +340,7 @@ class CheckpointManager:
         if problems and all(_is_damage(p) for p in problems):
             warnings.warn(f"replacing checkpoint step {step} ({url}), which does not verify "
                           f"({problems[0]}); restore() fell back over it",
-                          CheckpointFallbackWarning, stacklevel=3)
+                          CheckpointFallbackWarning, stacklevel=_caller_level())
             log.warning("replacing damaged checkpoint step %d (%s): %s", step, url, problems[0])
             self._listed = None
             self._delete(step)
@@ -377,7 +378,8 @@ class CheckpointManager:
 
     def _write(self, step: int, url: str, state: TrainingState,
                overwrite: bool = False) -> api.CheckpointInfo:
-        if self.backup is not None:
+        replicating = self.backup is not None and self._coordinator
+        if replicating:
             self.backup.pause()
         try:
             info = api.save_state(url, state, storage_options=self._options, overwrite=overwrite,
@@ -394,14 +396,14 @@ class CheckpointManager:
                 f"mgr.restore() and save the steps after it; to discard it, call mgr.rewind({step}) "
                 "(deletes it and every newer checkpoint) and save again") from e
         finally:
-            if self.backup is not None:
+            if replicating:
                 self.backup.proceed()
         self._saved.add(step)
         self._entries[step] = CheckpointEntry(step, info.created,
                                               _saved_metrics(step, state.metadata))
         if self._lock is not None:
             self._lock.refresh()
-        if self.backup is not None:
+        if replicating:
             self.backup.enqueue(step)
         if self._coordinator:
             self._apply_retention()
@@ -420,14 +422,22 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the save in flight is committed, and with a backup until every committed
-        step is replicated; re-raise what failed."""
+        step is replicated; re-raise what failed.  With a group and a backup every rank calls
+        it: rank 0 replicates, and its outcome is every rank's."""
         self._wait_inflight()
         if self.backup is not None:
-            self.backup.wait()
-            if self._saved and self._coordinator:
-                # steps local retention kept for want of a replica may go now
-                self._acquire()
-                self._apply_retention()
+            if self.group is None:
+                self._wait_backup()
+            else:
+                _dist.decide(self.root, self.group, self._wait_backup)
+
+    def _wait_backup(self) -> None:
+        assert self.backup is not None
+        self.backup.wait()
+        if self._saved and self._coordinator:
+            # steps local retention kept for want of a replica may go now
+            self._acquire()
+            self._apply_retention()
 
     # -- retention and gc -----------------------------------------------------------------------
     def _entry(self, step: int) -> CheckpointEntry | None:
@@ -603,7 +613,7 @@ class CheckpointManager:
             return api.load_state(url, storage_options=options, keys=keys, like=like, group=group)
 
         if step is not None:
-            where = self._tiers(step)
+            where = self._where(step)
             if not where:
                 where = [("local", self.step_url(step), self._options)]  # its error names it
             tier, url, options = where[0]
@@ -614,13 +624,12 @@ class CheckpointManager:
                 state = load(url, options)
                 self._restore_into(state, objects)
             if tier == "backup" and seed:
-                self._seed(step)
+                self._seed_all(step)
             return state
-        if group is None:
-            steps = sorted(set(self.steps() if self.root.exists() else [])
-                           | set(self.backup.steps() if self.backup is not None else []))
-        else:
-            steps = _dist.decide(self.root, group, self.steps)
+        # Rank 0 of a group lists both tiers, and every rank tries the same steps in the same
+        # tiers.  Without a group, the same listing here (a bucket out of reach: local only).
+        plan = dict(self._plan() if group is None else _dist.decide(self.root, group, self._plan))
+        steps = sorted(plan)
         if not steps:
             where = self.root.url + (f" or {self.backup.root.url}" if self.backup else "")
             raise CheckpointNotFoundError(f"{where}: no committed checkpoints")
@@ -628,40 +637,93 @@ class CheckpointManager:
         damaged: set[int] = set()
         passed: set[int] = set()
         for s in reversed(steps):
-            for tier, url, options in self._tiers(s):
+            candidates = self._at(s, plan[s])
+            for i, (tier, url, options) in enumerate(candidates):
                 try:
                     state = load(url, options)
-                except (StorageError, GroupError):
-                    if tier == "backup":  # the bucket is out of reach: no replica to fall back on
-                        log.warning("restore: the replica of step %d (%s) cannot be read; "
-                                    "the backup is out of reach", s, url)
-                        continue
-                    raise  # the store or a peer is out of reach: an older step would be no better
-                except Exception as e:  # noqa: BLE001 - any step that fails to decode or verify
-                    warnings.warn(f"checkpoint step {s} ({url}) does not verify: {e}; falling "
-                                  "back to " + ("its replica" if tier == "local" and
-                                                self.backup and self.backup.replicated(s)
-                                                else "an older one"),
-                                  CheckpointFallbackWarning, stacklevel=2)
-                    log.warning("restore: checkpoint step %d (%s) does not load (%s: %s); falling "
-                                "back", s, url, type(e).__name__, e)
-                    last = e
+                except Exception as e:  # noqa: BLE001 - judged by _verdict
+                    replica_next = any(t == "backup" for t, _, _ in candidates[i + 1:])
+                    if self._verdict(s, tier, url, e, replica_next) == "raise":
+                        raise
                     if tier == "local":
                         passed.add(s)
                         if _is_damage(e):
                             damaged.add(s)
+                    last = e
                     continue
                 self._restore_into(state, objects)
                 if tier == "backup":
                     log.info("restore: step %d restored from its replica %s", s, url)
                     if seed:
-                        self._seed(s)
+                        self._seed_all(s, replace=s in damaged)
+                        damaged.discard(s)  # healed: the local copy is the replica's now
                 # Only a run that did resume from an older step may later save over these.
                 self._skipped = frozenset(damaged)
                 self._fell_back = frozenset(passed - {s})
                 return state
         raise CorruptCheckpointError(f"{self.root.url}: none of the {len(steps)} checkpoints "
                                      f"verifies; the last error was: {last}") from last
+
+    def _verdict(self, step: int, tier: str, url: str, e: Exception, replica_next: bool) -> str:
+        """After a candidate failed to load: ``"raise"`` or ``"next"`` (the step's replica, or an
+        older step), warned and logged.  With a group every rank failed alike (the load agrees)
+        and every rank follows rank 0's verdict, so that none falls back while another raises;
+        no storage is touched here (ranks must not split over a listing that fails on one)."""
+        if isinstance(e, GroupError):
+            verdict = ["raise", "group"]  # a peer is gone: no other step loads without it
+        elif isinstance(e, StorageError):
+            # The store is out of reach: an older step would be no better.  A bucket out of
+            # reach only means there is no replica to fall back on.
+            verdict = ["next" if tier == "backup" else "raise", "unreachable"]
+        else:  # any step that fails to decode or verify
+            verdict = ["next", "invalid"]
+        if self.group is not None:
+            mine = verdict
+            verdict = list(_dist.decide(self.root, self.group, lambda: mine))
+        if verdict[0] == "raise":
+            return "raise"
+        if verdict[1] == "unreachable":
+            log.warning("restore: the replica of step %d (%s) cannot be read (%s); the backup "
+                        "is out of reach", step, url, e)
+            return "next"
+        fallback = "its replica" if replica_next else "an older one"
+        warnings.warn(f"checkpoint step {step} ({url}) does not verify: {e}; falling back to "
+                      + fallback, CheckpointFallbackWarning, stacklevel=3)
+        log.warning("restore: checkpoint step %d (%s) does not load (%s: %s); falling back to %s",
+                    step, url, type(e).__name__, e, fallback)
+        return "next"
+
+    def _plan(self) -> list[list[Any]]:
+        """Rank 0 of a group: ``[step, [tier, ...]]`` for every committed step of either tier,
+        from one listing of each (a backup out of reach: the local tier only, logged)."""
+        local = set(self.steps() if self.root.exists() else [])
+        remote: set[int] = set()
+        if self.backup is not None:
+            try:
+                remote = set(self.backup.steps())
+            except (CheckpointError, OSError) as e:
+                log.warning("restore: the backup %s cannot be listed (%s); the local tier only",
+                            self.backup.root.url, e)
+        return [[s, [t for t, held in (("local", s in local), ("backup", s in remote)) if held]]
+                for s in sorted(local | remote)]
+
+    def _at(self, step: int, tiers: list[str]) -> list[tuple[str, str, Mapping[str, Any]]]:
+        """``_tiers`` for the tiers rank 0 named."""
+        out: list[tuple[str, str, Mapping[str, Any]]] = []
+        for tier in tiers:
+            if tier == "local":
+                out.append(("local", self.step_url(step), self._options))
+            elif tier == "backup" and self.backup is not None:
+                out.append(("backup", self.backup.root.child(self._name(step)).url,
+                            self.backup.options))
+        return out
+
+    def _where(self, step: int) -> list[tuple[str, str, Mapping[str, Any]]]:
+        """Where ``step`` is, local first: asked here, or with a group of rank 0."""
+        if self.group is None:
+            return self._tiers(step)
+        return self._at(step, _dist.decide(self.root, self.group,
+                                           lambda: [t for t, _, _ in self._tiers(step)]))
 
     def _tiers(self, step: int) -> list[tuple[str, str, Mapping[str, Any]]]:
         """Where ``step`` is committed: ``(tier, url, storage options)``, local first."""
@@ -673,16 +735,43 @@ class CheckpointManager:
             out.append(("backup", self.backup.root.child(name).url, self.backup.options))
         return out
 
-    def _seed(self, step: int) -> None:
-        """Copy ``step``'s replica into the local root (restore(seed=True))."""
+    def _seed_all(self, step: int, replace: bool = False) -> None:
+        """restore(seed=True): copy the replica into the local root; with a group rank 0 does,
+        and every rank learns whether it did."""
+        if self.group is None:
+            self._seed(step, replace)
+        else:
+            _dist.decide(self.root, self.group, lambda: self._seed(step, replace))
+
+    def _seed(self, step: int, replace: bool = False) -> None:
+        """Copy ``step``'s replica into the local root (restore(seed=True)); ``replace``: the
+        local copy was found damaged, and the replica takes its place."""
         from ._replica import copy_checkpoint
 
         assert self.backup is not None
         name = self._name(step)
         dst = self.root.child(name)
         if dst.exists(MANIFEST_NAME):
-            log.info("restore: step %d is already under %s; not seeding it", step, self.root.url)
-            return
+            if not replace:
+                log.info("restore: step %d is already under %s; not seeding it", step,
+                         self.root.url)
+                return
+            self._acquire()
+            # Checked again under the lock: a read that failed once (a flaky disk, another
+            # writer's replacement meanwhile) does not delete a copy that verifies now.
+            try:
+                problems: list[Exception] = list(api.verify(dst.url,
+                                                            storage_options=self._options))
+            except CheckpointError as e:  # its manifest is unreadable: damaged too
+                problems = [e]
+            if not problems:
+                log.info("restore: the local copy of step %d under %s verifies now; keeping it",
+                         step, self.root.url)
+                return
+            log.warning("restore: replacing the damaged copy of step %d under %s (%s) with its "
+                        "replica from %s", step, self.root.url, problems[0],
+                        self.backup.root.url)
+            self._delete(step)
         self._acquire()
         log.info("restore: seeding %s with step %d from %s", self.root.url, step,
                  self.backup.root.url)
@@ -743,7 +832,13 @@ class CheckpointManager:
             return
         try:
             try:
-                self.wait()  # with a backup: replicated, and local retention applied after it
+                # With a backup: replicated (at most one more try per failing step, the run is
+                # ending), and local retention applied after it.  With a group not collective:
+                # a rank that closes early must not wait on the others; rank 0 raises.
+                self._wait_inflight()
+                if self.backup is not None:
+                    self.backup.closing()
+                    self._wait_backup()
             finally:
                 if self.backup is not None:
                     self.backup.close()
@@ -838,7 +933,9 @@ def _drain() -> None:
         try:
             mgr.close()
         except BaseException as e:  # noqa: BLE001 - nothing left to raise to at exit
-            warnings.warn(f"ckptcore: a background save failed at exit: {e!r}")
+            what = "save or replication" if mgr.backup is not None else "save"
+            log.error("closing %s at exit: a background %s failed: %r", mgr.root.url, what, e)
+            warnings.warn(f"ckptcore: a background {what} failed at exit ({mgr.root.url}): {e!r}")
 
 
 # A plain atexit hook runs too late: concurrent.futures refuses new thread pools once the

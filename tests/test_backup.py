@@ -240,9 +240,8 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
         CheckpointManager(str(tmp_path / "a"), backup_keep=3)
     with pytest.raises(ValueError, match="own root"):
         CheckpointManager(str(tmp_path / "a"), backup=str(tmp_path / "a"))
-    with pytest.raises(ValueError, match="group"):
-        CheckpointManager(str(tmp_path / "a"), backup="memory://x",
-                          group=ckptcore.SingleProcessGroup())
+    with pytest.raises(ValueError, match="backup"):
+        CheckpointManager(str(tmp_path / "a"), backup="")
 
 
 def test_ckpt_gc_of_a_backup_root_sweeps_unreferenced_chunks(tiers, capsys):
@@ -345,8 +344,31 @@ def test_steps_given_up_in_a_long_outage_go_up_once_the_bucket_answers(tmp_path,
 
 
 def test_what_is_worth_retrying():
+    """Errors as the storage layer hands them over (s3fs's translation of botocore's answers, then
+    Store._remote's): outages, resets and throttling are tried again; a missing bucket, missing
+    or refused credentials, a damaged source and bugs are not."""
+    from botocore.exceptions import ClientError, NoCredentialsError
+    from s3fs.errors import translate_boto_error
+
     from ckptcore._backup import transient
 
+    store = Store("s3://bucket/x", {"anon": True})
+
+    def through_store(error: BaseException) -> BaseException:
+        try:
+            with store._remote("put", "a", write=True):
+                raise error
+        except BaseException as e:  # noqa: BLE001 - what the tier sees
+            return e
+        raise AssertionError("not raised")
+
+    for code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"):
+        boto = ClientError({"Error": {"Code": code, "Message": code}}, "PutObject")
+        assert transient(through_store(translate_boto_error(boto))), code
+    for code in ("AccessDenied", "InvalidAccessKeyId", "NoSuchBucket"):
+        boto = ClientError({"Error": {"Code": code, "Message": code}}, "PutObject")
+        assert not transient(through_store(translate_boto_error(boto))), code
+    assert not transient(through_store(NoCredentialsError()))
     assert transient(ckptcore.StorageError("s3://b/x: put failed: EndpointConnectionError"))
     assert transient(ckptcore.LockedError("s3://b: held by another writer"))
     assert transient(ConnectionResetError()) and transient(TimeoutError())
@@ -355,3 +377,160 @@ def test_what_is_worth_retrying():
     assert not transient(missing)
     assert not transient(ckptcore.CorruptCheckpointError("local shard damaged"))
     assert not transient(PermissionError("denied")) and not transient(ValueError("bug"))
+    assert not transient(NotADirectoryError(20, "Not a directory"))
+
+
+
+def test_a_group_replicates_once_and_every_rank_restores_from_the_best_tier(tmp_path, s3_backend,
+                                                                            caplog):
+    """2 ranks save a sharded state with a backup: rank 0 replicates each step once; 3 ranks
+    restore it from the bucket after the local root is lost (and seed it), then fall back
+    together from a damaged local copy to its replica."""
+    from _support import run_ranks
+    from test_dist_sharded import _rank_leaf
+    from test_sharded_load import _check_rank, _state as _sharded
+
+    caplog.set_level(logging.INFO, logger="ckptcore")
+    root, url, opts = str(tmp_path / "local"), s3_backend.url("backup"), s3_backend.storage_options
+
+    def manager(g):
+        return CheckpointManager(root, keep=1, group=g, backup=url, backup_storage_options=opts,
+                                 save_on_preemption=False)
+
+    def save(g):
+        with manager(g) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, _sharded(_rank_leaf(2, g.rank)))
+            mgr.wait()
+            return mgr.backup.pending()
+
+    out = run_ranks(ckptcore.ThreadGroup.create(2), save)
+    assert out == {0: [], 1: []}, out
+    assert caplog.text.count("backup: replicating step") == 3  # by rank 0 only
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [3]  # keep=1 on the local tier, once replicated
+    replicas = [s for s, _ in ckptcore.layout.committed_steps(Store(url, opts))]
+    assert replicas == [1, 2, 3]
+    for s in replicas:
+        assert not ckptcore.verify(f"{url}/{ckptcore.layout.step_name(s)}", storage_options=opts)
+
+    def restore(g):
+        with manager(g) as mgr:
+            state = mgr.restore(like=_sharded(_rank_leaf(3, g.rank, template=True)), seed=True)
+            _check_rank(state, 3, g.rank)
+            return "ok"
+
+    shutil.rmtree(root)  # a lost machine: only the bucket is left
+    assert run_ranks(ckptcore.ThreadGroup.create(3), restore) == {0: "ok", 1: "ok", 2: "ok"}
+    assert "step 3 restored from its replica" in caplog.text
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [3]  # seeded once, by rank 0
+    # A damaged local copy: every rank falls back to the replica together, not to an older step.
+    shard = sorted((tmp_path / "local" / ckptcore.layout.step_name(3)).glob("shard-*"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    caplog.clear()
+    with pytest.warns(ckptcore.CheckpointFallbackWarning, match="falling back to its replica"):
+        assert run_ranks(ckptcore.ThreadGroup.create(3), restore) == {0: "ok", 1: "ok", 2: "ok"}
+    assert "step 3 restored from its replica" in caplog.text
+    assert "replacing the damaged copy of step 3" in caplog.text  # seed=True heals the local tier
+    assert not ckptcore.verify(str(tmp_path / "local" / ckptcore.layout.step_name(3)))
+
+
+
+def test_a_bad_retry_knob_is_an_error_from_wait_and_the_tier_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTCORE_BACKUP_RETRIES", "3.0")  # a whole number written as a float
+    assert _knobs.get("backup_retries") == 3
+    monkeypatch.setenv("CKPTCORE_BACKUP_RETRIES", "three")
+    with pytest.raises(ValueError, match="CKPTCORE_BACKUP_RETRIES='three'"):
+        _knobs.get("backup_retries")
+    monkeypatch.delenv("CKPTCORE_BACKUP_RETRIES")
+    with CheckpointManager(str(tmp_path / "local"), backup=str(tmp_path / "bk")) as mgr:
+        with _knobs.override(backup_retries=-1):
+            mgr.save(1, _state(1))
+            with pytest.raises(ValueError, match="backup_retries=-1"):
+                mgr.wait()
+        mgr.save(2, _state(2))  # the replicating thread survived it
+        mgr.wait()
+        assert mgr.backup.steps() == [2]
+
+
+def test_with_a_group_every_rank_learns_what_replication_raised(tmp_path):
+    from _support import run_ranks
+
+    (tmp_path / "afile").write_bytes(b"")
+    backup = str(tmp_path / "afile" / "bk")  # under a file: every replication fails
+
+    def run(g):
+        with _knobs.override(group_timeout=20):
+            mgr = CheckpointManager(str(tmp_path / "local"), group=g, backup=backup,
+                                    save_on_preemption=False)
+            mgr.save(1, _state(1))
+            try:
+                mgr.wait()
+            except Exception as e:  # noqa: BLE001 - compared below
+                return type(e).__name__, str(e)
+            finally:
+                try:
+                    mgr.close()
+                except Exception:  # noqa: BLE001 - rank 0 raises it again; seen above
+                    pass
+            return "returned", ""
+
+    out = run_ranks(ckptcore.ThreadGroup.create(2), run)
+    assert out[0][0] == "NotADirectoryError", out
+    assert out[1][0] == "GroupError" and "NotADirectoryError" in out[1][1], out
+
+
+def test_a_step_saved_again_replaces_its_stale_replica(tiers, caplog):
+    local, backup, opts = tiers
+    caplog.set_level(logging.INFO, logger="ckptcore")
+    with CheckpointManager(local, backup=backup, backup_storage_options=opts) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        mgr.wait()
+        mgr.save(2, _state(7))  # this manager's own step, saved again: replaced atomically
+        mgr.wait()
+    assert "replacing the replica of step 2" in caplog.text
+    got = ckptcore.load_state(f"{backup}/{ckptcore.layout.step_name(2)}", storage_options=opts)
+    assert _same(got, _state(7))
+
+
+def test_restore_with_the_bucket_down_uses_the_local_tier(tmp_path, outage, caplog):
+    proxy, url, opts = outage
+    with CheckpointManager(str(tmp_path / "local"), backup=url, backup_storage_options=opts) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait()
+    proxy.down = True
+    caplog.set_level(logging.WARNING, logger="ckptcore")
+    with _knobs.override(backup_retries=0):
+        mgr = CheckpointManager(str(tmp_path / "local"), backup=url, backup_storage_options=opts)
+        try:
+            assert _same(mgr.restore(), _state(1))
+            assert "cannot be listed" in caplog.text
+        finally:
+            try:
+                mgr.close()
+            except ckptcore.StorageError:
+                pass  # the listing at the start failed: raised by close(), as by wait()
+
+
+def test_close_with_the_bucket_down_tries_each_step_once_more_at_most(tmp_path, outage, caplog):
+    proxy, url, opts = outage
+    caplog.set_level(logging.INFO, logger="ckptcore")
+    with _knobs.override(backup_retries=4, backup_retry_seconds=30.0):
+        mgr = CheckpointManager(str(tmp_path / "local"), backup=url, backup_storage_options=opts)
+        mgr.save(1, _state(1))
+        mgr.wait()
+        proxy.down = True
+        mgr.save(2, _state(2))
+        deadline = time.monotonic() + 60
+        while "trying again in 30 s (try 2 of 5)" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text[-2000:]
+            time.sleep(0.05)  # the first try failed; the tier now waits 30 s before the next
+        with pytest.raises(ckptcore.StorageError):
+            mgr.close()  # the wait is cut short: one last try at once, then given up
+    assert "try 3 of" not in caplog.text
+    assert "giving up on step 2 for now (2 tries)" in caplog.text
+    assert mgr.steps() == [1, 2]  # kept locally; the next start replicates it
