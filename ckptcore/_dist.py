@@ -319,6 +319,16 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
     return manifest
 
 
+def settle(store: Store, group: Any) -> None:
+    """After a committed save: wait until every rank has read what was committed.  The save is
+    committed whatever happens here, so a peer lost now is logged, not raised."""
+    try:
+        group.barrier(timeout=float(_knobs.get("group_timeout")))
+    except GroupError as e:
+        log.warning("%s: committed, but a rank did not confirm reading the manifest (%s)",
+                    store.url, e)
+
+
 def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], digest: bytes,
            part: _Part, replies: list[dict], make_manifest: Callable) -> Manifest:
     """One manifest from every rank's part; refuses failed ranks and differing states."""

@@ -212,8 +212,13 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     if group is not None:
         manifest = _dist.save(store, group, enc, arrays, make_manifest, token=token,
                               overwrite=overwrite)
-        if manifest is None:  # another rank: rank 0 committed; describe what it committed
-            manifest = read_manifest(store)
+        try:
+            if manifest is None:  # another rank: rank 0 committed; describe what it committed
+                manifest = read_manifest(store)
+        finally:
+            # Rank 0 goes on only once every rank has read the manifest: its next act may
+            # delete this very step (a rewind), and a rank still reading would find it gone.
+            _dist.settle(store, group)
         return _info(store.url, manifest)
     manifest = commit(store, write, token=token, overwrite=overwrite)
     return _info(store.url, manifest)

@@ -151,5 +151,6 @@ def run_ranks(groups: list, fn: Any, *, timeout: float = 120) -> dict[int, Any]:
         t.start()
     for t in threads:
         t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    hung = [g.rank for g, t in zip(groups, threads) if t.is_alive()]
+    assert not hung, f"ranks {hung} hung; the others returned {out!r}"
     return out
