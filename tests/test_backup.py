@@ -4,6 +4,7 @@ never take a chunk a committed replica names; ``ckpt sync`` between any two stor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -294,23 +295,31 @@ def outage(s3_backend, s3_storage_options):
     proxy.close()
 
 
-def test_a_short_bucket_outage_is_ridden_out_by_retries(tmp_path, outage, caplog):
+@contextlib.contextmanager
+def _outage_after_step_1(tmp_path, outage, **knobs):
+    """A manager (keep=1) whose step 1 is replicated, then the bucket goes down."""
     proxy, url, opts = outage
-    caplog.set_level(logging.INFO, logger="ckptcore")
-    with _knobs.override(backup_retry_seconds=0.3, backup_retries=4):
+    with _knobs.override(**knobs):
         with CheckpointManager(str(tmp_path / "local"), keep=1, backup=url,
                                backup_storage_options=opts) as mgr:
             mgr.save(1, _state(1))
             mgr.wait()
             proxy.down = True
-            mgr.save(2, _state(2))
-            deadline = time.monotonic() + 60
-            while "trying again" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert "trying again" in caplog.text  # the first try failed on the outage
-            proxy.down = False
-            mgr.wait()  # a later try went through: nothing to raise
-            assert mgr.backup.steps() == [1, 2] and mgr.steps() == [2]
+            yield mgr
+
+
+def test_a_short_bucket_outage_is_ridden_out_by_retries(tmp_path, outage, caplog):
+    proxy, url, opts = outage
+    caplog.set_level(logging.INFO, logger="ckptcore")
+    with _outage_after_step_1(tmp_path, outage, backup_retry_seconds=0.3, backup_retries=4) as mgr:
+        mgr.save(2, _state(2))
+        deadline = time.monotonic() + 60
+        while "trying again" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "trying again" in caplog.text  # the first try failed on the outage
+        proxy.down = False
+        mgr.wait()  # a later try went through: nothing to raise
+        assert mgr.backup.steps() == [1, 2] and mgr.steps() == [2]
     assert proxy.refused > 0
     assert _same(ckptcore.load_state(f"{url}/{ckptcore.layout.step_name(2)}",
                                      storage_options=opts), _state(2))
@@ -319,25 +328,20 @@ def test_a_short_bucket_outage_is_ridden_out_by_retries(tmp_path, outage, caplog
 def test_steps_given_up_in_a_long_outage_go_up_once_the_bucket_answers(tmp_path, outage, caplog):
     proxy, url, opts = outage
     caplog.set_level(logging.INFO, logger="ckptcore")
-    with _knobs.override(backup_retry_seconds=0.05, backup_retries=1):
-        with CheckpointManager(str(tmp_path / "local"), keep=1, backup=url,
-                               backup_storage_options=opts) as mgr:
-            mgr.save(1, _state(1))
-            mgr.wait()
-            proxy.down = True
-            mgr.save(2, _state(2))
-            mgr.save(3, _state(3))
-            with pytest.raises(ckptcore.StorageError):
-                mgr.wait()  # every try failed: the outage is reported
-            assert "giving up on step 2" in caplog.text
-            assert caplog.text.count("trying again") == 1  # step 3: once, the bucket being down
-            assert mgr.steps() == [2, 3]  # unreplicated local steps kept (keep=1)
-            proxy.down = False
-            mgr.save(4, _state(4))
-            mgr.wait()  # step 4 went up, then the steps given up on: no error left
-            assert mgr.backup.steps() == [1, 2, 3, 4]
-            assert mgr.steps() == [4]
-            assert "answers again; retrying step 2" in caplog.text
+    with _outage_after_step_1(tmp_path, outage, backup_retry_seconds=0.05, backup_retries=1) as mgr:
+        mgr.save(2, _state(2))
+        mgr.save(3, _state(3))
+        with pytest.raises(ckptcore.StorageError):
+            mgr.wait()  # every try failed: the outage is reported
+        assert "giving up on step 2" in caplog.text
+        assert caplog.text.count("trying again") == 1  # step 3: once, the bucket being down
+        assert mgr.steps() == [2, 3]  # unreplicated local steps kept (keep=1)
+        proxy.down = False
+        mgr.save(4, _state(4))
+        mgr.wait()  # step 4 went up, then the steps given up on: no error left
+        assert mgr.backup.steps() == [1, 2, 3, 4]
+        assert mgr.steps() == [4]
+        assert "answers again; retrying step 2" in caplog.text
     for step in (2, 3, 4):
         assert not ckptcore.verify(f"{url}/{ckptcore.layout.step_name(step)}",
                                    storage_options=opts)
