@@ -97,7 +97,10 @@ def run_until_done(cmd: list[str], env: dict, cwd: str, local: str, backup: str,
             if proc.poll() is None and state["ready"] is not None:
                 aim = 0.5 if log.mid_replication >= min_mid else 0.9
                 if rng.random() < aim:  # kills aimed at a replication in progress
-                    until = time.monotonic() + window
+                    # Up to 30 s: under load a framework's first steps (tracing, compiling) can
+                    # take longer than the random window, and a kill aimed at a replication
+                    # must not land before the first save every time.
+                    until = time.monotonic() + max(window, 30.0)
                     while not state["repl"] and proc.poll() is None and time.monotonic() < until:
                         time.sleep(0.002)
                     time.sleep(rng.uniform(0.0, 0.05))
