@@ -33,7 +33,7 @@ from . import _knobs, layout
 from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
 from ._replica import CopyStats, chunk_rel, copy_checkpoint, list_chunks, references
-from ._storage import Store, _bucket_missing, check_url
+from ._storage import Store, _bucket_missing, check_url, error_chain
 from .errors import CheckpointError, CheckpointExistsError, LockedError, StorageError
 from .policies import CheckpointEntry, as_policy
 
@@ -118,14 +118,6 @@ _TRANSIENT_ERRNOS = frozenset(getattr(errno, n) for n in (
     "EREMOTEIO", "ENETUNREACH", "EHOSTUNREACH", "ENETDOWN") if hasattr(errno, n))
 
 
-def _chain(e: BaseException | None) -> list[BaseException]:
-    out: list[BaseException] = []
-    while e is not None and len(out) < 8 and e not in out:
-        out.append(e)
-        e = e.__cause__ or e.__context__
-    return out
-
-
 def _code(e: BaseException) -> str:
     response = getattr(e, "response", None)
     if isinstance(response, dict):
@@ -138,7 +130,7 @@ def transient(e: BaseException) -> bool:
     for now (an outage, a reset connection, throttling, a server error) or another writer's
     lock; not a missing bucket, missing or refused credentials, a permission, a damaged source
     or a bug."""
-    chain = _chain(e)
+    chain = error_chain(e)
     if any(type(x).__name__ in _PERMANENT_CLASSES or _code(x) in _PERMANENT_CODES
            or isinstance(x, PermissionError) for x in chain) or _bucket_missing(e):
         return False

@@ -122,17 +122,24 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
 _KNOWN_BUCKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def error_chain(e: BaseException | None) -> list[BaseException]:
+    """``e`` and what it chains (causes, then contexts), at most 8 deep: where a backend's own
+    answer sits under the errors ckptcore and fsspec wrapped it in."""
+    out: list[BaseException] = []
+    while e is not None and len(out) < 8 and e not in out:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
 def _bucket_missing(e: BaseException) -> bool:
     """Whether ``e`` (or what it chains) is an object store's "no such bucket" answer."""
-    seen = 0
-    while e is not None and seen < 8:
-        response = getattr(e, "response", None)
+    for x in error_chain(e):
+        response = getattr(x, "response", None)
         if isinstance(response, dict) and (response.get("Error") or {}).get("Code") == "NoSuchBucket":
             return True
-        if "bucket does not exist" in str(e).lower():
+        if "bucket does not exist" in str(x).lower():
             return True
-        e = e.__cause__ or e.__context__
-        seen += 1
     return False
 
 
