@@ -11,7 +11,7 @@ from ._version import __version__
 from . import errors
 from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
 from .errors import (AdapterNotFoundError, CaptureError, CheckpointError, CheckpointExistsError,
-                     CheckpointNotFoundError, CorruptCheckpointError, GroupError,
+                     CheckpointNotFoundError, CorruptCheckpointError, FencedError, GroupError,
                      GroupTimeoutError, IncompleteCheckpointError, LockedError, MigrationError,
                      MigrationWarning, RestoreError, SchemaError, StorageError,
                      UnappliedStateWarning, UnsafeCheckpointError, UnsupportedCheckpointError)
@@ -39,7 +39,7 @@ __all__ = [
     "RestoreReport", "Shard", "Chunks", "ProcessGroup", "SingleProcessGroup", "ThreadGroup",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
     "IncompleteCheckpointError", "CorruptCheckpointError", "SchemaError", "UnsafeCheckpointError",
-    "LockedError", "MigrationError", "UnappliedStateWarning", "GroupError", "GroupTimeoutError",
+    "LockedError", "FencedError", "MigrationError", "UnappliedStateWarning", "GroupError", "GroupTimeoutError",
     "StorageError", "RestoreError", "CaptureError", "AdapterNotFoundError",
     "UnsupportedCheckpointError",
 ]

@@ -25,6 +25,18 @@ the manifest with a single PUT, which object stores apply atomically, and only
 then deletes the old shards: at every moment the manifest in place names shards
 that exist.  On stores without an atomic create, create-only is a check and a
 write; docs/RELIABILITY.md spells out what that means.
+
+**Only what every reader accepts is published.**  Before the rename or the PUT, the manifest's
+bytes go through the reader's own validation (:meth:`Manifest.from_bytes`, the size bound of
+``max_manifest_bytes``) and every shard it names in the folder is checked present with its
+size (one listing); a refusal is raised and nothing is committed.
+
+**Fencing.**  A writer holding a root's lease passes its ``fence`` (``_lock.WriterLock``):
+``fence.before_commit()`` raises if the lease was lost (superseded, or its renewal overdue and
+taken over), and ``fence.after_commit(step)`` checks, once the manifest is in place, that the
+commit landed while the lease was still this writer's (a writer paused between the check and
+the PUT).  A commit made after a takeover is ignored by every reader (``_fence``), and the
+writer gets :class:`FencedError`.
 """
 
 from __future__ import annotations
@@ -33,22 +45,26 @@ import ctypes
 import errno
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable
 
-from ._manifest import MANIFEST_NAME, Manifest
+from . import _knobs
+from ._manifest import MANIFEST_NAME, Manifest, safe_shard_name
 from ._storage import CAS_PREFIX, Store, _tick, fsync_dir
-from .errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError,
+                     SchemaError, StorageError)
 
 TMP_MARK = ".tmp-"
 log = logging.getLogger("ckptcore")
 
 
-def commit(store: Store, write: Callable[[Store], Manifest], *, token: str, overwrite: bool) -> Manifest:
+def commit(store: Store, write: Callable[[Store], Manifest], *, token: str, overwrite: bool,
+           fence: Any = None) -> Manifest:
     """Write a checkpoint at ``store`` with ``write(target) -> Manifest`` (which writes the shards).
 
     Any failure to write, flush, fsync or close a file, or to fsync a folder, is raised and
     nothing is committed (except a failed fsync of the parent folder after the rename, which the
-    error describes).
+    error describes).  So is a manifest that a reader would refuse (:func:`publishable`), and a
+    lost lease (``fence``, see the module docstring).
     """
     try:
         present = store.exists(MANIFEST_NAME)
@@ -58,11 +74,41 @@ def commit(store: Store, write: Callable[[Store], Manifest], *, token: str, over
         raise CheckpointExistsError(f"{store.url}: a checkpoint already exists there; "
                                     "pass overwrite=True to replace it")
     if store.atomic_rename:
-        return _commit_rename(store, write, token=token, overwrite=overwrite)
-    return _commit_publish(store, write, token=token, overwrite=overwrite)
+        manifest = _commit_rename(store, write, token=token, overwrite=overwrite, fence=fence)
+    else:
+        manifest = _commit_publish(store, write, token=token, overwrite=overwrite, fence=fence)
+    if fence is not None:
+        fence.after_commit(store)
+    return manifest
 
 
-def _commit_rename(store: Store, write, *, token: str, overwrite: bool) -> Manifest:
+def publishable(target: Store, manifest: Manifest) -> bytes:
+    """The bytes of ``manifest``, once a reader would accept them: within ``max_manifest_bytes``,
+    valid by :meth:`Manifest.from_bytes` (structure, names, byte ranges), and every shard it names
+    in ``target`` present with its size.  A refusal raises; nothing is published then.
+
+    (``cas:`` chunks of a deduplicated replica live outside the folder; ``_replica`` checks them.)
+    """
+    data = manifest.to_bytes()
+    limit = int(_knobs.get("max_manifest_bytes"))
+    if len(data) > limit:
+        raise SchemaError(f"{target.url}: the manifest would be {len(data)} bytes, over the "
+                          f"{limit}-byte limit every reader applies (max_manifest_bytes): nothing "
+                          "committed; keep large values in tensors, not in metadata")
+    Manifest.from_bytes(data, source=f"{target.join(MANIFEST_NAME)} (before publishing)")
+    sizes = {e.name: e.size for e in target.listdir() if not e.is_dir and not e.is_link}
+    for s in manifest.shards:
+        if s.path.startswith(CAS_PREFIX):
+            continue
+        if sizes.get(s.path) != s.size:
+            what = "missing" if s.path not in sizes else f"{sizes[s.path]} bytes"
+            raise IncompleteCheckpointError(
+                f"{target.join(s.path)}: the manifest to publish names it with {s.size} bytes, "
+                f"but it is {what}; nothing committed")
+    return data
+
+
+def _commit_rename(store: Store, write, *, token: str, overwrite: bool, fence: Any) -> Manifest:
     parent = os.path.dirname(store.path)
     os.makedirs(parent, exist_ok=True)
     tmp = store.sibling(f".{store.name}{TMP_MARK}{token}")
@@ -70,8 +116,11 @@ def _commit_rename(store: Store, write, *, token: str, overwrite: bool) -> Manif
     swapped = False
     try:
         manifest = write(tmp)  # raises any failed write/fsync/close of a shard
-        tmp.write_bytes(MANIFEST_NAME, manifest.to_bytes())  # likewise for the manifest
+        data = publishable(tmp, manifest)
+        tmp.write_bytes(MANIFEST_NAME, data)  # raises a failed write/fsync/close, as above
         fsync_dir(tmp.path)
+        if fence is not None:
+            fence.before_commit()
         _tick("rename", store.path)
         if overwrite and os.path.lexists(store.path):
             _swap_into_place(tmp.path, store.path)
@@ -158,18 +207,21 @@ def _rename_exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
-def _commit_publish(store: Store, write, *, token: str, overwrite: bool) -> Manifest:
+def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: Any) -> Manifest:
     old_shards: set[str] = set()
     if overwrite:
         old_shards = {e.name for e in store.listdir() if e.name.startswith("shard-")}
     manifest = None
     try:
         manifest = write(store)
+        data = publishable(store, manifest)
+        if fence is not None:
+            fence.before_commit()
         _tick("publish", store.join(MANIFEST_NAME))
-        store.write_bytes(MANIFEST_NAME, manifest.to_bytes(), create_only=not overwrite)
+        store.write_bytes(MANIFEST_NAME, data, create_only=not overwrite)
     except FileExistsError as e:
         log.info("%s: another writer committed first; removing this attempt's shards", store.url)
-        _remove_shards(store, manifest)
+        _remove_shards(store, manifest, token=token)
         raise CheckpointExistsError(f"{store.url}: another writer committed a checkpoint there "
                                     "first") from e
     except BaseException as e:
@@ -184,15 +236,17 @@ def _commit_publish(store: Store, write, *, token: str, overwrite: bool) -> Mani
 
 
 def _remove_shards(store: Store, manifest: Manifest | None, token: str | None = None) -> None:
-    """Best-effort removal of this attempt's shards; ``gc()`` catches what this misses."""
+    """Best-effort removal of this attempt's shards; ``gc()`` catches what this misses.
+
+    Only plain names are removed: a manifest that failed validation may name anything (a peer's
+    ``../evil.bin``), and a deduplicated replica's chunks are shared with other steps (never
+    removed here; unreferenced ones are swept under the root's lock, ``_backup.sweep``)."""
     try:
+        names = {e.name for e in store.listdir() if token and token in e.name}
         if manifest is not None:
-            # (a deduplicated replica's chunks are shared with other steps: never removed here;
-            # unreferenced ones are swept under the root's lock, _backup.sweep)
-            names = [s.path for s in manifest.shards if not s.path.startswith(CAS_PREFIX)]
-        else:
-            names = [e.name for e in store.listdir() if token and token in e.name]
-        for name in names:
+            names |= {s.path for s in manifest.shards
+                      if safe_shard_name(s.path) and not s.path.startswith(CAS_PREFIX)}
+        for name in sorted(names):
             store.delete(name)
     except Exception as e:  # cleanup must never mask the original error
         log.warning("%s: could not remove this attempt's shards (%s: %s); gc() will", store.url,

@@ -214,7 +214,7 @@ def fail(store: Store, group: Any, error: BaseException) -> None:
 
 def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
          make_manifest: Callable[[Sequence[ShardEntry], TensorTable], Manifest], *,
-         token: str, overwrite: bool) -> Manifest | None:
+         token: str, overwrite: bool, fence: Any = None) -> Manifest | None:
     """Run one distributed save on this rank (see the module docstring).  Returns the committed
     manifest on rank 0, None on the others; raises on every rank if nothing was committed."""
     timeout = float(_knobs.get("group_timeout"))
@@ -223,7 +223,7 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
     digest = _digest(enc, arrays)
     if rank == 0:
         return _coordinate(store, group, enc, arrays, owner, digest, make_manifest,
-                           token=token, overwrite=overwrite, timeout=timeout)
+                           token=token, overwrite=overwrite, timeout=timeout, fence=fence)
     go = _unpack(group.broadcast(None, timeout=timeout), "save")
     if go["kind"] == "abort":
         raise _error(go["error"], store)
@@ -265,7 +265,7 @@ class _Mismatch(SchemaError):
 
 def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
                 owner: list[int], digest: bytes, make_manifest: Callable, *, token: str,
-                overwrite: bool, timeout: float) -> Manifest:
+                overwrite: bool, timeout: float, fence: Any = None) -> Manifest:
     started = broken = False
 
     def write(target: Store) -> Manifest:
@@ -294,7 +294,7 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
         return _merge(store, enc, arrays, digest, part, replies, make_manifest)
 
     try:
-        manifest = commit(store, write, token=token, overwrite=overwrite)
+        manifest = commit(store, write, token=token, overwrite=overwrite, fence=fence)
     except _Mismatch as e:
         group.broadcast(_pack({"kind": "mismatch"}), timeout=timeout)
         theirs = [_unpack(r, "save") for r in group.gather(b"", timeout=timeout)[1:]]

@@ -58,6 +58,13 @@ CRC_BLOCK = 1 << 20  # what writers use: a partial read fetches at most this muc
 MIN_CRC_BLOCK = 4096  # what readers accept (bounds the number of block checksums a length implies)
 
 
+def safe_shard_name(path: Any) -> bool:
+    """Whether ``path`` may name a shard: a plain file name inside the checkpoint folder (never
+    ``..``, a separator or the manifest itself), or a deduplicated replica's ``cas:`` chunk."""
+    return isinstance(path, str) and path != MANIFEST_NAME and ".." not in path and bool(
+        _SHARD_NAME.fullmatch(path) or CAS_NAME.fullmatch(path))
+
+
 def block_count(length: np.ndarray, crc_block: int) -> np.ndarray:
     """How many block checksums each row of ``length`` bytes has in a version-3 table: none for
     a row of at most one block (its own checksum covers it), else one per ``crc_block`` bytes."""
@@ -448,8 +455,7 @@ def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
     for i, s in enumerate(_req(b, "shards", list, source)):
         where = f"{source}: shard {i}"
         path = _req(s, "path", str, where)
-        if not (_SHARD_NAME.fullmatch(path) or CAS_NAME.fullmatch(path)) or ".." in path \
-                or path == MANIFEST_NAME:
+        if not safe_shard_name(path):
             raise UnsafeCheckpointError(f"{where}: shard path {_codec._short(path)} is not a plain "
                                         "file name inside the checkpoint directory; refusing to read it")
         if path in seen:

@@ -416,6 +416,9 @@ class Store:
         try:
             with self._remote("list", rel):
                 infos = self.fs.ls(path, detail=True, refresh=True)
+                # Not kept: some filesystems (adlfs) answer later reads from a cached listing,
+                # and this folder is about to change (a manifest published after the listing).
+                self.fs.invalidate_cache(path)
         except CheckpointNotFoundError:
             raise  # the bucket is missing: not an empty folder
         except FileNotFoundError:

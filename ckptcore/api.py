@@ -137,7 +137,7 @@ def _info(url: str, m: Manifest) -> CheckpointInfo:
 
 def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
                storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
-               group: Any = None, **objects: Any) -> CheckpointInfo:
+               group: Any = None, fence: Any = None, **objects: Any) -> CheckpointInfo:
     """Save a training state as a checkpoint directory at ``url`` (any fsspec URL).
 
     Pass either a :class:`TrainingState` or framework objects (``model=...,
@@ -158,10 +158,18 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     every rank returns or raises alike (see
     ``ckptcore/_dist.py``; the ``group_timeout`` knob bounds every wait on a peer).
 
+    ``fence`` is the writer lease of the root ``url`` is in (what a ``CheckpointManager`` passes):
+    the manifest records its generation, and a lease lost before the commit raises
+    :class:`FencedError` (docs/RELIABILITY.md, "Fencing").
+
     Raises:
         CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
         TypeError: the state holds a value that cannot be stored (the message names it).
+        SchemaError: the manifest would be one a reader refuses (e.g. over
+            ``max_manifest_bytes``); nothing was committed.
         GroupError: with ``group``, a peer failed, died or timed out; nothing was committed.
+        FencedError: with ``fence``, another writer took the root over; a commit made after
+            that is ignored by every reader.
     """
     version = int(_knobs.get("format_version"))
     if version not in READ_VERSIONS:
@@ -187,11 +195,14 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         if enc.chunks is None:
             enc.chunks = _codec.Chunking.whole(arrays)
     count = enc.chunks.tensor[-1] + 1 if enc.chunks is not None and arrays else len(arrays)
+    writer = {"id": token, "host": socket.gethostname(), "pid": os.getpid()}
+    if fence is not None and fence.generation is not None:
+        writer["generation"] = int(fence.generation)  # readers ignore commits of a fenced one
 
     def make_manifest(shards: Sequence[ShardEntry], tensors: TensorTable) -> Manifest:
         return Manifest(
             created=time.time(),
-            writer={"id": token, "host": socket.gethostname(), "pid": os.getpid()},
+            writer=writer,
             library={"ckptcore": __version__, "numpy": np.__version__,
                      "python": platform.python_version()},
             framework={"name": state.framework,
@@ -211,7 +222,7 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
 
     if group is not None:
         manifest = _dist.save(store, group, enc, arrays, make_manifest, token=token,
-                              overwrite=overwrite)
+                              overwrite=overwrite, fence=fence)
         try:
             if manifest is None:  # another rank: rank 0 committed; describe what it committed
                 manifest = read_manifest(store)
@@ -220,7 +231,7 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
             # delete this very step (a rewind), and a rank still reading would find it gone.
             _dist.settle(store, group)
         return _info(store.url, manifest)
-    manifest = commit(store, write, token=token, overwrite=overwrite)
+    manifest = commit(store, write, token=token, overwrite=overwrite, fence=fence)
     return _info(store.url, manifest)
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "StorageError",
     "LockedError",
+    "FencedError",
     "RestoreError",
     "CaptureError",
     "MigrationError",
@@ -86,6 +87,11 @@ class UnsafeCheckpointError(CheckpointError, ValueError):
 
 class LockedError(CheckpointError, BlockingIOError):
     """Another writer holds the lock on a checkpoint root."""
+
+
+class FencedError(LockedError):
+    """This writer's lease was taken over by a newer generation: what it commits from now on is
+    ignored by every reader, and it must stop writing (docs/RELIABILITY.md, "Fencing")."""
 
 
 class RestoreError(CheckpointError, ValueError):
