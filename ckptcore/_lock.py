@@ -18,6 +18,15 @@ lease is taken over, with a warning naming the old holder, when its holder is pr
 A live holder is never taken over.  The holder checks that the lease is still its own on every
 save; a writer whose lease lapsed and was taken over stops (``LockedError``) instead of writing
 beside the new holder, and it never deletes a lease that is not its own.
+
+Fencing (``_fence``): every acquisition, local or remote, also claims a new *generation* of the
+root with a create-only write, and every manifest the holder commits records it.  The lock is the
+``fence`` of its saves: ``before_commit()`` raises :class:`FencedError` once a newer generation
+exists, and a writer whose own renewal is overdue (a pause, a heartbeat starved of the GIL) first
+claims a new generation, the one step a taker would race it for, instead of renewing a lease that
+may be being taken over.  ``after_commit()`` catches the commit that landed after a takeover
+anyway (a pause between the check and the PUT): readers ignore it, and the writer is told.  A
+superseded writer never re-creates the lease and never deletes anything.
 """
 
 from __future__ import annotations
@@ -36,9 +45,9 @@ import warnings
 import weakref
 from typing import Any
 
-from . import _knobs
+from . import _fence, _knobs
 from ._storage import Store, _kind
-from .errors import LockedError, UnsafeCheckpointError
+from .errors import FencedError, LockedError, UnsafeCheckpointError
 
 __all__ = ["WriterLock", "LockTakeoverWarning", "LOCK_NAME"]
 
@@ -159,9 +168,14 @@ class WriterLock:
         self._mutex = threading.Lock()  # the heartbeat thread and the saves both renew the lease
         self._stop: threading.Event | None = None
         self._lost = ""  # who took the lease over, as the heartbeat found out
-        self._renewed = 0.0
+        self._renewed = 0.0  # monotonic time taken *before* the last successful renewal
+        self.generation: int | None = None  # this holder's generation of the root (_fence)
+        self._accepted: set[int] = set()  # the steps of its claim's record
+        self._committed: set[int] = set()  # steps committed under this generation
 
     def acquire(self) -> None:
+        if self._lost:  # superseded: for good (its run's view of the root is stale)
+            raise self._fenced(self._lost, "stop writing here")
         if self._held:
             self.refresh()  # a lease can lapse between saves: make sure it is still ours
             return
@@ -170,9 +184,132 @@ class WriterLock:
         else:
             with self._mutex:
                 self._acquire_lease(retry=True)
+        try:
+            with self._mutex:
+                self._claim()
+        except BaseException:
+            self._held = True  # so that release() gives back what was taken
+            self.release()
+            raise
+        if not self.store.local:
             self._start_heartbeat()
         self._held = True
         _LIVE[self.token] = self
+
+    # -- fencing --------------------------------------------------------------------------------
+    def _claim(self, extra: tuple[int, ...] = ()) -> None:
+        """Claim the root's next generation (the caller holds the flock or the lease)."""
+        g = _fence.claim(self.store, self.holder, extra=extra)
+        if self.generation is not None:
+            log.warning("%s: this writer's lease renewal was overdue (%.1f s since the last one, "
+                        "lease %s s), so it may have been taken over meanwhile; nobody had: "
+                        "claimed the root again as writer generation %d", self.store.url,
+                        time.monotonic() - self._renewed, self.lease_seconds, g)
+        self.generation = g
+        record = _fence.read_record(self.store, g) or {}
+        self._accepted = set(record.get("accepted") or ()) | set(extra)
+        self._committed = set()
+
+    def _overdue(self) -> bool:
+        """Whether this holder's lease may have expired in another writer's eyes (its last
+        renewal began more than ``lease_seconds`` minus a margin for clock skew ago)."""
+        margin = min(self.heartbeat_seconds, self.lease_seconds / 4)
+        return time.monotonic() - self._renewed > self.lease_seconds - margin
+
+    def _superseded(self) -> str:
+        """Who superseded this holder's generation ("" while none did)."""
+        newer = [g for g in _fence.generations(self.store) if g > (self.generation or 0)]
+        if not newer:
+            return ""
+        record = _fence.read_record(self.store, newer[0]) or {}
+        return f"{record.get('holder', 'another writer')} (writer generation {newer[0]})"
+
+    def _fenced(self, who: str, what: str) -> FencedError:
+        self._held, self._lost = False, who
+        _LIVE.pop(self.token, None)
+        if self._stop is not None:
+            self._stop.set()
+        log.warning("%s: %s: this writer (generation %s) was superseded by %s", self.store.url,
+                    what, self.generation, who)
+        return FencedError(f"{self.store.url}: this writer's lease lapsed and another writer "
+                           f"took it over ({who}); {what}. The new holder owns the root: stop "
+                           "writing here (a new CheckpointManager restores what it committed)")
+
+    def before_commit(self, what: str = "nothing was committed") -> None:
+        """Raise :class:`FencedError` if this holder may no longer commit (called right before
+        a manifest is published); an overdue renewal claims a new generation first."""
+        if not self._held and self._lost:
+            raise self._fenced(self._lost, what)
+        if self.store.local or self.generation is None:
+            return  # the flock cannot lapse while this process lives
+        with self._mutex:
+            who = self._lost or self._superseded()
+            if who:
+                raise self._fenced(who, what)
+            if self._overdue():
+                self._reclaim()
+
+    def before_delete(self) -> None:
+        """As :meth:`before_commit`, right before a step is deleted: a superseded writer deletes
+        nothing."""
+        self.before_commit("nothing was deleted")
+
+    def after_commit(self, ckpt: Store) -> None:
+        """Once ``ckpt``'s manifest is in place: make sure readers accept it (a pause between
+        ``before_commit`` and the PUT may have let a taker in); ``FencedError`` if not."""
+        m = _fence.STEP.fullmatch(ckpt.name)
+        if self.generation is None or m is None:
+            return
+        step = int(m.group(1))
+        with self._mutex:
+            if not self.store.local and self._overdue():
+                who = self._superseded()
+                if not who:
+                    try:
+                        self._claim(extra=(step,))  # it is in the new claim's accepted list
+                        self._renewed = time.monotonic()
+                        return
+                    except LockedError:
+                        who = self._superseded()
+                first = [g for g in _fence.generations(self.store) if g > self.generation]
+                record = _fence.read_record(self.store, first[0]) if first else None
+                if record is not None and step in (record.get("accepted") or ()):
+                    self._lost = who  # committed in time; the next operation raises
+                    return
+                raise self._fenced(who or "another writer",
+                                   f"its commit of {ckpt.url} landed after that, and readers "
+                                   "ignore it")
+            self._committed.add(step)
+            try:
+                _fence.record(self.store, self.generation, self.holder, self._accepted,
+                              self._committed)
+            except Exception as e:  # noqa: BLE001 - readers then read the manifest instead
+                log.warning("%s: could not record step %d in the writer record (%s: %s); readers "
+                            "check its manifest instead", self.store.url, step, type(e).__name__, e)
+
+    def forget(self, step: int) -> None:
+        """``step`` was deleted: its record need not name it any more."""
+        self._accepted.discard(step)
+        self._committed.discard(step)
+
+    def _reclaim(self) -> None:
+        """An overdue holder nobody superseded (yet): take the root again under a new generation,
+        or learn that a taker got there first."""
+        lease = self._read_lease()
+        if lease is not None and lease.get("holder") != self.holder:
+            raise self._fenced(str(lease.get("holder")), "nothing was committed")
+        t0 = time.monotonic()
+        try:
+            self._claim()
+        except LockedError:
+            raise self._fenced(self._superseded() or "another writer", "nothing was committed")
+        try:
+            self.store.write_bytes(LOCK_NAME, self._lease(), create_only=lease is None)
+        except FileExistsError:  # a taker's lease object: its claim failed, and it removes it
+            log.info("%s: a would-be taker's lease object is in place; this writer holds "
+                     "generation %d and renews the lease once it is gone", self.store.url,
+                     self.generation)
+        self._renewed = t0
 
     # -- local disk: flock ----------------------------------------------------------------------
     def _acquire_flock(self) -> None:
@@ -249,8 +386,9 @@ class WriterLock:
 
     def _acquire_lease(self, *, retry: bool) -> None:
         try:
+            t0 = time.monotonic()
             self.store.write_bytes(LOCK_NAME, self._lease(), create_only=True)
-            self._renewed = time.monotonic()
+            self._renewed = t0
             return
         except FileExistsError:
             pass
@@ -311,20 +449,36 @@ class WriterLock:
         return lease
 
     def refresh(self) -> None:
-        """Extend a held lease; ``LockedError`` if it lapsed and another writer took it over."""
-        if not self._held or self.store.local:
+        """Extend a held lease; :class:`FencedError` (a ``LockedError``) if it lapsed and
+        another writer took the root over."""
+        if not self._held:
+            if self._lost:
+                raise self._fenced(self._lost, "stop writing here")
+            return
+        if self.store.local:
             return
         with self._mutex:
             other = self._renew()
             if other:
-                self._give_up(other)
+                raise self._fenced(other, "stop writing here")
 
     def _renew(self) -> str:
-        """Extend the lease if it is still ours; else return who holds it now."""
+        """Extend the lease if it is still ours; else return who took the root over.  A
+        superseded holder never re-creates the lease; an overdue one claims a new generation
+        rather than renew a lease a taker may be acting on."""
         if self._lost:
             return self._lost
+        who = self._superseded()
+        if who:
+            return who
+        if self._overdue():
+            try:
+                self._reclaim()
+                return ""
+            except FencedError:
+                return self._lost or "another writer"
         lease = self._read_lease()
-        if lease is None:  # removed by hand: take it again if nobody else has
+        if lease is None:  # removed by hand, nobody superseded us: take it again
             try:
                 self._acquire_lease(retry=False)
                 return ""
@@ -332,17 +486,10 @@ class WriterLock:
                 return str((self._read_lease() or {}).get("holder", "unknown"))
         if lease.get("holder") != self.holder:
             return str(lease.get("holder"))
+        t0 = time.monotonic()
         self.store.write_bytes(LOCK_NAME, self._lease())
-        self._renewed = time.monotonic()
+        self._renewed = t0
         return ""
-
-    def _give_up(self, holder: str) -> None:
-        self._held, self._lost = False, ""
-        _LIVE.pop(self.token, None)
-        if self._stop is not None:
-            self._stop.set()
-        raise LockedError(f"{self.store.url}: this writer's lease {LOCK_NAME} lapsed and "
-                          f"another writer took it over ({holder}); stop writing here")
 
     def _start_heartbeat(self) -> None:
         stop = threading.Event()
@@ -382,6 +529,8 @@ class WriterLock:
             self._closer = None
             return
         with self._mutex:
+            if self._lost:
+                return  # superseded: nothing here is this writer's to remove
             lease = self._read_lease()
             if lease is not None and lease.get("holder") == self.holder:  # never remove another's
                 self.store.delete(LOCK_NAME)

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from . import _knobs, api
+from . import _fence, _knobs, api
 from ._commit import TMP_MARK
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
@@ -27,7 +26,7 @@ from .errors import CheckpointError
 
 __all__ = ["gc", "list_checkpoints", "CheckpointListing", "step_name"]
 
-STEP = re.compile(r"step-(\d{12,})")  # fullmatch only: "$" would admit a trailing newline
+STEP = _fence.STEP  # a step folder's name (fullmatch only: "$" would admit a trailing newline)
 log = logging.getLogger("ckptcore")
 
 
@@ -39,23 +38,20 @@ def step_name(step: int) -> str:
 
 
 def committed_steps(root: Store) -> list[tuple[int, str]]:
-    """``(step, folder name)`` of every committed step folder under ``root``, ascending.
+    """``(step, folder name)`` of every committed step folder under ``root`` that readers
+    accept, ascending.
 
-    Only the manifest's presence is checked (no manifest is read): the manager lists on every
-    save, and a step whose manifest is damaged is still committed (restore falls back over it).
+    A step folder is committed when it has a manifest; a damaged manifest still counts (restore
+    falls back over it).  A step committed by a writer after its lease was taken over is not
+    accepted (``_fence``; logged, and :func:`gc` removes it).  Manifests are read only for steps
+    the newest writer record does not name.
     """
-    # fsspec's object stores answer exists() from cached folder listings, which miss other
-    # processes' commits and deletions since.
-    root.fs.invalidate_cache()
-    found = []
-    for e in root.listdir():
-        m = STEP.fullmatch(e.name)
-        if m and e.is_link:
-            # A link could lead out of the root; retention would then delete through it.
-            log.warning("%s: skipping %s, a symbolic link, not a checkpoint folder", root.url, e.name)
-        elif m and root.child(e.name).exists(MANIFEST_NAME):
-            found.append((int(m.group(1)), e.name))
-    return sorted(found)
+    return _fence.split(root, _fence.step_folders(root))[0]
+
+
+def fenced_steps(root: Store) -> list[tuple[int, str]]:
+    """Step folders committed by a writer after it was superseded: ignored by every reader."""
+    return _fence.split(root, _fence.step_folders(root))[1]
 
 
 @dataclass(frozen=True)
@@ -104,7 +100,7 @@ def list_checkpoints(root: str | os.PathLike, *, storage_options: Mapping[str, A
 
 def is_root(store: Store) -> bool:
     """Whether ``store`` looks like a manager's root: step folders, save leftovers or its lock."""
-    return any(STEP.fullmatch(e.name) or TMP_MARK in e.name or e.name == LOCK_NAME
+    return any(STEP.fullmatch(e.name) or TMP_MARK in e.name or e.name in (LOCK_NAME, _fence.GEN_DIR)
                for e in store.listdir())
 
 
@@ -151,9 +147,16 @@ def remove_leftovers(root: Store, grace: float) -> list[str]:
     """The work of :func:`gc`, for a caller that holds ``root``'s writer lock (the manager)."""
     cutoff = time.time() - grace
     removed = []
+    for step, name in fenced_steps(root):  # never accepted by any reader: not a checkpoint
+        log.info("gc: removing step %d (%s), committed by a writer after its lease was taken "
+                 "over", step, root.child(name).url)
+        ckpt = root.child(name)
+        ckpt.delete(MANIFEST_NAME)  # uncommit first
+        ckpt.delete_tree()
+        removed.append(ckpt.url)
     root.fs.invalidate_cache()  # a stale "no manifest" here would delete a committed step
     for e in root.listdir():
-        if e.name == LOCK_NAME:
+        if e.name in (LOCK_NAME, _fence.GEN_DIR):
             continue
         if e.is_link:  # never delete through a link, nor the link (it is not ours)
             log.warning("gc: skipping %s under %s, a symbolic link", e.name, root.url)

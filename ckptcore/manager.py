@@ -290,6 +290,13 @@ class CheckpointManager:
         overwrite = self._check_order(step)
         if step in self._skipped:
             self._replace_skipped(step)
+        if (self._lock is not None and step not in self._committed()
+                and self.root.child(self._name(step)).exists(MANIFEST_NAME)
+                and step in {s for s, _ in layout.fenced_steps(self.root)}):
+            # Never a checkpoint to any reader: out of this save's way.
+            log.warning("save(%d): removing %s, committed by a writer after its lease was taken "
+                        "over (no reader accepts it)", step, self.step_url(step))
+            self._delete(step)
         return overwrite
 
     def _committed(self) -> list[int]:
@@ -383,7 +390,7 @@ class CheckpointManager:
             self.backup.pause()
         try:
             info = api.save_state(url, state, storage_options=self._options, overwrite=overwrite,
-                                  group=self.group)
+                                  group=self.group, fence=self._lock)
         except CheckpointExistsError as e:
             if step not in self.steps():
                 raise CheckpointExistsError(
@@ -482,6 +489,9 @@ class CheckpointManager:
             # Deleting "its manifest" would delete a file wherever the link points.
             raise UnsafeCheckpointError(f"{self.root.join(name)} is a symbolic link, not a checkpoint "
                                         "folder of this root; refusing to delete through it")
+        if self._lock is not None:
+            self._lock.before_delete()  # a superseded writer deletes nothing
+            self._lock.forget(step)
         ckpt = self.root.child(name)
         ckpt.delete(MANIFEST_NAME)  # uncommit first: a half-deleted step is never "committed"
         ckpt.delete_tree()

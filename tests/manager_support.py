@@ -120,7 +120,7 @@ def leftovers(root: str, options: dict | None = None) -> list[str]:
     fs, path = fs_path(root, options)
     found = []
     for name in names(fs, path):
-        if name == LOCK:
+        if name in (LOCK, ".ckptcore.gen"):  # the lock and the writer generations
             continue
         if TMP_MARK in name or not name.startswith("step-"):
             found.append(name)

@@ -244,7 +244,7 @@ def test_gc_leaves_a_half_deleted_step_nothing_to_read(local_backend):
     with pytest.raises(CheckpointNotFoundError, match="interrupted"):
         mgr.restore(step=1)
     assert mgr.gc(grace=0) == [mgr.step_url(1)]
-    assert backend.listdir("run") == [".ckptcore.lock", "step-000000000002"]
+    assert backend.listdir("run") == [".ckptcore.gen", ".ckptcore.lock", "step-000000000002"]
     mgr.close()
 
 

@@ -1,0 +1,188 @@
+"""Fencing: generations of a root's writer, and which committed steps readers accept.
+
+Every acquisition of a root's writer lock claims a *generation*: the object
+``<root>/.ckptcore.gen/<g, 20 digits>``, created with a create-only write, so two writers can
+never hold the same generation, and ``g`` is one more than the newest generation listed, so
+generations only grow.  Its JSON record names the holder and, as ``accepted``, the steps readers
+accepted at the moment of the claim; the holder adds the steps it commits (``committed``).  Every
+manifest a locked writer commits records its generation (``writer["generation"]``).
+
+A writer of generation ``g`` is *superseded* once any generation above ``g`` exists.  Its commits
+made before that are in the newer generation's ``accepted`` list; a commit it makes afterwards
+(a process paused between its last check and its PUT) is not, and readers ignore it:
+
+    a step is accepted  iff  its manifest has no generation (an unlocked writer, an older
+    ckptcore), or its generation is the newest one G or above, or the step is in G's record
+    (``accepted`` or ``committed``).
+
+The record makes the common case cheap: one listing of ``.ckptcore.gen`` and one read of the
+newest record; a manifest is read only for a step the record does not name (a commit after the
+record was last written, or a fenced one).  Why this is safe on every store: the claim is a
+create-only write (atomic on local disk, S3 ``If-None-Match``, GCS ``ifGenerationMatch=0``, Azure
+``If-None-Match``), the only compare-and-swap these stores offer; no reader needs a clock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import msgpack
+
+from ._manifest import MANIFEST_NAME
+from ._storage import Store
+from .errors import CheckpointError, LockedError
+
+log = logging.getLogger("ckptcore")
+
+GEN_DIR = ".ckptcore.gen"
+STEP = re.compile(r"step-(\d{12,})")  # a step folder (fullmatch only: "$" admits a newline)
+_GEN = re.compile(r"\d{20}")
+_KEEP_RECORDS = 8  # older generation records are pruned by a new claim (the newest always stays)
+_reported: set[tuple[str, int, Any]] = set()  # fenced steps already logged by this process
+
+
+def gen_name(g: int) -> str:
+    return f"{GEN_DIR}/{g:020d}"
+
+
+def generations(root: Store) -> list[int]:
+    """Every generation claimed under ``root``, ascending (one listing)."""
+    return sorted(int(e.name) for e in root.listdir(GEN_DIR) if _GEN.fullmatch(e.name))
+
+
+def read_record(root: Store, g: int) -> dict[str, Any] | None:
+    """Generation ``g``'s record; None when absent or unreadable (then its lists are unknown)."""
+    try:
+        record = json.loads(root.read(gen_name(g), max_bytes=64 << 20))
+    except FileNotFoundError:
+        return None
+    except (ValueError, CheckpointError, OSError) as e:
+        log.warning("%s: the record of writer generation %d cannot be read (%s)", root.url, g, e)
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _steps(value: Any) -> set[int]:
+    return {int(s) for s in value if isinstance(s, int) and not isinstance(s, bool)} \
+        if isinstance(value, list) else set()
+
+
+@dataclass(frozen=True)
+class View:
+    """What a reader knows of a root's generations: the newest, and the steps its record names."""
+
+    newest: int
+    named: frozenset[int] = field(default_factory=frozenset)
+    holder: str = "unknown"
+    readable: bool = True
+
+    def accepts(self, step: int, generation: Callable[[], int | None]) -> bool:
+        """Whether readers accept ``step`` (``generation()`` reads its manifest's generation,
+        asked only when the record does not name the step)."""
+        if step in self.named:
+            return True
+        g = generation()
+        if g is None or g >= self.newest:
+            return True
+        return not self.readable  # no record to judge by: never hide a step
+
+
+def view(root: Store) -> View | None:
+    """The reader's view of ``root`` (None: no writer ever claimed a generation there)."""
+    gens = generations(root)
+    if not gens:
+        return None
+    record = read_record(root, gens[-1])
+    if record is None:
+        return View(gens[-1], readable=False)
+    return View(gens[-1], frozenset(_steps(record.get("accepted")) | _steps(record.get("committed"))),
+                str(record.get("holder", "unknown")))
+
+
+def manifest_generation(ckpt: Store) -> int | None:
+    """The generation a committed manifest records; None for none (or unreadable: such a step
+    is judged as damage by whoever loads it, not hidden here)."""
+    try:
+        outer = msgpack.unpackb(ckpt.read(MANIFEST_NAME, max_bytes=1 << 30), raw=False)
+        body = msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
+        g = body["writer"].get("generation")
+    except Exception:  # noqa: BLE001 - damaged or foreign: not ours to judge here
+        return None
+    return g if isinstance(g, int) and not isinstance(g, bool) else None
+
+
+def step_folders(root: Store) -> list[tuple[int, str]]:
+    """``(step, folder name)`` of every step folder under ``root`` with a manifest, ascending."""
+    root.fs.invalidate_cache()  # object stores' cached listings miss other processes' commits
+    found = []
+    for e in root.listdir():
+        m = STEP.fullmatch(e.name)
+        if m and e.is_link:
+            # A link could lead out of the root; retention would then delete through it.
+            log.warning("%s: skipping %s, a symbolic link, not a checkpoint folder", root.url, e.name)
+        elif m and root.child(e.name).exists(MANIFEST_NAME):
+            found.append((int(m.group(1)), e.name))
+    return sorted(found)
+
+
+def split(root: Store, found: Iterable[tuple[int, str]]
+          ) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """``found`` step folders as (accepted, fenced): fenced ones were committed by a superseded
+    writer after it was superseded (logged once per process)."""
+    found = list(found)
+    v = view(root) if found else None
+    if v is None:
+        return found, []
+    accepted, fenced = [], []
+    for step, name in found:
+        ckpt = root.child(name)
+        if v.accepts(step, lambda: manifest_generation(ckpt)):
+            accepted.append((step, name))
+            continue
+        fenced.append((step, name))
+        key = (root.url, step, v.newest)
+        if key not in _reported:
+            _reported.add(key)
+            log.warning("%s: ignoring step %d: it was committed by a writer whose lease had been "
+                        "taken over (generation %d holds the root now); gc() removes it",
+                        root.url, step, v.newest)
+    return accepted, fenced
+
+
+def accepted_steps(root: Store) -> list[int]:
+    return [s for s, _ in split(root, step_folders(root))[0]] if root.exists() else []
+
+
+def claim(root: Store, holder: str, *, extra: Iterable[int] = ()) -> int:
+    """Claim the next generation of ``root`` for ``holder`` (who holds its lock or lease) and
+    return it; ``LockedError`` if another writer claimed it first.  Its record lists the steps
+    readers accept now (and ``extra``: a step this holder just committed)."""
+    gens = generations(root)
+    g = (gens[-1] if gens else 0) + 1
+    accepted = sorted(set(accepted_steps(root)) | set(extra))
+    record = {"generation": g, "holder": holder, "claimed": time.time(), "accepted": accepted,
+              "committed": []}
+    root.makedirs(GEN_DIR)
+    try:
+        root.write_bytes(gen_name(g), json.dumps(record).encode(), create_only=True)
+    except FileExistsError:
+        other = read_record(root, g) or {}
+        raise LockedError(f"{root.url}: another writer ({other.get('holder', 'unknown')}) claimed "
+                          f"writer generation {g} at the same time; it holds the root") from None
+    for old in gens[:max(0, len(gens) + 1 - _KEEP_RECORDS)]:
+        log.debug("%s: pruning the record of writer generation %d", root.url, old)
+        root.delete(gen_name(old))
+    return g
+
+
+def record(root: Store, g: int, holder: str, accepted: Iterable[int],
+           committed: Iterable[int]) -> None:
+    """Rewrite generation ``g``'s record (only its holder does, while it holds the root)."""
+    body = {"generation": g, "holder": holder, "claimed": time.time(),
+            "accepted": sorted(set(accepted)), "committed": sorted(set(committed))}
+    root.write_bytes(gen_name(g), json.dumps(body).encode())
