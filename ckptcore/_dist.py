@@ -9,7 +9,13 @@ message carries the plan.  Each rank writes its own blocks (:func:`plan`).  A st
 is saved in format 3: each rank sends its own chunk table (``TensorTable.to_v3()``), rank 0
 validates each as strictly as a manifest read from disk, concatenates them
 (``_manifest.merge_tables``, which refuses overlapping blocks) and refuses a tensor its ranks'
-blocks do not cover whole.  A plain state keeps format 2 and sends raw row columns instead.
+blocks do not cover whole.  A plain state keeps format 2 and sends raw row columns instead,
+checked as strictly: whatever the format, rank 0 refuses (``GroupError`` naming the rank,
+nothing committed) a reply whose shard names are not plain names carrying that rank's own
+``r<rank>-<token>`` marker, that lists a shard twice (or one another rank lists), or whose rows
+point at shards it does not list, at bytes beyond a shard's declared size, or at bytes another
+row of the shard uses.  (A shard file smaller than its entry says is caught by ``commit``'s
+listing before the manifest is published, and that refusal too reaches every rank.)
 
 The order of collectives is the same on every rank, whatever happens:
 
@@ -30,6 +36,12 @@ A dead or hung peer makes the next collective raise ``GroupTimeoutError`` after 
 within milliseconds, a hung one after its own 30 s); rank 0 then commits nothing (step 4 raises before the manifest is
 written) and the other ranks time out waiting for the outcome.  The knob must be longer than
 the slowest rank's write: a rank still writing looks like a dead one.
+
+One outcome: a save is committed (every rank returns) or not (every rank raises, a
+``GroupError`` meaning nothing was committed).  Once rank 0 has committed, a peer lost after
+its reply (step 5 fails) is logged, not raised: rank 0 returns, and a rank that misses the
+outcome looks at the store, returning if the manifest there is this save's (its writer id is
+the save's token) and raising otherwise.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -45,7 +58,8 @@ import numpy as np
 
 from . import _codec, _io, _knobs
 from ._commit import commit
-from ._manifest import Manifest, ShardEntry, TensorTable, merge_tables, read_table
+from ._manifest import (MANIFEST_NAME, Manifest, ShardEntry, TensorTable, merge_tables,
+                        read_table, safe_shard_name)
 from ._storage import Store
 from .errors import CheckpointError, GroupError, SchemaError
 
@@ -105,9 +119,9 @@ class _Part:
         return reply
 
     @classmethod
-    def from_reply(cls, reply: dict, rank: int, source: str) -> _Part:
+    def from_reply(cls, reply: dict, rank: int, source: str, token: str) -> _Part:
         try:
-            shards = [ShardEntry(path=p, size=int(z), checksum=int(c)) for p, z, c in reply["shards"]]
+            shards = _shards(reply["shards"], rank, token, source)
             if "table" in reply:  # validated as strictly as a manifest read from disk
                 return cls(shards, {}, read_table(reply["table"], shards,
                                                   source=f"{source} (rank {rank}'s tensor table)",
@@ -120,6 +134,83 @@ class _Part:
         if len({len(a) for a in rows.values()}) != 1:
             raise GroupError(f"rank {rank}'s reply has columns of different lengths")
         return cls(shards, rows)
+
+
+def _own_name(rank: int, token: str) -> re.Pattern[str]:
+    """The shard names rank ``rank`` writes in the save ``token`` (see :func:`_write_part`)."""
+    return re.compile(rf"shard-[0-9]{{5,}}-r{rank:05d}-{re.escape(token)}\.bin")
+
+
+def _shards(entries: Any, rank: int, token: str, source: str) -> list[ShardEntry]:
+    """A rank's shard entries, each a plain file name of this save written by that rank (never
+    ``../x``, another rank's or another save's shard), listed once, with a valid size and
+    checksum; ``GroupError`` naming the rank otherwise."""
+    if not isinstance(entries, list):
+        raise GroupError(f"{source}: rank {rank}'s reply is malformed: its shards are a "
+                         f"{type(entries).__name__}, not a list; nothing committed")
+    own = _own_name(rank, token)
+    shards, seen = [], set()
+    for i, entry in enumerate(entries):
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3):
+            raise GroupError(f"{source}: rank {rank}'s reply is malformed: shard {i} is not a "
+                             "(path, size, checksum) triple; nothing committed")
+        path, size, crc = entry
+        if not (safe_shard_name(path) and own.fullmatch(path)):
+            raise GroupError(f"{source}: rank {rank} reports shard {_codec._short(path)}, not a "
+                             f"shard it wrote in this save (r{rank:05d}-{token}); nothing "
+                             "committed")
+        if path in seen:
+            raise GroupError(f"{source}: rank {rank} lists shard {path!r} twice; nothing "
+                             "committed")
+        if not (type(size) is int and size >= 0 and type(crc) is int and 0 <= crc <= 0xFFFFFFFF):
+            raise GroupError(f"{source}: rank {rank}'s reply is malformed: shard {path!r} has "
+                             f"size {_codec._short(size)} and checksum {_codec._short(crc)}; "
+                             "nothing committed")
+        seen.add(path)
+        shards.append(ShardEntry(path=path, size=size, checksum=crc))
+    return shards
+
+
+def _check_bytes(store: Store, rank: int, shards: Sequence[ShardEntry], names: Any,
+                 shard: np.ndarray, offset: np.ndarray, length: np.ndarray) -> None:
+    """A rank's rows against its own shards, as a reader checks a manifest (docs/FORMAT.md,
+    section 7): each row in a listed shard and within its declared size, no two rows sharing a
+    byte, each shard ending where its last row ends; ``GroupError`` naming the rank otherwise."""
+    where = f"{store.url}: rank {rank}"
+    shard = np.asarray(shard, np.int64)
+    offset, length = np.asarray(offset, np.uint64), np.asarray(length, np.uint64)
+    if not len(shard):
+        if any(s.size for s in shards):
+            raise GroupError(f"{where} lists shards of {sum(s.size for s in shards)} bytes but no "
+                             "tensor in them; nothing committed")
+        return
+    if shard.min() < 0 or shard.max() >= len(shards):
+        i = int(np.flatnonzero((shard < 0) | (shard >= len(shards)))[0])
+        raise GroupError(f"{where} puts tensor {names[i]!r} in its shard {int(shard[i])}, but "
+                         f"lists {len(shards)} shards; nothing committed")
+    sizes = np.array([s.size for s in shards], np.uint64)[shard]
+    beyond = (offset > sizes) | (length > sizes - np.minimum(offset, sizes))
+    if beyond.any():
+        i = int(np.flatnonzero(beyond)[0])
+        raise GroupError(f"{where} puts tensor {names[i]!r} at bytes {int(offset[i])}.."
+                         f"{int(offset[i]) + int(length[i])}, beyond the end of its shard "
+                         f"{shards[int(shard[i])].path!r} ({shards[int(shard[i])].size} bytes); "
+                         "nothing committed")
+    end = offset + length  # cannot overflow: within the sizes, checked above
+    ends = np.zeros(len(shards), np.uint64)
+    np.maximum.at(ends, shard, end)
+    for s, e in zip(shards, ends.tolist()):
+        if s.size != e:
+            raise GroupError(f"{where} declares shard {s.path!r} {s.size} bytes, but its tensors "
+                             f"end at byte {e}; nothing committed")
+    live = np.flatnonzero(length)
+    order = live[np.lexsort((offset[live], shard[live]))]
+    clash = (shard[order[1:]] == shard[order[:-1]]) & (offset[order[1:]] < end[order[:-1]])
+    if clash.any():
+        k = int(np.flatnonzero(clash)[0])
+        i0, i1 = int(order[k]), int(order[k + 1])
+        raise GroupError(f"{where} puts tensors {names[i0]!r} and {names[i1]!r} on the same bytes "
+                         f"of shard {shards[int(shard[i0])].path!r}; nothing committed")
 
 
 def _logical(enc: _codec.Encoded, arrays: Sequence[np.ndarray]
@@ -237,7 +328,15 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
         failure = e
         reply["error"] = {"type": type(e).__name__, "message": f"rank {rank}: {e}"}
     group.gather(_pack(reply), timeout=timeout)
-    outcome = _unpack(group.broadcast(None, timeout=timeout), "save")
+    try:
+        outcome = _unpack(group.broadcast(None, timeout=timeout), "save")
+    except GroupError as e:
+        if failure is None and _committed(store, token):
+            log.warning("%s: committed by rank 0, but this rank (%d) missed the outcome (%s: %s); "
+                        "a rank lost after its reply is only logged", store.url, rank,
+                        type(e).__name__, e)
+            return None
+        raise
     if outcome["kind"] == "mismatch":  # rank 0 asks what we saved, to name the difference
         group.gather(_pack(_structure(enc, arrays)), timeout=timeout)
         outcome = _unpack(group.broadcast(None, timeout=timeout), "save")
@@ -246,6 +345,20 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
     if outcome["kind"] != "ok":
         raise _error(outcome["error"], store)
     return None
+
+
+def _committed(store: Store, token: str) -> bool:
+    """Whether the manifest at ``store`` is the one of the save ``token`` (rank 0's writer id):
+    what a rank that missed the outcome asks the store."""
+    try:
+        manifest = Manifest.from_bytes(
+            store.read(MANIFEST_NAME, max_bytes=int(_knobs.get("max_manifest_bytes"))),
+            source=store.join(MANIFEST_NAME))
+    except Exception as e:  # no manifest, another one, or the store failing: not ours
+        log.info("%s: no committed manifest of this save found (%s: %s)", store.url,
+                 type(e).__name__, e)
+        return False
+    return isinstance(manifest.writer, dict) and manifest.writer.get("id") == token
 
 
 def _structure(enc: _codec.Encoded, arrays: Sequence[np.ndarray]) -> dict:
@@ -291,7 +404,7 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
         replies = [_unpack(r, "save") for r in gathered[1:]]
         if own is not None:
             raise own
-        return _merge(store, enc, arrays, digest, part, replies, make_manifest)
+        return _merge(store, enc, arrays, digest, part, replies, make_manifest, token)
 
     try:
         manifest = commit(store, write, token=token, overwrite=overwrite, fence=fence)
@@ -315,7 +428,12 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
             log.warning("ckptcore: %s: could not tell the other ranks the save failed (%s)",
                         store.url, g)
         raise
-    group.broadcast(_pack({"kind": "ok"}), timeout=timeout)
+    # Committed: whatever happens now, the save stands (a GroupError would say it did not).
+    try:
+        group.broadcast(_pack({"kind": "ok"}), timeout=timeout)
+    except Exception as e:
+        log.warning("%s: committed, but the outcome could not be told to every rank (%s: %s); "
+                    "a rank lost after its reply is only logged", store.url, type(e).__name__, e)
     return manifest
 
 
@@ -330,8 +448,9 @@ def settle(store: Store, group: Any) -> None:
 
 
 def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], digest: bytes,
-           part: _Part, replies: list[dict], make_manifest: Callable) -> Manifest:
-    """One manifest from every rank's part; refuses failed ranks and differing states."""
+           part: _Part, replies: list[dict], make_manifest: Callable, token: str) -> Manifest:
+    """One manifest from every rank's part; refuses failed ranks, differing states and replies
+    that do not fit (see the module docstring), whatever the format."""
     for reply in replies:
         if "error" in reply:
             err = reply["error"]
@@ -339,11 +458,25 @@ def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], dige
     differ = [r for r, reply in enumerate(replies, start=1) if reply.get("digest") != digest]
     if differ:
         raise _Mismatch(store, differ)
-    parts = [part] + [_Part.from_reply(reply, r, store.url)
+    parts = [part] + [_Part.from_reply(reply, r, store.url, token)
                       for r, reply in enumerate(replies, start=1)]
+    owner: dict[str, int] = {}
+    for r, p in enumerate(parts):
+        for s in p.shards:
+            if owner.setdefault(s.path, r) != r:
+                raise GroupError(f"{store.url}: rank {r} lists shard {s.path!r}, which rank "
+                                 f"{owner[s.path]} lists too; nothing committed")
     if part.table is not None:
+        for r, p in enumerate(parts):
+            if p.table is not None:
+                _check_bytes(store, r, p.shards, p.table.names, p.table.shard, p.table.offset,
+                             p.table.length)
         return make_manifest(*_merge_chunks(store, enc, arrays, parts))
+    if any(p.table is not None for p in parts):
+        raise GroupError(f"{store.url}: the ranks disagree on whether the state is chunked; "
+                         "nothing committed")
     n = len(arrays)
+    nbytes = np.array([a.nbytes for a in arrays] or [0], np.uint64)
     shards: list[ShardEntry] = []
     shard = np.zeros(n, np.uint32)
     offset = np.zeros(n, np.uint64)
@@ -351,9 +484,11 @@ def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], dige
     written = np.zeros(n, np.int64)
     for r, p in enumerate(parts):
         idx, local = p.rows["index"], p.rows["shard"]
-        if len(idx) and (idx.min() < 0 or idx.max() >= n or local.max() >= len(p.shards)):
-            raise GroupError(f"{store.url}: rank {r} reports tensors or shards it does not have; "
+        if len(idx) and (idx.min() < 0 or idx.max() >= n):
+            raise GroupError(f"{store.url}: rank {r} reports tensors the state does not have; "
                              "nothing committed")
+        _check_bytes(store, r, p.shards, _Names(enc.names, idx), local, p.rows["offset"],
+                     nbytes[idx] if len(idx) else np.zeros(0, np.uint64))
         shard[idx] = local + len(shards)
         offset[idx], crc[idx] = p.rows["offset"], p.rows["crc"]
         np.add.at(written, idx, 1)
@@ -365,6 +500,16 @@ def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], dige
     table = TensorTable.from_columns(list(enc.names), enc.dtypes, [a.shape for a in arrays],
                                      shard, offset, [a.nbytes for a in arrays], crc)
     return make_manifest(shards, table)
+
+
+class _Names:
+    """The names of the rows ``idx`` of ``names``, looked up only for an error message."""
+
+    def __init__(self, names: Sequence[str], idx: np.ndarray) -> None:
+        self._names, self._idx = names, idx
+
+    def __getitem__(self, i: int) -> str:
+        return self._names[int(self._idx[i])]
 
 
 def _merge_chunks(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
