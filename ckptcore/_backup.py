@@ -158,8 +158,9 @@ class BackupTier:
                  heartbeat_seconds: float | None = None) -> None:
         self.local = local
         self.root = Store(check_url(url, "backup"), dict(storage_options or {}))
-        if self.root.url.rstrip("/") == local.url.rstrip("/"):
-            raise ValueError(f"backup={url!r} is the manager's own root; give another location")
+        if self.root.same_place(local):
+            raise ValueError(f"backup={url!r} is the manager's own root {local.url!r} (spelled "
+                             "another way); a backup must be another location")
         self.options = dict(storage_options or {})
         self.policy = as_policy(keep)
         self.dedup = dedup

@@ -167,6 +167,12 @@ def check_url(url: Any, what: str = "url") -> str:
         raise TypeError(f"{what} must be a str or path-like, got {type(url).__name__}")
     if not url.strip():
         raise ValueError(f"{what} must not be empty: give a folder or an fsspec URL")
+    if "::" in url:
+        # fsspec would read "a::b" as a chain of filesystems (caches, archives): none of them
+        # keeps the commit protocol's guarantees (an atomic rename or a create-only PUT).
+        raise ValueError(f"{what}={url!r} is a chained fsspec URL ('::'), which a checkpoint root "
+                         "cannot be: give one filesystem's URL (a folder, s3://, gs://, az://, "
+                         "memory://)")
     return url
 
 
@@ -223,6 +229,14 @@ class Store:
             raise  # programming errors are not the store failing: left as they are
         except Exception as e:
             raise StorageError(f"{self._url(rel)}: {op} failed: {type(e).__name__}: {e}") from e
+
+    def same_place(self, other: Store) -> bool:
+        """Whether ``other`` is this location under another spelling (``./run``, ``file://``,
+        a trailing slash, a folder reached through a symbolic link)."""
+        if self.local or other.local:
+            return self.local and other.local and \
+                os.path.realpath(self.path) == os.path.realpath(other.path)
+        return type(self.fs) is type(other.fs) and self.path.strip("/") == other.path.strip("/")
 
     # -- navigation ---------------------------------------------------------------------------
     def child(self, name: str) -> Store:

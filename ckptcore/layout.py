@@ -21,7 +21,7 @@ from . import _fence, _knobs, api
 from ._commit import TMP_MARK
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
-from ._storage import CAS_DIR, Entry, Store
+from ._storage import CAS_DIR, Entry, Store, check_url
 from .errors import CheckpointError
 
 __all__ = ["gc", "list_checkpoints", "CheckpointListing", "step_name"]
@@ -130,7 +130,7 @@ def gc(root: str | os.PathLike, *, grace: float | None = None,
         ValueError: ``grace`` is negative.
     """
     grace = check_grace(grace)
-    store = Store(os.fspath(root), dict(storage_options or {}))
+    store = Store(check_url(root, "root"), dict(storage_options or {}))
     if not store.exists() or not is_root(store):
         # A typo or a single checkpoint's folder: refuse before the lock file would be created.
         raise FileNotFoundError(f"{store.url}: no checkpoint root here (no step-* folders or "
