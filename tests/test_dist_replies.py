@@ -33,13 +33,13 @@ class _Tampering:
     """A rank whose plain-state save reply is rewritten by ``change(reply)`` on its way to rank 0,
     while ``armed``."""
 
-    def __init__(self, inner, change, *, armed: bool = True) -> None:
-        self._inner, self._change, self.armed = inner, change, armed
+    def __init__(self, inner, change, *, armed: bool = True, kind: str = "rows") -> None:
+        self._inner, self._change, self.armed, self._kind = inner, change, armed, kind
         self.rank, self.size = inner.rank, inner.size
 
     def gather(self, data, *, timeout):
         reply = msgpack.unpackb(data, raw=False)
-        if self.armed and isinstance(reply, dict) and "rows" in reply:
+        if self.armed and isinstance(reply, dict) and self._kind in reply:
             self._change(reply)
             data = msgpack.packb(reply, use_bin_type=True)
         return self._inner.gather(data, timeout=timeout)
@@ -210,6 +210,38 @@ def test_a_refused_step_leaves_the_previous_step_of_a_manager(store, change):
                                      save_on_preemption=False)
     assert mgr.steps() == [1]
     assert_state_same(mgr.restore(), _state(1), sections=("model", "data"))
+
+
+def _table_overlap(reply):
+    table = reply["table"]
+    shard = np.frombuffer(table["shard"], "<u4")
+    off = np.frombuffer(table["offset"], "<u8").copy()
+    same = np.flatnonzero(shard == shard[0])
+    assert len(same) >= 2, "the test needs two chunks of rank 1 in one shard"
+    off[same[1]] = off[same[0]]
+    table["offset"] = off.tobytes()
+
+
+@pytest.mark.parametrize("change", [_escape, _rank_0_name, _no_marker, _size_lie, _twice,
+                                    _table_overlap],
+                         ids=["escape", "rank-0-name", "other-token", "size-lie", "listed-twice",
+                              "overlap"])
+def test_a_chunked_state_reply_is_checked_alike(store, change):
+    """The same checks for a state of Shard leaves (format 3), whose replies carry tables."""
+    from test_dist_sharded import _rank_leaf
+    from test_sharded_load import _state as sharded_state
+
+    url, opts = store.url("ck"), store.storage_options
+    store.write(b"sentinel", "evil.bin")
+    groups = ThreadGroup.create(2)
+    groups[1] = _Tampering(groups[1], change, kind="table")
+    out = run_ranks(groups, lambda g: ckptcore.save_state(
+        url, sharded_state(_rank_leaf(2, g.rank)), group=g, storage_options=opts))
+    _assert_refused(out)
+    with pytest.raises(ckptcore.CheckpointNotFoundError):
+        ckptcore.load_state(url, storage_options=opts)
+    assert store.read("evil.bin") == b"sentinel"
+    assert not [n for n in store.listdir("ck") if n.startswith("shard-")]
 
 
 class _Gone(Exception):
