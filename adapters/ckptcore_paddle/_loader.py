@@ -15,13 +15,24 @@ Worker processes are forked from the training process; a fork would share the de
 CheckpointManager's writer lock on local disk, which ckptcore closes in every forked child (see
 ``ckptcore/_lock.py``), so orphaned workers of a killed run never keep its root locked.
 
+Workers end with their training process.  Paddle's workers check for a dead parent only between
+reads of their index queue, and were seen blocked in such a read (a pipe whose write end they hold
+themselves, so it never ends) long after a SIGKILL of the training process: they lived on
+indefinitely, holding memory and shared-memory segments.  Each worker first asks Linux to SIGKILL it when its parent dies
+(``prctl(PR_SET_PDEATHSIG, SIGKILL)``, in :class:`_WorkerInit`, which then calls the user's own
+``worker_init_fn``), and exits at once if the parent already died before that (its parent pid is
+no longer the training process's).
+
 Kept apart from ``_data.py`` because it subclasses a Paddle class: importing it imports Paddle.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-from typing import Any, Iterator, Mapping
+import signal
+import sys
+from typing import Any, Callable, Iterator, Mapping
 
 import paddle
 
@@ -84,10 +95,15 @@ class DataLoader(paddle.io.DataLoader):
                              "build the cursor with DataCursor(len(dataset), batch_size, ...)")
         sampler = ResumableBatchSampler(cursor)
         sampler._auto = True
-        super().__init__(dataset, batch_sampler=sampler, **dataloader_kwargs)
+        init = _WorkerInit(dataloader_kwargs.pop("worker_init_fn", None))
+        super().__init__(dataset, batch_sampler=sampler, worker_init_fn=init, **dataloader_kwargs)
         self.cursor = base
 
     def __iter__(self) -> Iterator[Any]:
+        if isinstance(self.worker_init_fn, _WorkerInit):
+            # Paddle forks the workers in this call (from this process, and this thread): they
+            # check their parent against this pid.
+            self.worker_init_fn.parent = os.getpid()
         return _Handing(super().__iter__(), self.batch_sampler)
 
     def __call__(self) -> Iterator[Any]:
@@ -103,6 +119,51 @@ class DataLoader(paddle.io.DataLoader):
 
     def __repr__(self) -> str:
         return f"ckptcore_paddle.DataLoader({self.batch_sampler.cursor!r})"
+
+
+_PR_SET_PDEATHSIG = 1
+_ORPHANED_EXIT = 1  # the exit status of a worker whose parent died before it could ask to follow
+
+
+class _WorkerInit:
+    """The ``worker_init_fn`` of every loader: in each worker, first tie the worker's life to the
+    training process's, then call ``user`` (the caller's own ``worker_init_fn``, if any) with the
+    same worker id.  A module-level class with plain attributes, so it pickles if workers are
+    ever spawned rather than forked.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the worker exits, not only its process:
+    Paddle forks the workers from the thread that calls ``iter(loader)``, so a loader iterated from
+    a thread that ends while the iterator is still used loses its workers with that thread (Paddle
+    then reports them as exited unexpectedly).  Iterate from the thread that consumes the batches
+    (the usual ``for x, y in loader:``), or from one that lives as long as the iterator.
+    """
+
+    def __init__(self, user: Callable[[int], Any] | None):
+        if user is not None and not callable(user):
+            raise TypeError(f"worker_init_fn must be callable, got {type(user).__name__}")
+        self.user = user
+        self.parent = os.getpid()  # set again by each iter(), just before the workers are forked
+
+    def __call__(self, worker_id: int) -> None:
+        _die_with_parent(self.parent)
+        if self.user is not None:
+            self.user(worker_id)
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a worker: be SIGKILLed when the process (thread) that forked it dies (Linux), and exit now
+    if it already has (the worker was reparented: its parent pid is no longer ``parent``)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        except (OSError, AttributeError):  # no prctl here: the parent check below still runs
+            pass
+    # After prctl: a parent that dies from here on kills this worker; one that died before has
+    # left it reparented (to init or a subreaper), which this sees.
+    if os.getppid() != parent:
+        os._exit(_ORPHANED_EXIT)
 
 
 class _Handing:

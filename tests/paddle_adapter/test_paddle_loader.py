@@ -187,3 +187,122 @@ def test_the_readme_paddle_block_runs_as_written(tmp_path, run_python):
     result = json.loads(out.strip().splitlines()[-1])
     assert result["epoch"] == 3 and result["step"] == 3 * 3  # 70 samples in batches of 32: 3 an epoch
     assert result["steps"] == [3, 6]  # hapi's epoch checkpoints (save_freq=200 never came round)
+
+
+# --- Loader workers end with their training process -------------------------------------------
+
+_SLOW_LOOP = r"""
+import os, sys, time
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import numpy as np, paddle
+import ckptcore, ckptcore_paddle as cp
+
+class Slow(paddle.io.Dataset):
+    def __len__(self):
+        return 4096
+    def __getitem__(self, i):
+        return np.full(64, i, np.float32)
+
+loader = cp.DataLoader(Slow(), ckptcore.DataCursor(4096, 8, seed=0), num_workers=2)
+for step, x in enumerate(loader):
+    if step == 0:
+        print("training", flush=True)
+    time.sleep(0.2)  # a slow training step: the workers fill their queues and wait
+"""
+
+
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running or sleeping; a zombie (killed, not yet reaped by its new parent) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc (Linux)")
+def test_loader_workers_die_with_a_sigkilled_training_process(tmp_path, spawn_python):
+    import os
+    import signal
+    script = tmp_path / "slow_loop.py"
+    script.write_text(_SLOW_LOOP)
+    victim = spawn_python(script)
+    assert victim.stdout.readline().strip() == "training", victim.stderr.read()
+    deadline = time.monotonic() + 30
+    while len(workers := _children(victim.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(workers) >= 2, workers
+    time.sleep(1)  # let the workers fill the queues and block, as in a long run
+    os.kill(victim.pid, signal.SIGKILL)
+    assert victim.wait(timeout=30) == -signal.SIGKILL
+    killed = time.monotonic()
+    while any(map(_alive, workers)) and time.monotonic() < killed + 5:
+        time.sleep(0.01)
+    left = [w for w in workers if _alive(w)]
+    assert not left, f"loader workers {left} outlived their SIGKILLed training process"
+    victim.stdout.close()
+    victim.stderr.close()
+
+
+def _record_worker(folder: str, worker_id: int) -> None:
+    """A user's worker_init_fn: one file per worker, holding the death signal it found set."""
+    import ctypes
+    import os
+    sig = ctypes.c_int(-1)
+    if hasattr(os, "sched_getaffinity"):  # Linux: PR_GET_PDEATHSIG is 2
+        ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)
+    Path(folder, f"worker-{worker_id}").write_text(f"{os.getppid()} {sig.value}")
+
+
+def test_a_users_worker_init_fn_still_runs_in_each_worker_after_ours(tmp_path):
+    import functools
+    import os
+    import signal
+    cursor = ckptcore.DataCursor(N, BS, seed=5)
+    loader = cp.DataLoader(Data(), cursor, num_workers=2,
+                           worker_init_fn=functools.partial(_record_worker, str(tmp_path)))
+    assert [_rows(x) for x, _ in loader] == _reference()
+    found = {p.name: p.read_text().split() for p in tmp_path.iterdir()}
+    assert sorted(found) == ["worker-0", "worker-1"], found
+    for parent, sig in found.values():
+        assert int(parent) == os.getpid()
+        if Path("/proc/self/task").is_dir():
+            assert int(sig) == signal.SIGKILL  # ours ran first and tied the worker to us
+    with pytest.raises(TypeError, match="worker_init_fn"):
+        cp.DataLoader(Data(), cursor, num_workers=2, worker_init_fn="not callable")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux")
+def test_a_worker_whose_parent_died_before_it_started_exits():
+    """The race PR_SET_PDEATHSIG leaves: a parent that died before the worker's prctl is not
+    signalled; the worker sees it was reparented and exits (here: a parent pid that is not its
+    own stands for that)."""
+    import multiprocessing
+    import os
+    from ckptcore_paddle import _loader
+    called = multiprocessing.get_context("fork").Value("i", 0)
+
+    def user(worker_id):
+        called.value = 1
+
+    init = _loader._WorkerInit(user)
+    init.parent = os.getpid() + 1_000_000  # "the training process", which is not our parent
+    proc = multiprocessing.get_context("fork").Process(target=init, args=(0,))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == _loader._ORPHANED_EXIT and called.value == 0
+    init.parent = os.getpid()
+    proc = multiprocessing.get_context("fork").Process(target=init, args=(0,))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0 and called.value == 1
