@@ -23,27 +23,79 @@ names is never removed.  An unreadable manifest stops the sweep (its references 
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
+import json
 import logging
 import threading
 import time
-from typing import Any, Mapping
+import uuid
+from typing import Any, Iterator, Mapping
 
-from . import _knobs, layout
+from . import _fence, _knobs, layout
 from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
 from ._replica import CopyStats, chunk_rel, copy_checkpoint, list_chunks, references
 from ._storage import Store, _bucket_missing, check_url, error_chain
-from .errors import CheckpointError, CheckpointExistsError, LockedError, StorageError
+from .errors import CheckpointError, CheckpointExistsError, FencedError, LockedError, StorageError
 from .policies import CheckpointEntry, as_policy
 
 log = logging.getLogger("ckptcore")
 _PAUSE_LIMIT = 60  # seconds a replication waits for one save before going on alongside it
 
 
-def sweep(root: Store, grace: float) -> list[str]:
-    """Remove chunks under ``root`` that no committed manifest refers to and that are older than
-    ``grace`` seconds; returns their URLs.  The caller holds ``root``'s writer lock."""
+INTENT_DIR = ".ckptcore.intents"
+_INTENT_MAX_AGE = 24 * 3600.0  # an unlocked uploader's intent is honoured this long
+_INTENT_SLACK = 60.0  # seconds of clock skew between an uploader and the store
+
+
+@contextlib.contextmanager
+def intent(root: Store, generation: int | None, holder: str) -> Iterator[str]:
+    """Record, while the block runs, that chunks are being uploaded under ``root`` (a sweep keeps
+    every chunk written since, unless ``generation`` was fenced meanwhile: its replica can then
+    never be accepted).  Removed after; one left by a killed uploader is fenced by the next
+    holder's generation (or, unlocked, expires after a day) and removed by the next sweep."""
+    name = f"{INTENT_DIR}/{uuid.uuid4().hex}.json"
+    root.makedirs(INTENT_DIR)
+    root.write_bytes(name, json.dumps({"generation": generation, "holder": holder,
+                                       "started": time.time()}).encode())
+    try:
+        yield name
+    finally:
+        try:
+            root.delete(name)
+        except Exception as e:  # noqa: BLE001 - a leftover intent only delays the sweep
+            log.warning("backup: could not remove the upload intent %s (%s: %s)",
+                        root.join(name), type(e).__name__, e)
+
+
+def live_intents(root: Store, own: tuple[str, ...] = ()) -> tuple[float | None, list[str]]:
+    """The start of the oldest upload in progress under ``root`` that a sweep must honour (None:
+    none; the sweeper's ``own`` intents aside), and the stale intents (fenced generations,
+    expired) a sweep may remove."""
+    newest = max(_fence.generations(root), default=0)
+    oldest, stale = None, []
+    for e in root.listdir(INTENT_DIR):
+        rel = f"{INTENT_DIR}/{e.name}"
+        if rel in own:
+            continue
+        try:
+            body = json.loads(root.read(rel, max_bytes=1 << 16))
+            started, g = float(body["started"]), body.get("generation")
+        except (ValueError, KeyError, TypeError, OSError, CheckpointError):
+            started, g = (e.mtime or time.time()), None  # unreadable: honoured by its age
+        fenced = isinstance(g, int) and g < newest
+        if fenced or time.time() - started > _INTENT_MAX_AGE:
+            stale.append(rel)
+        else:
+            oldest = started if oldest is None else min(oldest, started)
+    return oldest, stale
+
+
+def sweep(root: Store, grace: float, fence: Any = None, own: tuple[str, ...] = ()) -> list[str]:
+    """Remove chunks under ``root`` that no committed manifest refers to, that are older than
+    ``grace`` seconds and that no upload in progress may name (``intent``); returns their URLs.
+    The caller holds ``root``'s writer lock (``fence``: checked before deleting)."""
     from .api import read_manifest
 
     chunks = list_chunks(root)  # first: a chunk listed here and referenced later is kept below
@@ -55,23 +107,37 @@ def sweep(root: Store, grace: float) -> list[str]:
             log.warning("backup: not sweeping chunks under %s: the manifest of %s cannot be read "
                         "(%s), so what it refers to is unknown", root.url, name, e)
             return []
+    uploading, stale = live_intents(root, own)
     cutoff = time.time() - grace
+    if uploading is not None:
+        log.info("backup: an upload to %s is in progress since %s: keeping every chunk written "
+                 "since", root.url, time.strftime("%H:%M:%S", time.localtime(uploading)))
+        cutoff = min(cutoff, uploading - _INTENT_SLACK)
+    doomed = [n for n, (_, mtime) in sorted(chunks.items())
+              if n not in referenced and mtime is not None and mtime <= cutoff]
+    # (a store that gives no time: a chunk's age is unknown, so it is kept)
+    if (doomed or stale) and fence is not None:
+        fence.before_delete()
     removed = []
-    for name, (_, mtime) in sorted(chunks.items()):
-        if name in referenced or mtime is None or mtime > cutoff:
-            continue  # (a store that gives no time: its age is unknown, so it is kept)
+    for name in doomed:
         url = root.join(chunk_rel(name))
         log.info("backup: removing chunk %s, which no committed replica refers to", url)
         root.delete(chunk_rel(name))
         removed.append(url)
+    for rel in stale:
+        log.info("backup: removing the stale upload intent %s (its uploader was superseded or "
+                 "is long gone)", root.join(rel))
+        root.delete(rel)
     return removed
 
 
 def retain(root: Store, policy: Any, options: Mapping[str, Any], *,
-           dry_run: bool = False) -> list[int]:
+           dry_run: bool = False, fence: Any = None) -> list[int]:
     """Apply ``policy`` to the committed steps under ``root`` (the newest, and any whose manifest
-    cannot be read, always kept): delete the others, manifest first; return them.  ``dry_run``:
-    only say which."""
+    cannot be read, always kept): delete the others, manifest first; return them.  Nothing is
+    deleted unless the newest step passes the reader's structural checks
+    (``layout.structure_problem``).  ``dry_run``: only say which.  ``fence``: the writer lock,
+    checked before each deletion."""
     from . import api
     from .manager import _saved_metrics
 
@@ -88,9 +154,18 @@ def retain(root: Store, policy: Any, options: Mapping[str, Any], *,
     keep = set(as_policy(policy).keep(entries)) | {steps[-1]}
     keep |= set(steps) - {e.step for e in entries}
     gone = [s for s in steps[:-1] if s not in keep]
+    if gone and not dry_run:
+        problem = layout.structure_problem(root.child(layout.step_name(steps[-1])))
+        if problem:
+            log.warning("retention: not deleting steps %s under %s: the newest step %d, which "
+                        "supersedes them, does not pass the reader's checks (%s)", gone,
+                        root.url, steps[-1], problem)
+            return []
     for s in gone:
         if dry_run:
             continue
+        if fence is not None:
+            fence.before_delete()
         log.info("retention: deleting replica step %d under %s", s, root.url)
         ckpt = root.child(layout.step_name(s))
         ckpt.delete(MANIFEST_NAME)  # uncommit first
@@ -134,6 +209,8 @@ def transient(e: BaseException) -> bool:
     if any(type(x).__name__ in _PERMANENT_CLASSES or _code(x) in _PERMANENT_CODES
            or isinstance(x, PermissionError) for x in chain) or _bucket_missing(e):
         return False
+    if isinstance(e, FencedError):
+        return False  # another writer took this root over: for good
     if isinstance(e, LockedError):
         return True
     if isinstance(e, CheckpointError) and not isinstance(e, StorageError):
@@ -188,6 +265,7 @@ class BackupTier:
         self._go = threading.Event()
         self._go.set()
         self._thread: threading.Thread | None = None
+        self._intents: tuple[str, ...] = ()  # the upload intent of the replication in progress
 
     # -- what is where --------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -292,7 +370,8 @@ class BackupTier:
         while True:
             attempt += 1
             try:
-                done = self._replicate(step)
+                with self._uploading():
+                    done = self._replicate(step)
             except BaseException as e:  # noqa: BLE001 - judged below, raised by wait()
                 if not transient(e):
                     return e
@@ -362,10 +441,10 @@ class BackupTier:
                         "replicated); skipping it", step, self.local.url)
             return False
         if self._known is None and self.dedup:
-            self._known = list_chunks(self.root)
+            self._known = {}  # chunks this tier uploaded or verified; each copy lists the root
         log.info("backup: replicating step %d to %s", step, self.root.url)
         _, self.last = copy_checkpoint(src, dst, dedup=self.dedup, known=self._known,
-                                       gate=self._gate)
+                                       gate=self._gate, fence=self._lock)
         self._committed_now(step)
         return True
 
@@ -376,13 +455,32 @@ class BackupTier:
             self._done.add(step)
         self._retention()
 
+    @contextlib.contextmanager
+    def _uploading(self) -> Iterator[None]:
+        """A replication, under the backup root's lock and with its upload intent recorded (the
+        tier's own sweep, after the replica is committed, passes over its own intent)."""
+        if self._lock is not None:
+            self._lock.acquire()
+        if not self.dedup:
+            yield
+            return
+        lock = self._lock
+        with intent(self.root, None if lock is None else lock.generation,
+                    "unlocked" if lock is None else lock.holder) as name:
+            self._intents = (name,)
+            try:
+                yield
+            finally:
+                self._intents = ()
+
     def _retention(self) -> None:
-        gone = retain(self.root, self.policy, self.options)
+        gone = retain(self.root, self.policy, self.options, fence=self._lock)
         with self._cond:
             if self._committed is not None:
                 self._committed -= set(gone)
         if gone and self.dedup:
-            for url in sweep(self.root, float(_knobs.get("gc_grace"))):
+            for url in sweep(self.root, float(_knobs.get("gc_grace")), fence=self._lock,
+                             own=self._intents):
                 if self._known is not None:
                     self._known.pop("cas:" + url.rsplit("/", 1)[-1], None)
 

@@ -21,7 +21,7 @@ from . import _fence, _knobs, api
 from ._commit import TMP_MARK
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
-from ._storage import CAS_DIR, Entry, Store, check_url
+from ._storage import CAS_DIR, CAS_PREFIX, Entry, Store, check_url
 from .errors import CheckpointError
 
 __all__ = ["gc", "list_checkpoints", "CheckpointListing", "step_name"]
@@ -138,13 +138,32 @@ def gc(root: str | os.PathLike, *, grace: float | None = None,
     lock = WriterLock(store)
     lock.acquire()
     try:
-        return remove_leftovers(store, grace)
+        return remove_leftovers(store, grace, lock)
     finally:
         lock.release()
 
 
-def remove_leftovers(root: Store, grace: float) -> list[str]:
-    """The work of :func:`gc`, for a caller that holds ``root``'s writer lock (the manager)."""
+def structure_problem(ckpt: Store) -> str:
+    """Why the committed checkpoint ``ckpt`` would not restore, as far as its structure shows
+    (its manifest does not decode or validate, a shard is missing or of another size); "" when
+    it passes.  Reads the manifest and one listing, never tensor data: what retention asks of
+    the step that supersedes the ones it deletes."""
+    try:
+        manifest = api.read_manifest(ckpt)
+        sizes = {e.name: e.size for e in ckpt.listdir() if not e.is_dir and not e.is_link}
+        for s in manifest.shards:
+            size = ckpt.size(s.path) if s.path.startswith(CAS_PREFIX) else sizes.get(s.path)
+            if size != s.size:
+                return f"{ckpt.join(s.path)}: {'missing' if size is None else f'{size} bytes'}, " \
+                       f"the manifest says {s.size}"
+    except (CheckpointError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def remove_leftovers(root: Store, grace: float, fence: Any = None) -> list[str]:
+    """The work of :func:`gc`, for a caller that holds ``root``'s writer lock (the manager;
+    ``fence``: that lock, checked before chunks are swept)."""
     cutoff = time.time() - grace
     removed = []
     for step, name in fenced_steps(root):  # never accepted by any reader: not a checkpoint
@@ -171,7 +190,7 @@ def remove_leftovers(root: Store, grace: float) -> list[str]:
             removed += _gc_shards(child, cutoff)
         elif e.name == CAS_DIR and e.is_dir:  # a backup root: chunks no replica names any more
             from ._backup import sweep
-            removed += sweep(root, grace)
+            removed += sweep(root, grace, fence)
     return removed
 
 

@@ -477,6 +477,13 @@ class CheckpointManager:
                 log.info("retention: keeping checkpoint step %d under %s until its replica in %s "
                          "is committed", s, self.root.url, self.backup.root.url)
             keep |= waiting
+        doomed = [s for s in good[:-1] if s not in keep]
+        problem = doomed and layout.structure_problem(self.root.child(self._name(good[-1])))
+        if problem:
+            log.warning("retention: not deleting steps %s under %s: the newest step %d, which "
+                        "supersedes them, does not pass the reader's checks (%s)", doomed,
+                        self.root.url, good[-1], problem)
+            return
         for s in good[:-1]:  # every step below the newest good one has a committed successor
             if s not in keep:
                 log.info("retention: deleting checkpoint step %d under %s", s, self.root.url)
@@ -580,7 +587,7 @@ class CheckpointManager:
 
         def work() -> list[str]:
             self._acquire()
-            return layout.remove_leftovers(self.root, grace)
+            return layout.remove_leftovers(self.root, grace, self._lock)
 
         return list(self._on_coordinator(work))
 
@@ -785,7 +792,7 @@ class CheckpointManager:
         self._acquire()
         log.info("restore: seeding %s with step %d from %s", self.root.url, step,
                  self.backup.root.url)
-        copy_checkpoint(self.backup.root.child(name), dst, dedup=False)
+        copy_checkpoint(self.backup.root.child(name), dst, dedup=False, fence=self._lock)
         self._listed = None
 
     def _restore_into(self, state: TrainingState, objects: dict) -> None:
