@@ -19,6 +19,7 @@ from .group import ProcessGroup, SingleProcessGroup, ThreadGroup
 from .sharding import Chunks, Shard
 from .cursor import DataCursor
 from ._diff import CheckpointDiff, TensorDiff, diff
+from ._scrub import ScrubReport, scrub
 from .layout import CheckpointListing, gc, list_checkpoints
 from .manager import CheckpointFallbackWarning, CheckpointManager, LockTakeoverWarning, SaveHandle
 from .policies import KeepAll, KeepAny, KeepBest, KeepEvery, KeepEveryDuration, KeepLast
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointInfo", "TensorInfo",
     "CheckpointManager", "SaveHandle", "CheckpointFallbackWarning", "LockTakeoverWarning",
     "gc", "list_checkpoints", "CheckpointListing", "diff", "CheckpointDiff", "TensorDiff",
+    "scrub", "ScrubReport",
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
     "DataCursor", "capture_rng", "restore_rng",
     "TrainingState", "OptimizerState", "ScheduleState", "AccumulationState", "ParamInfo",

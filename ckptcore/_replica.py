@@ -14,9 +14,26 @@ Two layouts:
   replicas"), shared by every step that holds the same bytes, so a frozen layer is uploaded
   once.  Tensors under ``pack_below`` bytes travel together in packs of about 1 MiB, in table
   order (a small tensor each would cost a request apiece); a second object of the same bytes in
-  one step is named with a salted hash (two rows of a manifest never share bytes).  Objects already in the root (``known``,
-  listed once by the caller) are not uploaded again.  The manifest's rows keep their checksums
-  and point at the objects; only shard paths and offsets change.
+  one step is named with a salted hash (two rows of a manifest never share bytes).  The manifest's
+  rows keep their checksums and point at the objects; only shard paths and offsets change.
+
+Verified reuse.  Each copy lists the root's chunks once at its start (one paginated LIST, with
+the store's own checksum of each object where it gives one: S3's single-part ETag and Azure's
+Content-MD5 are the MD5 of the bytes, GCS's ``md5Hash`` too).  A chunk already there is reused
+only when known good: ``known`` records, per writer (a ``BackupTier``, a sync), the chunks it
+uploaded or verified in this process with the size and store checksum (or, where the store gives
+none, the time) they had then.  A chunk not recorded, or listed with another size or checksum
+since, is verified against the local bytes about to (not) be uploaded: their MD5 against the
+store's checksum, else the object read back and compared.  A damaged or missing chunk is
+uploaded again from the local copy, logged at WARNING (which heals every replica naming it: the
+name is the content hash).
+
+A replica is returned only once it verifies: after the commit, its manifest is read back and
+every object it names is listed present with its size, and its content checked (reused chunks as
+above; chunks just uploaded by the store's checksum of them, else read back and hashed).  If it
+does not verify, the manifest is deleted again (uncommitted, logged) and the copy raises
+:class:`CorruptCheckpointError` or :class:`IncompleteCheckpointError` naming the chunk, so the
+caller never counts it as replicated.
 
 Chunks are never deleted here, not even after a failed commit: another step may reference them
 (``_commit`` skips ``cas:`` shards when it cleans up).  Unreferenced ones are swept by
@@ -25,10 +42,14 @@ Chunks are never deleted here, not even after a failed commit: another step may 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import hashlib
 import logging
 import os
+import re
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -39,9 +60,9 @@ import crc32c as _crc
 import numpy as np
 
 from ._commit import commit
-from ._manifest import Manifest, ShardEntry, encoded_tree
-from ._storage import CAS_DIR, CAS_PREFIX, Store, fsync_dir
-from .errors import CorruptCheckpointError
+from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, encoded_tree
+from ._storage import CAS_DIR, CAS_PREFIX, Store, _as_time, _mtime_of, fsync_dir
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("ckptcore")
 
@@ -49,6 +70,11 @@ HASH = "blake2b-256"
 PACK_BELOW = 256 << 10  # tensors below this many bytes travel in packs
 PACK_SIZE = 1 << 20  # a pack is closed once it holds this many bytes
 _ALIGN = 64
+_S3_PART = 50 << 20  # s3fs pipe_file's part size: an object of >= 2 parts gets a multipart ETag
+_ETAG = re.compile(r"[0-9a-f]{32}(-[0-9]+)?")
+# Stores whose listings carry an MD5 of each object (S3 ETag, GCS md5Hash, Azure Content-MD5):
+# an upload there records the MD5 of what it sent, compared with the listing after the commit.
+_MD5_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
 
 def content_name(data: Any, copy: int = 0) -> str:
@@ -68,23 +94,142 @@ def chunk_rel(name: str) -> str:
 @dataclass
 class CopyStats:
     """What a copy moved: bytes read from the source, bytes and objects written to the
-    destination, objects found there already (deduplicated), and seconds."""
+    destination, objects found there already (deduplicated), and seconds.  Verification:
+    ``checked`` objects verified by the store's checksum (no byte read), ``read_back`` bytes
+    read back to verify objects the store gives no usable checksum of, ``lists`` chunk
+    listings, ``healed`` the chunks found damaged or missing and uploaded again."""
 
     read: int = 0
     written: int = 0
     objects: int = 0
     reused: int = 0
     seconds: float = 0.0
+    checked: int = 0
+    read_back: int = 0
+    lists: int = 0
+    healed: list = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One chunk object as a listing shows it: its size, time, and the store's checksum of it
+    (``md5``: an MD5 hex digest, or S3's multipart ETag ``<hex>-<parts>``; None when the store
+    gives none, as local disk and ``memory://``)."""
+
+    size: int
+    mtime: float | None
+    md5: str | None = None
+    exact: bool = False  # md5 is surely the MD5 of the bytes (GCS, Azure; not an S3 ETag)
+
+    @property
+    def tag(self) -> Any:
+        """What changes when the object is replaced: its checksum, else its time."""
+        return self.md5 if self.md5 is not None else self.mtime
+
+
+def _store_md5(info: dict) -> tuple[str | None, bool]:
+    """The MD5 a store's listing gives of an object: S3's ETag (quoted hex; ``-N`` after
+    multipart; not an MD5 under SSE-KMS, which then simply fails to match and is read back),
+    GCS's ``md5Hash`` (base64), Azure's ``content_settings.content_md5`` (bytes); and whether it
+    is surely an MD5 (a mismatch then proves damage without reading the object)."""
+    etag = info.get("ETag")
+    if isinstance(etag, str) and _ETAG.fullmatch(etag.strip('"').lower()):
+        return etag.strip('"').lower(), False
+    b64 = info.get("md5Hash")
+    if isinstance(b64, str):
+        try:
+            digest = base64.b64decode(b64)
+        except (binascii.Error, ValueError):
+            return None, False
+        return (digest.hex(), True) if len(digest) == 16 else (None, False)
+    settings = info.get("content_settings")
+    md5 = getattr(settings, "get", lambda _: None)("content_md5")  # (Azure's DictMixin)
+    if isinstance(md5, (bytes, bytearray)) and len(md5) == 16:
+        return bytes(md5).hex(), True
+    return None, False
+
+
+def list_chunk_objects(root: Store) -> dict[str, Listed]:
+    """``{cas name: Listed}`` of every chunk object under ``root``: one paginated listing,
+    with each object's checksum where the store gives one."""
+    out: dict[str, Listed] = {}
+
+    def add(rel: str, size: Any, mtime: Any, md5: tuple[str | None, bool] = (None, False)) -> None:
+        prefix, _, digest = rel.partition("/")
+        if len(digest) == 64 and digest.startswith(prefix) and len(prefix) == 2:
+            out[CAS_PREFIX + digest] = Listed(int(size or 0), mtime, *md5)
+
+    if root.local:
+        for e in root.find(CAS_DIR):
+            if not e.is_link:
+                add(e.name, e.size, e.mtime)
+        return out
+    path = root.join(CAS_DIR)
+    root.fs.invalidate_cache(path)  # another writer's uploads and deletions since
+    try:
+        with root._remote("list", CAS_DIR):
+            infos = root.fs.find(path, detail=True, withdirs=False)
+    except FileNotFoundError:
+        return out
+    for full, info in infos.items():
+        if info.get("type") == "directory":
+            continue
+        size = info.get("size")
+        add(full[len(path):].lstrip("/"), size if isinstance(size, (int, float)) else 0,
+            _as_time(_mtime_of(info)), _store_md5(info))
+    return out
 
 
 def list_chunks(root: Store) -> dict[str, tuple[int, float | None]]:
     """``{cas name: (size, mtime)}`` of every chunk object under ``root`` (one listing)."""
-    out: dict[str, tuple[int, float | None]] = {}
-    for e in root.find(CAS_DIR):
-        prefix, _, digest = e.name.partition("/")
-        if not e.is_link and len(digest) == 64 and digest.startswith(prefix) and len(prefix) == 2:
-            out[CAS_PREFIX + digest] = (int(e.size or 0), e.mtime)
-    return out
+    return {n: (e.size, e.mtime) for n, e in list_chunk_objects(root).items()}
+
+
+def _md5_like(data: Any, md5: str) -> str | None:
+    """The MD5 ``data`` would have in the form of ``md5`` (plain, or S3's multipart ETag at
+    s3fs's part size); None when that form cannot be computed (another part size)."""
+    if "-" not in md5:
+        return hashlib.md5(data).hexdigest()
+    parts = int(md5.rsplit("-", 1)[1])
+    view = memoryview(data)
+    if parts < 1 or -(-len(view) // _S3_PART) != parts:
+        return None
+    digests = b"".join(hashlib.md5(view[i:i + _S3_PART]).digest()
+                       for i in range(0, len(view), _S3_PART))
+    return f"{hashlib.md5(digests).hexdigest()}-{parts}"
+
+
+def verify_object(root: Store, name: str, data: Any, listed: Listed,
+                  stats: CopyStats | None = None) -> bool:
+    """Whether the chunk ``name`` under ``root`` holds exactly ``data`` (the local bytes): by
+    the store's checksum where it gives one that can be computed here, else read back."""
+    if listed.size != len(data):
+        return False
+    if listed.md5 is not None:
+        mine = _md5_like(data, listed.md5)
+        if mine == listed.md5:
+            if stats is not None:
+                stats.checked += 1
+            return True
+        if listed.exact and mine is not None:
+            return False
+        # (a mismatch may be an S3 ETag that is no MD5, SSE-KMS: the bytes decide)
+    try:
+        there = root.read(chunk_rel(name))
+    except FileNotFoundError:
+        return False
+    if stats is not None:
+        stats.read_back += len(there)
+    return there == bytes(data)
+
+
+def chunk_matches(data: Any, name: str, copies: int = 0) -> int | None:
+    """The copy number whose salted BLAKE2b-256 of ``data`` is ``name`` (0: unsalted), trying
+    up to ``copies``; None if none is."""
+    for copy in range(copies + 1):
+        if content_name(data, copy) == name:
+            return copy
+    return None
 
 
 def _read_shard(src: Store, shard: ShardEntry) -> bytes:
@@ -125,32 +270,133 @@ def _write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
 def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any] | None = None,
                     overwrite: bool = False, progress: Callable[[int], None] | None = None,
                     pack_below: int = PACK_BELOW,
-                    gate: Callable[[], None] | None = None) -> tuple[Manifest, CopyStats]:
+                    gate: Callable[[], None] | None = None,
+                    fence: Any = None) -> tuple[Manifest, CopyStats]:
     """Copy the committed checkpoint at ``src`` to ``dst`` (a step folder; with ``dedup`` its
-    parent is a deduplicating root whose chunks ``known`` lists, updated with what is written).
-    Returns the destination's manifest and what was moved."""
+    parent is a deduplicating root, listed at the start of the copy).  ``known`` is the
+    writer's record of the chunks it uploaded or verified in this process (``{cas name: (size,
+    store checksum or time)}``, module docstring), updated here; keep one per writer and pass it
+    to every copy.  Returns the destination's manifest and what was moved, once the committed
+    replica verifies; if it does not, it is uncommitted and the error raised."""
     from .api import read_manifest_bytes
 
     started = time.perf_counter()
     manifest, raw = read_manifest_bytes(src)
-    manifest = dataclasses.replace(manifest, tree=encoded_tree(raw))  # written back as stored
+    # The writer's generation belongs to the root it was committed in: the copy records the
+    # destination writer's (``fence``, its lock there), or none.
+    writer = {k: v for k, v in manifest.writer.items() if k != "generation"}
+    if fence is not None and fence.generation is not None:
+        writer["generation"] = int(fence.generation)
+    manifest = dataclasses.replace(manifest, tree=encoded_tree(raw),  # written back as stored
+                                   writer=writer)
     stats = CopyStats()
     token = uuid.uuid4().hex[:16]
     known = {} if known is None else known
     root = dst.parent()
+    placed: dict[str, tuple[int, tuple[str, ...]]] = {}  # cas name: (copy number, MD5s sent)
+    listing: dict[str, Listed] = {}
+    if dedup:
+        listing = list_chunk_objects(root)  # fresh per copy: others may have changed the root
+        stats.lists += 1
 
     def write(target: Store) -> Manifest:
         if dedup:
             return _write_dedup(src, target, root, manifest, known, stats, progress, pack_below,
-                                gate)
+                                gate, listing=listing, placed=placed)
         return _write_plain(src, target, manifest, stats, progress)
 
-    out = commit(dst, write, token=token, overwrite=overwrite)
+    out = commit(dst, write, token=token, overwrite=overwrite, fence=fence)
+    try:
+        _check_committed(dst, out, dedup=dedup, known=known, placed=placed, stats=stats)
+    except BaseException as e:
+        log.warning("copy: the replica %s just committed does not verify (%s: %s); "
+                    "uncommitting it (deleting its manifest): it is not a replica", dst.url,
+                    type(e).__name__, e)
+        try:
+            dst.delete(MANIFEST_NAME)
+            dst.delete_tree()
+        except (CheckpointError, OSError) as e2:
+            log.error("copy: uncommitting %s failed too (%s: %s)", dst.url, type(e2).__name__, e2)
+        raise
     stats.seconds = time.perf_counter() - started
     log.info("copy: %s -> %s (%s): %d bytes read, %d bytes in %d objects written, %d reused, "
-             "%.2f s", src.url, dst.url, "deduplicated" if dedup else "plain", stats.read,
-             stats.written, stats.objects, stats.reused, stats.seconds)
+             "%d verified by checksum, %d bytes read back, %d healed, %.2f s", src.url, dst.url,
+             "deduplicated" if dedup else "plain", stats.read, stats.written, stats.objects,
+             stats.reused, stats.checked, stats.read_back, len(stats.healed), stats.seconds)
     return out, stats
+
+
+def check_structure(dst: Store, manifest: Manifest | None = None,
+                    listing: dict[str, Listed] | None = None) -> tuple[Manifest, list[CheckpointError]]:
+    """A committed checkpoint's structure: its manifest decodes (read now unless given; an
+    unreadable one is raised), and every object it names is present with its size (chunks by
+    ``listing`` of its root, listed now unless given; plain shards by a listing of its folder).
+    Returns the manifest and the problems (:class:`IncompleteCheckpointError`, naming each)."""
+    from .api import read_manifest
+
+    if manifest is None:
+        manifest = read_manifest(dst)
+    problems: list[CheckpointError] = []
+    cas = [s for s in manifest.shards if s.path.startswith(CAS_PREFIX)]
+    if cas and listing is None:
+        listing = list_chunk_objects(dst.parent())
+    plain = ({e.name: e.size for e in dst.listdir() if not e.is_dir and not e.is_link}
+             if len(cas) < len(manifest.shards) else {})
+    for s in manifest.shards:
+        if s.path.startswith(CAS_PREFIX):
+            entry = (listing or {}).get(s.path)
+            size = None if entry is None else entry.size
+        else:
+            size = plain.get(s.path)
+        if size != s.size:
+            url = dst.join(s.path)
+            what = "missing" if size is None else f"{size} bytes, the manifest says {s.size}"
+            problems.append(IncompleteCheckpointError(
+                f"{url}: {'chunk ' + s.path if s.path.startswith(CAS_PREFIX) else 'shard'} "
+                f"named by {dst.url} is {what}"))
+    return manifest, problems
+
+
+def _check_committed(dst: Store, manifest: Manifest, *, dedup: bool, known: dict,
+                     placed: dict[str, tuple[int, tuple[str, ...]]], stats: CopyStats) -> None:
+    """The replica just committed at ``dst`` verifies (module docstring), else raise."""
+    from .api import read_manifest
+
+    there = read_manifest(dst)  # it decodes, by the reader's own checks
+    if there.shards != manifest.shards:
+        raise CorruptCheckpointError(f"{dst.join(MANIFEST_NAME)}: the manifest read back names "
+                                     "other objects than the one written",
+                                     file=dst.join(MANIFEST_NAME))
+    listing = None
+    if dedup:
+        listing = list_chunk_objects(dst.parent())
+        stats.lists += 1
+    _, problems = check_structure(dst, there, listing)
+    if problems:
+        raise problems[0]
+    if not dedup:
+        return
+    root = dst.parent()
+    for s in there.shards:
+        entry = listing[s.path]
+        if known.get(s.path) == (entry.size, entry.tag):
+            continue  # verified in this copy (or before), unchanged since
+        copy, md5s = placed.get(s.path, (0, ()))
+        if entry.md5 is not None and entry.md5 in md5s:
+            stats.checked += 1
+        else:
+            url = root.join(chunk_rel(s.path))
+            try:
+                data = root.read(chunk_rel(s.path))
+            except FileNotFoundError as e:
+                raise IncompleteCheckpointError(f"{url}: chunk {s.path} is missing") from e
+            stats.read_back += len(data)
+            if (len(data) != s.size or _crc.crc32c(data) != s.checksum
+                    or chunk_matches(data, s.path, copy) is None):
+                raise CorruptCheckpointError(
+                    f"{url}: chunk {s.path} does not hold the bytes its name and the manifest "
+                    f"of {dst.url} say", file=url, expected=s.checksum, actual=_crc.crc32c(data))
+        known[s.path] = (entry.size, entry.tag)
 
 
 def _write_plain(src: Store, target: Store, manifest: Manifest, stats: CopyStats,
@@ -170,9 +416,24 @@ def _write_plain(src: Store, target: Store, manifest: Manifest, stats: CopyStats
     return dataclasses.replace(manifest, shards=tuple(shards))
 
 
+def _upload_md5s(root: Store, data: Any) -> tuple[str, ...]:
+    """The checksums the store's listing may give of ``data`` once uploaded (module docstring):
+    none on stores that give none."""
+    protocols = root.fs.protocol if isinstance(root.fs.protocol, (tuple, list)) else (root.fs.protocol,)
+    if root.local or not _MD5_PROTOCOLS & set(protocols):
+        return ()
+    out = [hashlib.md5(data).hexdigest()]
+    parts = -(-len(data) // _S3_PART)
+    if parts >= 2 and {"s3", "s3a"} & set(protocols):
+        out.append(_md5_like(data, f"x-{parts}") or "")
+    return tuple(out)
+
+
 def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, known: dict,
                  stats: CopyStats, progress: Callable[[int], None] | None,
-                 pack_below: int, gate: Callable[[], None] | None = None) -> Manifest:
+                 pack_below: int, gate: Callable[[], None] | None = None, *,
+                 listing: dict[str, Listed] | None = None,
+                 placed: dict[str, tuple[int, tuple[str, ...]]] | None = None) -> Manifest:
     """The deduplicated layout (module docstring).  Pipelined: two threads hash (hashlib
     releases the GIL), and each new object is handed to the upload threads as soon as it is
     named, so hashing, reading the next shard and uploading overlap.  Small tensors are packed
@@ -193,14 +454,46 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
     hasher = ThreadPoolExecutor(2, thread_name_prefix="ckptcore-hash")
     uploader = ThreadPoolExecutor(max(1, root.writers), thread_name_prefix="ckptcore-upload")
     pending: list[Any] = []
-    added: list[str] = []
     pack = bytearray()
     pack_rows: list[tuple[int, int]] = []
+    listing = {} if listing is None else listing
+    placed = {} if placed is None else placed
+    counting = threading.Lock()  # stats are counted on the upload threads too
 
-    def upload(name: str, data: Any) -> None:
+    def upload(name: str, data: Any, copy: int) -> None:
         if gate is not None:
             gate()
+        md5s = _upload_md5s(root, data)
         _write_objects(root, {name: data})
+        placed[name] = (copy, md5s)
+        with counting:
+            stats.written += len(data)
+            stats.objects += 1
+
+    def reuse_or_heal(name: str, data: Any, copy: int, entry: Listed | None) -> None:
+        """A chunk this writer has not verified (or that changed since): reuse it if it holds
+        ``data``, else upload ``data`` again."""
+        if gate is not None:
+            gate()
+        mine = CopyStats()
+        good = entry is not None and verify_object(root, name, data, entry, mine)
+        with counting:
+            stats.checked += mine.checked
+            stats.read_back += mine.read_back
+        if good:
+            known[name] = (entry.size, entry.tag)
+            with counting:
+                stats.reused += 1
+            return
+        why = ("missing (this writer uploaded or verified it before)" if entry is None else
+               f"damaged ({entry.size} bytes where {len(data)} belong)"
+               if entry.size != len(data) else "damaged (its bytes differ from the local copy)")
+        log.warning("copy: chunk %s under %s is %s; uploading it again from %s (this heals every "
+                    "replica naming it)", name, root.url, why, src.url)
+        with counting:
+            stats.healed.append(name)
+        known.pop(name, None)
+        upload(name, data, copy)
 
     def place(name: str, data: Any, checksum: int, rows: list[tuple[int, int]]) -> None:
         """Name ``data`` (its hash ``name``; a further copy in this step gets a salted one),
@@ -213,14 +506,16 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
         new_shards.append(ShardEntry(path=name, size=len(data), checksum=checksum))
         for r, off in rows:
             row_shard[r], row_offset[r] = index[name], off
-        if name in known and known[name][0] == len(data):
-            stats.reused += 1
+        placed[name] = (copy, ())
+        entry, record = listing.get(name), known.get(name)
+        if entry is not None and entry.size == len(data) and record == (entry.size, entry.tag):
+            with counting:
+                stats.reused += 1  # verified by this writer, unchanged since
             return
-        pending.append(uploader.submit(upload, name, data))
-        added.append(name)
-        known[name] = (len(data), time.time())
-        stats.written += len(data)
-        stats.objects += 1
+        if entry is None and record is None:  # new here
+            pending.append(uploader.submit(upload, name, data, copy))
+            return
+        pending.append(uploader.submit(reuse_or_heal, name, data, copy, entry))
 
     def close_pack() -> None:
         nonlocal pack, pack_rows
@@ -256,8 +551,6 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
     except BaseException:
         for fut in pending:
             fut.cancel()
-        for name in added:  # not known to be in the root: the next copy uploads them again
-            known.pop(name, None)
         raise
     finally:
         uploader.shutdown(wait=True)

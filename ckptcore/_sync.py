@@ -7,6 +7,13 @@ what changed.  A run interrupted anywhere leaves no half step under DST, and the
 copies what is still missing (chunks already uploaded are found and not sent again).  DST's
 writer lock is held throughout, so a manager replicating there, or another sync, waits its
 turn; retention (``keep``) then applies to DST, and chunks no step refers to any more are swept.
+
+Integrity.  A chunk DST already holds is reused only once verified against the source's bytes
+(``_replica``, "Verified reuse"); a damaged or missing one is uploaded again, which heals every
+step naming it.  Each copied step is verified after its commit.  Steps DST already holds are
+checked structurally (manifest readable, every object it names present with its size); a broken
+one is copied again from SRC over itself.  A step that stays broken is reported (``broken``,
+with the reason in ``problems``) and ``ckpt sync`` exits 1.
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ from . import _knobs, layout
 from ._backup import retain, sweep
 from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
-from ._replica import copy_checkpoint, list_chunks
+from ._replica import check_structure, copy_checkpoint, list_chunk_objects
 from ._storage import Store, check_url
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("ckptcore")
 
@@ -36,6 +43,9 @@ class SyncReport:
     conflicts: list[int] = field(default_factory=list)  # the same step, another checkpoint
     deleted: list[int] = field(default_factory=list)
     swept: list[str] = field(default_factory=list)
+    healed: list[int] = field(default_factory=list)  # present but broken, copied again
+    broken: list[int] = field(default_factory=list)  # still broken under DST (see problems)
+    problems: dict[int, str] = field(default_factory=dict)
     read: int = 0
     written: int = 0
 
@@ -59,18 +69,45 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
         lock.acquire()
     try:
         have = {s: n for s, n in layout.committed_steps(d_root)} if d_root.exists() else {}
-        known = list_chunks(d_root) if dedup and not dry_run else {}
+        known: dict[str, Any] = {}  # chunks of DST this sync uploaded or verified
+        listing = None
         for step, name in layout.committed_steps(s_root):
             if step in have:
                 try:
-                    same = (api.inspect(s_root.child(name).url, storage_options=so).writer ==
-                            api.inspect(d_root.child(name).url, storage_options=dso).writer)
+                    # (the checkpoint's identity; its generation is each root's own)
+                    same = (api.inspect(s_root.child(name).url, storage_options=so).writer.get("id")
+                            == api.inspect(d_root.child(name).url,
+                                           storage_options=dso).writer.get("id"))
                 except CheckpointError:
                     same = False
                 (report.present if same else report.conflicts).append(step)
                 if not same:
                     log.warning("sync: step %d under %s is another checkpoint than under %s; "
                                 "left as it is", step, dst, src)
+                    continue
+                if listing is None:
+                    listing = list_chunk_objects(d_root)
+                try:
+                    _, problems = check_structure(d_root.child(name), listing=listing)
+                except CheckpointError as e:
+                    problems = [e]
+                if not problems:
+                    continue
+                log.warning("sync: step %d under %s is broken (%s); %s", step, dst, problems[0],
+                            "it would be copied again" if dry_run else "copying it again")
+                if dry_run:
+                    continue
+                try:
+                    copy_checkpoint(s_root.child(name), d_root.child(name), dedup=dedup,
+                                    known=known, overwrite=True, fence=lock)
+                except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+                    log.error("sync: step %d under %s is still broken: %s", step, dst, e)
+                    report.broken.append(step)
+                    report.problems[step] = f"{type(e).__name__}: {e}"
+                else:
+                    log.warning("sync: step %d under %s healed from %s", step, dst, src)
+                    report.healed.append(step)
+                listing = None  # chunks were uploaded: list again for the next check
                 continue
             report.copied.append(step)
             if dry_run:
@@ -83,14 +120,23 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
                 if progress:
                     progress(name, done[0], total)
 
-            _, stats = copy_checkpoint(s_root.child(name), d_root.child(name), dedup=dedup,
-                                       known=known, progress=tick)
+            try:
+                _, stats = copy_checkpoint(s_root.child(name), d_root.child(name), dedup=dedup,
+                                           known=known, progress=tick, fence=lock)
+            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+                # (a damaged source, or a copy that did not verify: uncommitted, not a step)
+                log.error("sync: step %d could not be copied to %s: %s", step, dst, e)
+                report.copied.remove(step)
+                report.broken.append(step)
+                report.problems[step] = f"{type(e).__name__}: {e}"
+                continue
+            listing = None
             report.read += stats.read
             report.written += stats.written
         if keep is not None:
-            report.deleted = retain(d_root, keep, dso, dry_run=dry_run)
+            report.deleted = retain(d_root, keep, dso, dry_run=dry_run, fence=lock)
         if report.deleted and dedup and not dry_run:
-            report.swept = sweep(d_root, float(_knobs.get("gc_grace")))
+            report.swept = sweep(d_root, float(_knobs.get("gc_grace")), fence=lock)
     finally:
         if lock is not None:
             lock.release()

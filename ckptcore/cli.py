@@ -185,6 +185,10 @@ def _print_tree(tensors) -> None:
 
 
 def cmd_verify(args: argparse.Namespace, so: dict) -> int:
+    if args.deep:
+        return _verify_deep(args, so)
+    if args.repair_from:
+        raise ValueError("--repair-from needs --deep (it repairs a scrubbed root)")
     info = _inspect(args.url, so)
     with _Progress(info.nbytes, "verifying"):
         problems = api.verify(args.url, storage_options=so)
@@ -197,6 +201,23 @@ def cmd_verify(args: argparse.Namespace, so: dict) -> int:
     print(f"{args.url}: OK ({n} tensors{chunks}, every chunk checked, {_size(info.nbytes)})"
           if chunks else f"{args.url}: OK ({n} tensors, {_size(info.nbytes)})")
     return 0
+
+
+def _verify_deep(args: argparse.Namespace, so: dict) -> int:
+    from ._scrub import scrub
+
+    report = scrub(args.url, repair_from=args.repair_from or (), storage_options=so)
+    for line in report.problems:
+        print(f"DAMAGED  {line}")
+    for name in report.repaired:
+        print(f"REPAIRED {name}")
+    for name in report.broken:
+        print(f"BROKEN   {name}")
+    what = (f"{len(report.steps)} step(s), {report.chunks} chunk(s) hashed" if report.deduplicated
+            else f"{len(report.steps)} step(s) verified")
+    print(f"{args.url}: {what}, {_size(report.bytes_read)} read: {len(report.damaged)} damaged, "
+          f"{len(report.repaired)} repaired, {len(report.broken)} still broken")
+    return 1 if report.broken else 0
 
 
 def cmd_diff(args: argparse.Namespace, so: dict) -> int:
@@ -246,11 +267,16 @@ def cmd_sync(args: argparse.Namespace, so: dict) -> int:
         print(f"{verb} step {step}")
     for step in report.conflicts:
         print(f"step {step}: another checkpoint under {args.dst}; left as it is")
+    for step in report.healed:
+        print(f"step {step}: was broken under {args.dst}; copied again")
+    for step in report.broken:
+        print(f"BROKEN step {step} under {args.dst}: {report.problems.get(step, '')}")
     for step in report.deleted:
         print(f"{'would delete' if args.dry_run else 'deleted'} step {step} under {args.dst}")
     print(f"{len(report.copied)} step(s) {verb}, {len(report.present)} already there"
-          + ("" if args.dry_run else f"; {_size(report.written)} written"))
-    return 1 if report.conflicts else 0
+          + ("" if args.dry_run else f"; {_size(report.written)} written")
+          + (f"; {len(report.broken)} broken" if report.broken else ""))
+    return 1 if report.conflicts or report.broken else 0
 
 
 def cmd_gc(args: argparse.Namespace, so: dict) -> int:
@@ -390,6 +416,13 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("verify", help="check every checksum; exit 1 names each bad tensor, "
                                       "exit 2 when the checkpoint cannot be read at all")
     s.add_argument("url")
+    s.add_argument("--deep", action="store_true",
+                   help="URL is a root: hash every chunk of a backup root against its name and "
+                        "check every replica's chunks (a plain root: verify every step); exit 1 "
+                        "if anything is still broken")
+    s.add_argument("--repair-from", action="append", metavar="URL",
+                   help="with --deep: repair damaged or missing chunks from this root (another "
+                        "backup root, or the run's local root holding the same steps); repeatable")
     s.set_defaults(fn=cmd_verify)
     s = sub.add_parser("diff", help="which tensors differ between two checkpoints, and by how much "
                                     "(compares checksums; reads only tensors that differ)")
