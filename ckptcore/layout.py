@@ -49,6 +49,15 @@ def committed_steps(root: Store) -> list[tuple[int, str]]:
     return _fence.split(root, _fence.step_folders(root))[0]
 
 
+def is_committed(root: Store, step: int) -> bool:
+    """Whether ``step`` is a committed step under ``root`` that readers accept (as
+    :func:`committed_steps`, for one step)."""
+    name = step_name(step)
+    if not root.exists() or not root.child(name).exists(MANIFEST_NAME):
+        return False
+    return bool(_fence.split(root, [(step, name)])[0])
+
+
 def fenced_steps(root: Store) -> list[tuple[int, str]]:
     """Step folders committed by a writer after it was superseded: ignored by every reader."""
     return _fence.split(root, _fence.step_folders(root))[1]

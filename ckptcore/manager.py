@@ -631,6 +631,10 @@ class CheckpointManager:
 
         if step is not None:
             where = self._where(step)
+            if not where and self.root.child(self._name(step)).exists(MANIFEST_NAME):
+                raise CheckpointNotFoundError(
+                    f"{self.step_url(step)}: step {step} was committed by a writer after its "
+                    "lease was taken over, so no reader accepts it (gc() removes it)")
             if not where:
                 where = [("local", self.step_url(step), self._options)]  # its error names it
             tier, url, options = where[0]
@@ -746,9 +750,9 @@ class CheckpointManager:
         """Where ``step`` is committed: ``(tier, url, storage options)``, local first."""
         out: list[tuple[str, str, Mapping[str, Any]]] = []
         name = self._name(step)
-        if self.root.exists() and self.root.child(name).exists(MANIFEST_NAME):
+        if layout.is_committed(self.root, step):
             out.append(("local", self.step_url(step), self._options))
-        if self.backup is not None and self.backup.root.child(name).exists(MANIFEST_NAME):
+        if self.backup is not None and layout.is_committed(self.backup.root, step):
             out.append(("backup", self.backup.root.child(name).url, self.backup.options))
         return out
 

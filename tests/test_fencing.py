@@ -134,3 +134,27 @@ def test_a_writer_starved_of_the_gil_is_fenced(s3_backend, spawn_python, tmp_pat
     b.save(23, _state(23))
     b.close()
     assert _reader(root, options).steps() == [20, 21, 22, 23]
+
+
+def test_an_explicit_restore_of_a_fenced_step_is_refused(s3_backend, spawn_python):
+    root, options = s3_backend.url("run"), s3_backend.storage_options
+    a = spawn_python("_fence_worker.py", root, json.dumps(options), "pause-in-save")
+    _line(a, "PAUSING")
+    while not _stopped(a.pid):
+        time.sleep(0.05)
+    b = _take_over(root, options)
+    os.kill(a.pid, signal.SIGCONT)
+    _results(a)
+    a.wait(60)
+    assert s3_backend.fs.exists(s3_backend.path("run", "step-000000000030", "manifest.msgpack"))
+    reader = _reader(root, options)
+    with pytest.raises(ckptcore.CheckpointNotFoundError):
+        reader.restore(step=30)  # committed after the takeover: not a checkpoint to any reader
+    b.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LockTakeoverWarning)
+        removed = ckptcore.gc(root, grace=3600, storage_options=options)
+    assert removed == [b.step_url(30)]  # gc removes it, whatever the grace
+    s3_backend.fs.invalidate_cache()
+    assert not s3_backend.fs.exists(s3_backend.path("run", "step-000000000030", "manifest.msgpack"))
+    assert _reader(root, options).steps() == [20, 21, 22]
