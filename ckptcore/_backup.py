@@ -35,7 +35,8 @@ from typing import Any, Iterator, Mapping
 from . import _fence, _knobs, layout
 from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
-from ._replica import CopyStats, chunk_rel, copy_checkpoint, list_chunks, references
+from ._replica import (CopyStats, check_structure, chunk_rel, copy_checkpoint, list_chunks,
+                       references)
 from ._storage import Store, _bucket_missing, check_url, error_chain
 from .errors import CheckpointError, CheckpointExistsError, FencedError, LockedError, StorageError
 from .policies import CheckpointEntry, as_policy
@@ -418,24 +419,36 @@ class BackupTier:
             self._lock.acquire()
         dst = self.root.child(name)
         src = self.local.child(name)
+        if dst.exists(MANIFEST_NAME) and not layout.is_committed(self.root, step):
+            # Committed by a replicator after its lease was taken over: no reader accepts it.
+            log.warning("backup: removing %s, committed by a writer after its lease was taken "
+                        "over, to replicate step %d again", dst.url, step)
+            self._uncommit(dst)
         if dst.exists(MANIFEST_NAME):
             there = read_manifest(dst)
             here = read_manifest(src) if src.exists(MANIFEST_NAME) else None
             if here is None or here.writer.get("id") == there.writer.get("id"):
-                log.info("backup: step %d is already in %s", step, self.root.url)
-                self._committed_now(step)
-                return True
-            if not here.created > there.created:
+                problems = check_structure(dst, there)[1]
+                if not problems:
+                    log.info("backup: step %d is already in %s", step, self.root.url)
+                    self._committed_now(step)
+                    return True
+                if here is None:
+                    raise problems[0]
+                log.warning("backup: the replica of step %d in %s is broken (%s); replicating "
+                            "it again", step, self.root.url, problems[0])
+                self._uncommit(dst)
+            elif not here.created > there.created:
                 raise CheckpointExistsError(
                     f"backup: {dst.url} holds another checkpoint of step {step} (writer "
                     f"{there.writer.get('id')}, saved after the local one): not replacing it; "
                     "is another run replicating to this backup root?")
             # The local step was saved again (a run resumed from before it): its replica is stale.
-            log.warning("backup: replacing the replica of step %d in %s: the local step was "
-                        "saved again since (writer %s, was %s)", step, self.root.url,
-                        here.writer.get("id"), there.writer.get("id"))
-            dst.delete(MANIFEST_NAME)  # uncommit first
-            dst.delete_tree()
+            else:
+                log.warning("backup: replacing the replica of step %d in %s: the local step "
+                            "was saved again since (writer %s, was %s)", step, self.root.url,
+                            here.writer.get("id"), there.writer.get("id"))
+                self._uncommit(dst)
         if not src.exists(MANIFEST_NAME):
             log.warning("backup: step %d is no longer under %s (deleted before it was "
                         "replicated); skipping it", step, self.local.url)
@@ -447,6 +460,12 @@ class BackupTier:
                                        gate=self._gate, fence=self._lock)
         self._committed_now(step)
         return True
+
+    def _uncommit(self, dst: Store) -> None:
+        if self._lock is not None:
+            self._lock.before_delete()
+        dst.delete(MANIFEST_NAME)  # uncommit first
+        dst.delete_tree()
 
     def _committed_now(self, step: int) -> None:
         with self._cond:

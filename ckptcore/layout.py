@@ -21,7 +21,8 @@ from . import _fence, _knobs, api
 from ._commit import TMP_MARK
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
-from ._storage import CAS_DIR, CAS_PREFIX, Entry, Store, check_url
+from ._replica import check_structure
+from ._storage import CAS_DIR, Entry, Store, check_url
 from .errors import CheckpointError
 
 __all__ = ["gc", "list_checkpoints", "CheckpointListing", "step_name"]
@@ -158,16 +159,10 @@ def structure_problem(ckpt: Store) -> str:
     it passes.  Reads the manifest and one listing, never tensor data: what retention asks of
     the step that supersedes the ones it deletes."""
     try:
-        manifest = api.read_manifest(ckpt)
-        sizes = {e.name: e.size for e in ckpt.listdir() if not e.is_dir and not e.is_link}
-        for s in manifest.shards:
-            size = ckpt.size(s.path) if s.path.startswith(CAS_PREFIX) else sizes.get(s.path)
-            if size != s.size:
-                return f"{ckpt.join(s.path)}: {'missing' if size is None else f'{size} bytes'}, " \
-                       f"the manifest says {s.size}"
+        problems = check_structure(ckpt)[1]
     except (CheckpointError, OSError) as e:
         return f"{type(e).__name__}: {e}"
-    return ""
+    return f"{type(problems[0]).__name__}: {problems[0]}" if problems else ""
 
 
 def remove_leftovers(root: Store, grace: float, fence: Any = None) -> list[str]:
