@@ -130,12 +130,14 @@ def step_folders(root: Store) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def split(root: Store, found: Iterable[tuple[int, str]]
+def split(root: Store, found: Iterable[tuple[int, str]], known: View | None = None
           ) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
     """``found`` step folders as (accepted, fenced): fenced ones were committed by a superseded
-    writer after it was superseded (logged once per process)."""
+    writer after it was superseded (logged once per process).  ``known``: the holder's own view
+    (``WriterLock.view()``), instead of reading it: a newer holder's steps are accepted by it as
+    by the real one (their generation is above), and a stale one is caught at its next commit."""
     found = list(found)
-    v = view(root) if found else None
+    v = (known or view(root)) if found else None
     if v is None:
         return found, []
     accepted, fenced = [], []

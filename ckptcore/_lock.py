@@ -287,6 +287,14 @@ class WriterLock:
                 log.warning("%s: could not record step %d in the writer record (%s: %s); readers "
                             "check its manifest instead", self.store.url, step, type(e).__name__, e)
 
+    def view(self) -> _fence.View | None:
+        """The holder's own view of its root (no request): its generation and the steps its
+        record names; None while it holds none (or was superseded: readers then read)."""
+        if self.generation is None or self._lost or not self._held:
+            return None
+        return _fence.View(self.generation, frozenset(self._accepted | self._committed),
+                           self.holder)
+
     def forget(self, step: int) -> None:
         """``step`` was deleted: its record need not name it any more."""
         self._accepted.discard(step)
@@ -458,6 +466,8 @@ class WriterLock:
         if self.store.local:
             return
         with self._mutex:
+            if not self._lost and time.monotonic() - self._renewed < self.heartbeat_seconds / 2:
+                return  # renewed just now (each commit checks the fence anyway)
             other = self._renew()
             if other:
                 raise self._fenced(other, "stop writing here")

@@ -38,16 +38,18 @@ def step_name(step: int) -> str:
     return f"step-{step:012d}"
 
 
-def committed_steps(root: Store) -> list[tuple[int, str]]:
+def committed_steps(root: Store, fence: Any = None) -> list[tuple[int, str]]:
     """``(step, folder name)`` of every committed step folder under ``root`` that readers
     accept, ascending.
 
     A step folder is committed when it has a manifest; a damaged manifest still counts (restore
     falls back over it).  A step committed by a writer after its lease was taken over is not
     accepted (``_fence``; logged, and :func:`gc` removes it).  Manifests are read only for steps
-    the newest writer record does not name.
+    the newest writer record does not name.  ``fence``: the caller's writer lock, whose own
+    view of the root saves reading it.
     """
-    return _fence.split(root, _fence.step_folders(root))[0]
+    known = fence.view() if fence is not None else None
+    return _fence.split(root, _fence.step_folders(root), known)[0]
 
 
 def is_committed(root: Store, step: int) -> bool:

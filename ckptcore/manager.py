@@ -231,7 +231,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps (those with a manifest), ascending."""
-        return [step for step, _ in layout.committed_steps(self.root)]
+        return [step for step, _ in layout.committed_steps(self.root, self._lock)]
 
     def latest_step(self) -> int | None:
         """The newest committed step; with a backup, the newest in either tier (what
@@ -290,14 +290,18 @@ class CheckpointManager:
         overwrite = self._check_order(step)
         if step in self._skipped:
             self._replace_skipped(step)
-        if (self._lock is not None and step not in self._committed()
-                and self.root.child(self._name(step)).exists(MANIFEST_NAME)
-                and step in {s for s, _ in layout.fenced_steps(self.root)}):
-            # Never a checkpoint to any reader: out of this save's way.
-            log.warning("save(%d): removing %s, committed by a writer after its lease was taken "
-                        "over (no reader accepts it)", step, self.step_url(step))
-            self._delete(step)
         return overwrite
+
+    def _clear_fenced(self, step: int) -> bool:
+        """After a save of ``step`` met a checkpoint already there: remove it if no reader
+        accepts it (committed by a writer after its lease was taken over); whether it did."""
+        if self._lock is None or step not in {s for s, _ in layout.fenced_steps(self.root)}:
+            return False
+        log.warning("save(%d): removing %s, committed by a writer after its lease was taken "
+                    "over (no reader accepts it), to save the step there", step,
+                    self.step_url(step))
+        self._delete(step)
+        return True
 
     def _committed(self) -> list[int]:
         """Committed steps; from this manager's last listing while its lock keeps others out."""
@@ -389,8 +393,15 @@ class CheckpointManager:
         if replicating:
             self.backup.pause()
         try:
-            info = api.save_state(url, state, storage_options=self._options, overwrite=overwrite,
-                                  group=self.group, fence=self._lock)
+            try:
+                info = api.save_state(url, state, storage_options=self._options,
+                                      overwrite=overwrite, group=self.group, fence=self._lock)
+            except CheckpointExistsError:
+                # (rank 0 decides, every rank follows: a group's save is one act)
+                if not (self._on_coordinator(lambda: self._clear_fenced(step))):
+                    raise
+                info = api.save_state(url, state, storage_options=self._options,
+                                      overwrite=overwrite, group=self.group, fence=self._lock)
         except CheckpointExistsError as e:
             if step not in self.steps():
                 raise CheckpointExistsError(

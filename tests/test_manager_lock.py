@@ -313,9 +313,11 @@ def test_a_lapsed_lease_taken_over_stops_the_old_writer_on_s3(s3_backend):
 
 def test_a_lease_removed_by_hand_is_taken_again_on_s3(s3_backend):
     root, options = s3_backend.url("run"), s3_backend.storage_options
-    with CheckpointManager(root, storage_options=options) as mgr:
+    with CheckpointManager(root, storage_options=options, lease_seconds=3,
+                           heartbeat_seconds=0.5) as mgr:
         mgr.save(1, make_state(1))
         s3_backend.delete("run", ".ckptcore.lock")
+        time.sleep(0.3)  # a save renews a lease not renewed for half a heartbeat
         mgr.save(2, make_state(2))
         assert f":{os.getpid()}:" in json.loads(s3_backend.read("run", ".ckptcore.lock"))["holder"]
     assert ".ckptcore.lock" not in s3_backend.listdir("run")
