@@ -31,8 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-import msgpack
-
+from . import _codec, _knobs
 from ._manifest import MANIFEST_NAME
 from ._storage import Store
 from .errors import CheckpointError, LockedError
@@ -108,9 +107,9 @@ def manifest_generation(ckpt: Store) -> int | None:
     """The generation a committed manifest records; None for none (or unreadable: such a step
     is judged as damage by whoever loads it, not hidden here)."""
     try:
-        outer = msgpack.unpackb(ckpt.read(MANIFEST_NAME, max_bytes=1 << 30), raw=False)
-        body = msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
-        g = body["writer"].get("generation")
+        data = ckpt.read(MANIFEST_NAME, max_bytes=int(_knobs.get("max_manifest_bytes")))
+        outer = _codec.unpack_plain(data, MANIFEST_NAME)  # the reader's own bounded decoders
+        g = _codec.unpack_raw(outer["body"])["writer"].get("generation")
     except Exception:  # noqa: BLE001 - damaged or foreign: not ours to judge here
         return None
     return g if isinstance(g, int) and not isinstance(g, bool) else None
