@@ -326,7 +326,7 @@ def test_read_refuses_a_file_over_max_bytes_before_reading_it(tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(SchemaError, match=r"big: 8589934592 bytes.*limit of 1024"):
         store.read("big", max_bytes=1024)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5  # reading 8 GiB would take far longer (and the memory)
     (tmp_path / "small").write_bytes(b"12345")
     assert store.read("small", max_bytes=5) == b"12345"
     with pytest.raises(SchemaError):

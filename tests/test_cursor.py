@@ -126,7 +126,7 @@ def test_huge_dataset_is_not_materialised():
     c.load_state_dict({**c.state_dict(), "position": 2**61})
     t = time.perf_counter()
     batch = c.next_batch()
-    assert time.perf_counter() - t < 0.5
+    assert time.perf_counter() - t < 5  # materialising 2**62 indices would never end
     assert len(batch) == 1024 and len(set(batch.tolist())) == 1024
     assert batch.min() >= 0 and batch.max() < 2**62 + 1
 
