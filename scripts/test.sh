@@ -2,6 +2,8 @@
 # Set up .venv (created on first use) and run the whole test suite.
 # The core runs first; each framework's tests run in a pytest process of their own, because
 # importing TensorFlow before Paddle in one process crashes.  Extra arguments go to every pytest.
+# Every suite prints its progress as it goes (the two framework suites side by side, each line
+# prefixed with its name) and a summary line with its time; the last line sums them up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh "dev,keras,paddle"
@@ -13,35 +15,55 @@ if [ ! -x .venv/node/node_modules/.bin/azurite-blob ] && command -v npm >/dev/nu
     || echo "npm could not install Azurite: the Azure tests will be skipped" >&2
 fi
 
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
 status=0
-run() {  # pytest exit 5 means "no tests collected": not a failure for an optional group
-  .venv/bin/python -m pytest "$@" || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
+# suite NAME PYTEST-ARGS...: one pytest process, its output shown as it goes (each line prefixed
+# with NAME when PREFIX=1) and kept in $logs/NAME.log; its exit code and seconds in $logs/NAME.rc.
+suite() {
+  local name=$1; shift
+  local start=$SECONDS rc
+  set +e
+  if [ "${PREFIX:-0}" = 1 ]; then
+    .venv/bin/python -m pytest "$@" 2>&1 | tee "$logs/$name.log" | sed -u "s/^/[$name] /"
+  else
+    .venv/bin/python -m pytest "$@" 2>&1 | tee "$logs/$name.log"
+  fi
+  rc=${PIPESTATUS[0]}
+  set -e
+  echo "$rc $((SECONDS - start))" > "$logs/$name.rc"
 }
+workers=$(nproc 2>/dev/null || echo 2)
+workers=$(( workers < 2 ? 2 : (workers > 4 ? 4 : workers) ))
 # The core suite in 2-4 worker processes (pytest-xdist), a test module per worker at a time: much
 # of it waits on subprocesses and the local servers, so two workers on two cores halve its time.
 # Each worker starts its own servers (session fixtures).
-workers=$(nproc 2>/dev/null || echo 2)
-workers=$(( workers < 2 ? 2 : (workers > 4 ? 4 : workers) ))
-run tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter -n "$workers" --dist loadfile "${@}"
+suite core tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter -n "$workers" \
+  --dist loadfile "${@}"
 # Docstring examples of the core and the framework-free NumPy adapter, in a run of their own:
 # --doctest-modules over tests/ would import the framework test helpers (Keras and Paddle in one
 # process).  ckptcore/testing.py is the conformance suite that adapters' tests subclass, not docs.
-run ckptcore adapters/ckptcore_numpy --doctest-modules --ignore=ckptcore/testing.py "${@}"
+suite doctests ckptcore adapters/ckptcore_numpy --doctest-modules --ignore=ckptcore/testing.py "${@}"
 # The two frameworks' suites run at the same time, each in its own process (their tests wait on
-# subprocesses and servers much of the time); each one's output is shown when both are done.
-logs=$(mktemp -d)
-pids=()
+# subprocesses and servers much of the time), their lines prefixed with the suite's name.
 for fw in paddle keras; do
-  if [ -d "tests/${fw}_adapter" ]; then
-    .venv/bin/python -m pytest "tests/${fw}_adapter" "$@" >"$logs/$fw.log" 2>&1 &
-    pids+=("$fw:$!")
-  fi
+  [ -d "tests/${fw}_adapter" ] && PREFIX=1 suite "$fw" "tests/${fw}_adapter" "$@" &
 done
-for entry in "${pids[@]}"; do
-  fw=${entry%%:*}; pid=${entry#*:}
-  rc=0; wait "$pid" || rc=$?
-  cat "$logs/$fw.log"
-  [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=$rc
+wait
+
+echo
+passed=0; failed=0
+for name in core doctests paddle keras; do
+  [ -f "$logs/$name.rc" ] || continue
+  read -r rc secs < "$logs/$name.rc"
+  line=$(grep -E '[0-9]+ (passed|failed|deselected)|no tests ran' "$logs/$name.log" | tail -n 1 \
+         | sed 's/=//g; s/^ *//; s/ *$//' || true)
+  printf 'suite %-9s exit %d in %dm%02ds: %s\n' "$name" "$rc" $((secs / 60)) $((secs % 60)) \
+    "${line:-no summary}"
+  passed=$((passed + $(echo "$line" | awk '{for (i = 2; i <= NF; i++) if ($i ~ /^passed/) n += $(i-1)} END {print n + 0}')))
+  failed=$((failed + $(echo "$line" | awk '{for (i = 2; i <= NF; i++) if ($i ~ /^(failed|errors?)/) n += $(i-1)} END {print n + 0}')))
+  # pytest's exit 5 means "no tests collected": not a failure for an optional group
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; fi
 done
-rm -rf "$logs"
+echo "total: $passed passed, $failed failed"
 exit $status
