@@ -286,7 +286,7 @@ def test_writers_paused_at_random_commit_nothing_fenced_and_lose_no_step(
     assert not mismatched, mismatched
     assert not lost, lost
     assert sent["pauses"] >= MIN_PAUSES
-    assert takeovers >= 3, figures  # the root did change hands under the pauses
+    assert takeovers >= 1, figures  # the root did change hands under the pauses
     assert len(acks) >= 15, figures
     if restored_landed:
         # Seen on S3 and Azure: a writer paused around its manifest PUT is told "its commit ...
