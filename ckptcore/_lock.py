@@ -271,11 +271,11 @@ class WriterLock:
                         return
                     except LockedError:
                         who = self._superseded()
-                first = [g for g in _fence.generations(self.store) if g > self.generation]
-                record = _fence.read_record(self.store, first[0]) if first else None
-                if record is not None and step in (record.get("accepted") or ()):
-                    self._lost = who  # committed in time; the next operation raises
-                    return
+                # Whether the commit stands is what readers make of it now (a takeover's claim
+                # lists the steps readers accepted, so a step accepted once stays accepted).
+                if _fence.split(self.store, [(step, ckpt.name)])[0]:
+                    self._lost = who or "another writer"  # committed in time; the next
+                    return  # operation raises
                 raise self._fenced(who or "another writer",
                                    f"its commit of {ckpt.url} landed after that, and readers "
                                    "ignore it")

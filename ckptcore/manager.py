@@ -46,7 +46,7 @@ from ._lock import LockTakeoverWarning, WriterLock, _caller_level
 from ._manifest import MANIFEST_NAME
 from ._storage import Store, check_url
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
-                     CorruptCheckpointError, GroupError,
+                     CorruptCheckpointError, FencedError, GroupError,
                      LockedError, StorageError, UnsafeCheckpointError, UnsupportedCheckpointError)
 from .policies import CheckpointEntry, as_policy
 from .state import TrainingState
@@ -54,6 +54,7 @@ from .state import TrainingState
 __all__ = ["CheckpointManager", "SaveHandle", "CheckpointFallbackWarning", "LockTakeoverWarning"]
 
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+_RELISTS = 3  # restore(): listings made again when every listed step vanished while read
 log = logging.getLogger("ckptcore")
 
 
@@ -419,12 +420,18 @@ class CheckpointManager:
         self._saved.add(step)
         self._entries[step] = CheckpointEntry(step, info.created,
                                               _saved_metrics(step, state.metadata))
-        if self._lock is not None:
-            self._lock.refresh()
-        if replicating:
-            self.backup.enqueue(step)
-        if self._coordinator:
-            self._apply_retention()
+        try:
+            if self._lock is not None:
+                self._lock.refresh()
+            if replicating:
+                self.backup.enqueue(step)
+            if self._coordinator:
+                self._apply_retention()
+        except FencedError as e:
+            # The step is committed and readers accept it; another writer took the root over
+            # right after.  This save stands; this manager's next operation raises.
+            log.warning("save(%d): committed (%s), but this writer was superseded right after: "
+                        "no retention; its next operation raises (%s)", step, url, e)
         return info
 
     def _wait_inflight(self) -> None:
@@ -660,39 +667,50 @@ class CheckpointManager:
             return state
         # Rank 0 of a group lists both tiers, and every rank tries the same steps in the same
         # tiers.  Without a group, the same listing here (a bucket out of reach: local only).
-        plan = dict(self._plan() if group is None else _dist.decide(self.root, group, self._plan))
-        steps = sorted(plan)
-        if not steps:
-            where = self.root.url + (f" or {self.backup.root.url}" if self.backup else "")
-            raise CheckpointNotFoundError(f"{where}: no committed checkpoints")
-        last: Exception | None = None
-        damaged: set[int] = set()
-        passed: set[int] = set()
-        for s in reversed(steps):
-            candidates = self._at(s, plan[s])
-            for i, (tier, url, options) in enumerate(candidates):
-                try:
-                    state = load(url, options)
-                except Exception as e:  # noqa: BLE001 - judged by _verdict
-                    replica_next = any(t == "backup" for t, _, _ in candidates[i + 1:])
-                    if self._verdict(s, tier, url, e, replica_next) == "raise":
-                        raise
-                    if tier == "local":
-                        passed.add(s)
-                        if _is_damage(e):
-                            damaged.add(s)
-                    last = e
-                    continue
-                self._restore_into(state, objects)
-                if tier == "backup":
-                    log.info("restore: step %d restored from its replica %s", s, url)
-                    if seed:
-                        self._seed_all(s, replace=s in damaged)
-                        damaged.discard(s)  # healed: the local copy is the replica's now
-                # Only a run that did resume from an older step may later save over these.
-                self._skipped = frozenset(damaged)
-                self._fell_back = frozenset(passed - {s})
-                return state
+        # A listing whose every step is deleted while it is read (another writer's retention)
+        # is made again, a few times: those steps were not damaged, just gone.
+        for attempt in range(_RELISTS):
+            plan = dict(self._plan() if group is None
+                        else _dist.decide(self.root, group, self._plan))
+            steps = sorted(plan)
+            if not steps:
+                where = self.root.url + (f" or {self.backup.root.url}" if self.backup else "")
+                raise CheckpointNotFoundError(f"{where}: no committed checkpoints")
+            last: Exception | None = None
+            damaged: set[int] = set()
+            passed: set[int] = set()
+            gone = 0
+            for s in reversed(steps):
+                candidates = self._at(s, plan[s])
+                for i, (tier, url, options) in enumerate(candidates):
+                    try:
+                        state = load(url, options)
+                    except Exception as e:  # noqa: BLE001 - judged by _verdict
+                        replica_next = any(t == "backup" for t, _, _ in candidates[i + 1:])
+                        if self._verdict(s, tier, url, e, replica_next) == "raise":
+                            raise
+                        if tier == "local":
+                            passed.add(s)
+                            if _is_damage(e):
+                                damaged.add(s)
+                        gone += isinstance(e, CheckpointNotFoundError)
+                        last = e
+                        continue
+                    self._restore_into(state, objects)
+                    if tier == "backup":
+                        log.info("restore: step %d restored from its replica %s", s, url)
+                        if seed:
+                            self._seed_all(s, replace=s in damaged)
+                            damaged.discard(s)  # healed: the local copy is the replica's now
+                    # Only a run that did resume from an older step may later save over these.
+                    self._skipped = frozenset(damaged)
+                    self._fell_back = frozenset(passed - {s})
+                    return state
+            if not gone or attempt + 1 == _RELISTS:
+                break
+            log.warning("restore: %d of the checkpoints listed under %s were deleted while they "
+                        "were read (another writer's retention); listing again", gone,
+                        self.root.url)
         raise CorruptCheckpointError(f"{self.root.url}: none of the {len(steps)} checkpoints "
                                      f"verifies; the last error was: {last}") from last
 
