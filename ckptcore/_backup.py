@@ -346,26 +346,30 @@ class BackupTier:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _schedule(self, step: int) -> tuple[int, float]:
-        """How many tries ``step`` gets and the first wait between them: the full schedule for a
-        new step; one try while the backup is known to be down, for a step retried after it
-        came back, and once close() started (at most two then: the run is ending)."""
+    def _schedule(self, step: int) -> tuple[int, int, float, str]:
+        """How many tries ``step`` gets, how many the knobs' full schedule has, the first wait
+        between them, and why it gets fewer ("" when it does not): the full schedule for a new
+        step; one try while the backup is known to be down, for a step retried after it came
+        back, and once close() started (at most two then: the run is ending)."""
         retries, delay = _knobs.get("backup_retries"), _knobs.get("backup_retry_seconds")
         if int(retries) != retries or retries < 0 or not delay >= 0:
             raise ValueError(f"the knobs backup_retries={retries!r} (a whole number >= 0) and "
                              f"backup_retry_seconds={delay!r} (>= 0) do not make a schedule")
-        tries = 1 + int(retries)
-        if self._down or step in self._once:
-            tries = 1
+        tries = full = 1 + int(retries)
+        why = ""
+        if self._down:
+            tries, why = 1, "the backup was down at the last step's tries"
+        elif step in self._once:
+            tries, why = 1, "a step given up on earlier, retried once the backup answered again"
         elif self._closing.is_set():
-            tries = min(tries, 2)
-        return tries, float(delay)
+            tries, why = min(tries, 2), "close() started"
+        return tries, full, float(delay), (why if tries < full else "")
 
     def _attempts(self, step: int) -> BaseException | None:
         """Replicate ``step``, trying again after a store failure with a doubling wait (see
         ``_schedule``).  Returns what failed last, or None.  A success also queues again the
         steps given up on while the backup was down."""
-        tries, delay = self._schedule(step)
+        tries, full, delay, short = self._schedule(step)
         self._once.discard(step)
         attempt = 0
         while True:
@@ -377,18 +381,29 @@ class BackupTier:
                 if not transient(e):
                     return e
                 if attempt >= tries:
-                    log.warning("backup: giving up on step %d for now (%d %s); it is kept "
+                    # The count said here is the one the "try n of m" lines announced last.
+                    log.warning("backup: giving up on step %d for now (%s)%s; it is kept "
                                 "under %s and tried again after the next replication that "
-                                "succeeds, or at the next start", step, attempt,
-                                "try" if attempt == 1 else "tries", self.local.url)
+                                "succeeds, or at the next start", step,
+                                "1 try" if attempt == 1 else f"{attempt} tries",
+                                f", not the {full} of the full schedule: {short}" if short else "",
+                                self.local.url)
                     self._down = True
                     self._gave_up.add(step)
                     return e
+                closing = self._closing.is_set()
+                if closing:  # close() started: no waiting, and this next try is the last
+                    delay = 0.0
+                    if tries > attempt + 1:
+                        tries, short = attempt + 1, "close() started"
                 log.warning("backup: replicating step %d to %s failed (%s: %s); trying again "
-                            "in %.3g s (try %d of %d)", step, self.root.url, type(e).__name__, e,
-                            delay, attempt + 1, tries)
-                if self._closing.wait(delay):
-                    tries = min(tries, attempt + 1)  # closing: one last try, at once
+                            "in %.3g s (try %d of %d%s)", step, self.root.url, type(e).__name__,
+                            e, delay, attempt + 1, tries,
+                            f", the last: {short}" if short and attempt + 1 == tries else "")
+                if not closing and self._closing.wait(delay) and tries > attempt + 1:
+                    tries, short = attempt + 1, "close() started"  # one last try, at once
+                    log.warning("backup: close() started: step %d gets one last try now "
+                                "(try %d of %d)", step, attempt + 1, tries)
                 delay = min(2 * delay, 60.0)
                 continue
             if not done:  # its local copy is gone: nothing learnt about the backup

@@ -41,12 +41,12 @@ import sys
 import threading
 import time
 import uuid
-import warnings
 import weakref
 from typing import Any
 
 from . import _fence, _knobs
 from ._storage import Store, _kind
+from .adapter import warn_and_log
 from .errors import FencedError, LockedError, UnsafeCheckpointError
 
 __all__ = ["WriterLock", "LockTakeoverWarning", "LOCK_NAME"]
@@ -380,8 +380,8 @@ class WriterLock:
     def _took_over(self, holder: str, why: str) -> None:
         message = (f"{self.store.url}: taking over the writer lock of {holder}: {why}; "
                    "its last committed checkpoint stands, an unfinished save is a leftover for gc()")
-        log.warning("%s", message)
-        warnings.warn(message, LockTakeoverWarning, stacklevel=_caller_level())
+        # Logged too, but not printed twice on a console without logging set up (warn_and_log).
+        warn_and_log(message, LockTakeoverWarning, stacklevel=_caller_level())
 
     # -- object stores: a lease -----------------------------------------------------------------
     def _lease(self) -> bytes:

@@ -41,7 +41,7 @@ from .errors import RestoreError, UnappliedStateWarning
 from .state import RestoreReport, TrainingState
 
 __all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified",
-           "mismatch_message", "warn_unapplied", "CALLBACK_KEEP"]
+           "mismatch_message", "warn_unapplied", "warn_and_log", "CALLBACK_KEEP"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
 # every adapter, so switching frameworks does not change how much disk a run uses.
@@ -189,7 +189,8 @@ def warn_unapplied(parts: Mapping[str, str], *, stacklevel: int = 3) -> None:
     ``parts`` maps each part (``"data"``: the data cursor, ``"optimizer"``, ``"optimizer slots"``,
     ``"accumulation"``, ``"schedule"``...) to the fix, e.g. ``{"data": "pass cursor=..."}``.  The
     one wording of :class:`~ckptcore.errors.UnappliedStateWarning`, used by every adapter and the
-    core alike, and logged on the ``ckptcore`` logger.
+    core alike, and logged on the ``ckptcore`` logger (:func:`warn_and_log`: shown once on a
+    console where logging is not set up).
     """
     if not parts:
         return
@@ -197,8 +198,20 @@ def warn_unapplied(parts: Mapping[str, str], *, stacklevel: int = 3) -> None:
     message = (f"the checkpoint holds training state this restore leaves unapplied: {listed}. "
                "A run resumed this way does not continue where it stopped. To leave a part out on "
                "purpose, load with keys=[...] without it (e.g. keys=['model']).")
-    _log.warning("%s", message)
-    warnings.warn(message, UnappliedStateWarning, stacklevel=stacklevel)
+    warn_and_log(message, UnappliedStateWarning, stacklevel=stacklevel)
+
+
+def warn_and_log(message: str, category: type[Warning], *, stacklevel: int,
+                 logger: logging.Logger = _log) -> None:
+    """Warn ``message`` and put it on the ``ckptcore`` log trail, so that it shows once.
+
+    The log record is a WARNING when logging is set up to receive it (a handler on the
+    ``ckptcore`` logger or an ancestor: a log file, pytest's ``caplog``); with logging not set
+    up at all it is a DEBUG record, because Python's last-resort handler would print a WARNING
+    one to stderr right beside the warning itself (the same message twice on the console).
+    """
+    logger.log(logging.WARNING if logger.hasHandlers() else logging.DEBUG, "%s", message)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 def _show(names: Sequence[str], limit: int = 20) -> str:

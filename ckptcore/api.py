@@ -247,10 +247,41 @@ def read_manifest_bytes(store: Store) -> tuple[Manifest, bytes]:
     except CheckpointError:
         raise
     except (FileNotFoundError, NotADirectoryError) as e:
-        what = ("has no manifest: it is not a committed checkpoint (perhaps the leftovers of an "
-                "interrupted save)") if store.exists() else "does not exist"
+        if not store.exists():
+            what = "does not exist"
+        elif _is_root(store):
+            what = ("is a run's root (a CheckpointManager folder of step-* checkpoints), not a "
+                    "checkpoint: restore its newest checkpoint with "
+                    f"ckptcore.CheckpointManager({store.url!r}).restore(...), or load one step "
+                    f"folder ({_step_example(store)}); `ckpt ls {store.url}` lists them")
+        else:
+            what = ("has no manifest: it is not a committed checkpoint (perhaps the leftovers of "
+                    "an interrupted save)")
         raise CheckpointNotFoundError(f"{store.url}: {what}") from e
     return Manifest.from_bytes(data, source=store.join(MANIFEST_NAME)), data
+
+
+def _is_root(store: Store) -> bool:
+    """Whether a folder without a manifest is a manager's root (``layout.is_root``); False
+    when it cannot be listed (the caller's error says enough then)."""
+    from . import layout
+
+    try:
+        return layout.is_root(store)
+    except (OSError, CheckpointError):
+        return False
+
+
+def _step_example(store: Store) -> str:
+    """The URL of the root's newest committed step, to show; a made-up one if none."""
+    from . import layout
+
+    try:
+        steps = layout.committed_steps(store)
+    except (OSError, CheckpointError):
+        steps = []
+    name = steps[-1][1] if steps else layout.step_name(42)
+    return ("e.g. " if not steps else "the newest: ") + store.child(name).url
 
 
 def _select(tree: dict, keys: Iterable[str] | None) -> dict:
@@ -411,6 +442,7 @@ def capture_state(state: TrainingState | None, objects: dict[str, Any]) -> tuple
     copies: fine for a save written before the caller resumes training; an async save copies
     borrowed arrays into its staging buffers first.
     """
+    check_state_argument(state, "save_state(url, state)")
     if state is None:
         if "model" not in objects:
             raise TypeError("save_state needs a TrainingState or framework objects (model=...)")
@@ -424,6 +456,21 @@ def capture_state(state: TrainingState | None, objects: dict[str, Any]) -> tuple
     if cursor is not None:
         state = dataclasses.replace(state, data=cursor.state_dict())
     return state, True
+
+
+def check_state_argument(state: Any, call: str) -> None:
+    """``TypeError`` unless ``state`` (the positional state of a save) is a
+    :class:`TrainingState` or None, naming what to pass instead."""
+    if state is None or isinstance(state, TrainingState):
+        return
+    hint = ""
+    if isinstance(state, Mapping):
+        hint = (f" (a {type(state).__name__} of arrays is one section of a state: wrap it, e.g. "
+                "ckptcore.TrainingState(model={'w': array}))")
+    raise TypeError(
+        f"{call}: state must be a ckptcore.TrainingState, got {type(state).__name__}{hint}; "
+        "to save framework objects, pass them as keywords instead: "
+        "model=..., optimizer=..., cursor=...")
 
 
 _MIGRATION_OPTIONS = ("name_map", "approximate")

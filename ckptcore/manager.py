@@ -251,6 +251,10 @@ class CheckpointManager:
              metrics: Mapping[str, float] | None = None, **objects: Any) -> SaveHandle:
         """Save ``state`` (or framework objects, captured now) as checkpoint ``step``.
 
+        ``state`` is a :class:`TrainingState`; framework objects go as keywords instead
+        (``save(step, model=model, optimizer=opt, cursor=cursor)``).  Anything else (a dict of
+        arrays) is a ``TypeError`` saying so, raised before anything is locked or written.
+
         ``step`` may not be below the newest committed step (``ValueError``: restore first, or
         :meth:`rewind` on purpose).  Saving a step this manager already saved in this run
         replaces it atomically (logged); a step committed by another run or manager is never
@@ -260,6 +264,7 @@ class CheckpointManager:
 
     def _save(self, step, state, metrics, objects, *, sync: bool) -> SaveHandle:
         self._check_open()
+        api.check_state_argument(state, f"save({step}, state)")  # before any lock or listing
         name = self._name(step)
         metrics = check_metrics(metrics)  # before anything is written or committed
         self._wait_inflight()  # at most one save in flight; raises a previous background error

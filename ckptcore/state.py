@@ -11,6 +11,7 @@ codec (``_codec.py``) translates it to bytes.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -114,7 +115,11 @@ class ParamInfo:
 class TrainingState:
     """Everything a training run needs to continue exactly where it stopped.
 
-    Only ``model`` is required; every other section may stay empty.
+    Only ``model`` is required; every other section may stay empty.  Each section's type is
+    checked at construction (``TypeError`` naming the section): ``model``, ``rng``, ``data``,
+    ``metadata``, ``extra`` and ``params`` are mappings; ``optimizer``, ``schedule`` and
+    ``accumulation`` are an :class:`OptimizerState`, :class:`ScheduleState`,
+    :class:`AccumulationState` or None; ``step`` and ``epoch`` ints; ``framework`` a str or None.
 
     Example:
         >>> import numpy as np, ckptcore
@@ -138,6 +143,33 @@ class TrainingState:
 
     SECTIONS = ("model", "optimizer", "schedule", "rng", "data", "accumulation",
                 "step", "epoch", "framework", "metadata", "extra", "params")
+
+    def __post_init__(self) -> None:
+        # Each section's own type, checked here so that a mistake (``model="x"``, a dict as
+        # ``optimizer``) is a TypeError naming the section at once, not an AttributeError deep
+        # in a save.  The values inside (arrays, plain trees) are checked by the save's codec.
+        for name in ("model", "rng", "data", "metadata", "extra", "params"):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping):
+                what = ("a mapping of parameter names to numpy arrays" if name == "model"
+                        else "a mapping of names to ckptcore.ParamInfo" if name == "params"
+                        else "a mapping (dict)")
+                raise TypeError(f"TrainingState.{name} must be {what}, got "
+                                f"{type(value).__name__} {value!r:.60}")
+        for name, cls in (("optimizer", OptimizerState), ("schedule", ScheduleState),
+                          ("accumulation", AccumulationState)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"TrainingState.{name} must be a ckptcore.{cls.__name__} or None, "
+                                f"got {type(value).__name__} {value!r:.60}")
+        for name in ("step", "epoch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"TrainingState.{name} must be an int, got "
+                                f"{type(value).__name__} {value!r:.60}")
+        if self.framework is not None and not isinstance(self.framework, str):
+            raise TypeError(f"TrainingState.framework must be a str or None, got "
+                            f"{type(self.framework).__name__}")
 
 
 @dataclass(frozen=True)

@@ -86,11 +86,19 @@ def convert_state(state: TrainingState, template: TrainingState, *,
         extra=extra, params=dict(template.params))
 
 
+# Problems of placing the model's parameters (a layer without a counterpart, a name_map entry):
+# the only ones name_map can solve.  The optimizer's, the schedule's and the accumulation's
+# problems say their own fix.
+_PAIRING = ("source ", "target ", "name_map:")
+
+
 def _message(src: str, dst: str, problems: list[str]) -> str:
     lines = "\n".join(f"  - {p}" for p in problems)
-    return (f"cannot convert this {src} state to {dst}:\n{lines}\n"
-            "Pass name_map={source name or layer: target name or layer} to pair layers explicitly "
-            "(None drops a source layer); see docs/MIGRATION.md.")
+    hint = "See docs/MIGRATION.md."
+    if any(p.startswith(_PAIRING) for p in problems):
+        hint = ("Pass name_map={source name or layer: target name or layer} to pair layers "
+                "explicitly (None drops a source layer); see docs/MIGRATION.md.")
+    return f"cannot convert this {src} state to {dst}:\n{lines}\n{hint}"
 
 
 def _cast(arr: np.ndarray, like: np.ndarray) -> np.ndarray:
