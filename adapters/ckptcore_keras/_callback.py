@@ -2,8 +2,9 @@
 
 The contract
 ------------
-``model.fit(ckptcore_keras.dataset(cursor, x, y), epochs=E, callbacks=[cb])`` with
-``cb = BackupAndRestore(root, cursor=cursor, save_freq=...)``:
+``model.fit(ckptcore_keras.dataset(cursor, x, y), epochs=E, callbacks=[cb], shuffle=False)``
+with ``cb = BackupAndRestore(root, cursor=cursor, save_freq=...)`` (the cursor shuffles:
+``fit``'s default ``shuffle=True`` does nothing on a ``tf.data.Dataset`` but warn so):
 
 * **Saving.** After every ``save_freq`` trained batches (or at each epoch's end
   for ``"epoch"``), and once more when ``fit`` returns, the callback captures the
@@ -147,7 +148,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         >>> cb = ckptcore_keras.BackupAndRestore("gs://b/run1", save_freq=500,
         ...                                      cursor=cursor)                # doctest: +SKIP
         >>> ds = ckptcore_keras.dataset(cursor, x, y)                          # doctest: +SKIP
-        >>> model.fit(ds, epochs=10, callbacks=[cb])                           # doctest: +SKIP
+        >>> model.fit(ds, epochs=10, callbacks=[cb], shuffle=False)            # doctest: +SKIP
     """
 
     def __init__(self, root: Any = None, *, backup_dir: Any = None,

@@ -20,6 +20,21 @@ first one's order.  A checkpoint taken after a step holds the cursor at the
 next unseen batch, so a resumed run starts its first iterator there: nothing
 is replayed or skipped, in O(1).
 
+Forgetting ``cursor.next_batch()``
+----------------------------------
+A cursor that iterators have drawn batches from but that never moved would be saved
+at the position it had before the loop started (position 0 all through the first
+epoch).  Saving it therefore raises ``ValueError`` naming the fix, as the Paddle
+adapter's ``ResumableBatchSampler`` does: the first ``dataset()`` over a cursor makes
+its ``state_dict()`` (which every save calls) check that the cursor has moved once
+batches were drawn.  Once it has moved, the check is a comparison.
+
+``model.fit``'s ``shuffle``
+---------------------------
+``model.fit`` defaults to ``shuffle=True`` and warns that it ignores it for a
+``tf.data.Dataset``.  The cursor already shuffles (``DataCursor(..., seed=)``): pass
+``shuffle=False`` to ``fit``, as the examples do.
+
 The order is :class:`~ckptcore.DataCursor`'s (a seeded permutation per epoch),
 identical in every process, on every machine and in the Paddle adapter.
 """
@@ -28,6 +43,8 @@ from __future__ import annotations
 
 import copy
 import threading
+import types
+import weakref
 from typing import Any, Callable
 
 __all__ = ["dataset"]
@@ -37,10 +54,98 @@ __all__ = ["dataset"]
 _LOCK = threading.Lock()
 
 
+
+class _Track:
+    """What the iterators of ``dataset()`` drew from one cursor, and whether it has moved since."""
+
+    __slots__ = ("at", "handed", "moved")
+
+    def __init__(self, at: tuple[int, int]):
+        self.at, self.handed, self.moved = at, 0, False
+
+
+# The global DataCursor -> its _Track, for cursors a dataset() iterator has read.
+_TRACKS: weakref.WeakKeyDictionary[Any, _Track] = weakref.WeakKeyDictionary()
+
+
+def _base(cursor: Any) -> Any:
+    return getattr(cursor, "cursor", cursor)  # a CursorShard's global cursor
+
+
+def _where(base: Any) -> tuple[int, int]:
+    return base.epoch, base.position
+
+
+def _moved(track: _Track, base: Any) -> bool:
+    """Whether the cursor has left the position the first iterator read (once true, for good)."""
+    if not track.moved and _where(base) != track.at:
+        track.moved = True
+    return track.moved
+
+
+def state_dict(self: Any) -> dict[str, Any]:
+    """The cursor's ``state_dict()``, refused while it is stale (see :func:`check_not_stale`).
+
+    Bound to a cursor as an instance attribute by the first ``dataset()`` iterator over it
+    (named ``state_dict``, so that a pickled cursor loads with its class's plain method).
+    """
+    check_not_stale(self)
+    return type(self).state_dict(self)
+
+
+def _track(base: Any) -> _Track:
+    """The cursor's track, started (at its current position) by the first iterator over it."""
+    track = _TRACKS.get(base)
+    if track is None:
+        track = _TRACKS[base] = _Track(_where(base))
+        try:
+            base.state_dict = types.MethodType(state_dict, base)
+        except (AttributeError, TypeError):  # a cursor type with __slots__: nothing to hook
+            pass
+    return track
+
+
+def check_not_stale(cursor: Any) -> None:
+    """Refuse to save a cursor that ``dataset()`` iterators drew batches from but that never moved.
+
+    Such a cursor still holds the position it had before the loop started, so a run resumed
+    from it would train those batches again.
+
+    Raises:
+        ValueError: naming the two ways to keep the cursor current.
+    """
+    base = _base(cursor)
+    with _LOCK:
+        track = _TRACKS.get(base)
+        if track is None or track.handed == 0 or _moved(track, base):
+            return
+        handed = track.handed
+    raise ValueError(
+        f"ckptcore_keras.dataset(cursor, ...) has handed out {handed} batch(es) but the cursor "
+        "never moved, so the saved data position would be stale (the batches already trained "
+        "would be trained again after a resume). In a custom loop call cursor.next_batch() once "
+        "after each training step (before saving); in model.fit pass the same cursor to "
+        "ckptcore_keras.BackupAndRestore(..., cursor=cursor), which advances it")
+
+
 def snapshot(cursor: Any) -> Any:
     """An independent copy of ``cursor`` (a ``DataCursor`` or a ``CursorShard`` view)."""
     with _LOCK:
         return copy.deepcopy(cursor)
+
+
+def _start(cursor: Any) -> tuple[Any, _Track]:
+    """A new iterator's copy of ``cursor``, and the cursor's track (to count what it hands out)."""
+    base = _base(cursor)
+    with _LOCK:
+        track = _track(base)
+        _moved(track, base)
+        return copy.deepcopy(cursor), track
+
+
+def _handed(track: _Track) -> None:
+    with _LOCK:
+        track.handed += 1
 
 
 def advance(cursor: Any, batches: int) -> tuple[int, bool]:
@@ -49,12 +154,15 @@ def advance(cursor: Any, batches: int) -> tuple[int, bool]:
     Stops at the end of the epoch: one Keras step cannot train batches of the
     next epoch, because the dataset ends each epoch.
     """
-    base = getattr(cursor, "cursor", cursor)  # a CursorShard's global cursor
+    base = _base(cursor)
     with _LOCK:
         epoch = base.epoch
         n = max(0, min(batches, cursor.steps_remaining_in_epoch))
         for _ in range(n):
             cursor.next_batch()
+        track = _TRACKS.get(base)
+        if track is not None and n:
+            track.moved = True
         return n, base.epoch != epoch
 
 
@@ -97,7 +205,8 @@ def dataset(cursor: Any, *arrays: Any, map_fn: Callable[..., Any] | None = None,
     Example:
         >>> cursor = ckptcore.DataCursor(len(x), 32, seed=0)                    # doctest: +SKIP
         >>> cb = ckptcore_keras.BackupAndRestore("s3://b/run", cursor=cursor, save_freq=100)  # doctest: +SKIP
-        >>> model.fit(ckptcore_keras.dataset(cursor, x, y), epochs=5, callbacks=[cb])  # doctest: +SKIP
+        >>> model.fit(ckptcore_keras.dataset(cursor, x, y), epochs=5, callbacks=[cb],  # doctest: +SKIP
+        ...           shuffle=False)  # the cursor shuffles; fit's shuffle=True would be ignored (warned)
         >>> def load(indices):  # data on disk                                  # doctest: +SKIP
         ...     return tf.numpy_function(read_samples, [indices], (tf.float32, tf.int64))
         >>> ds = ckptcore_keras.dataset(cursor, map_fn=load)                    # doctest: +SKIP
@@ -113,13 +222,18 @@ def dataset(cursor: Any, *arrays: Any, map_fn: Callable[..., Any] | None = None,
             lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype)), data)
 
         def batches():
-            for idx in snapshot(cursor).iter_epoch():
+            snap, track = _start(cursor)
+            for idx in snap.iter_epoch():
+                _handed(track)
                 yield tf.nest.map_structure(lambda a: a[idx], data)
     else:
         signature = tf.TensorSpec((None,), tf.int64)
 
         def batches():
-            yield from snapshot(cursor).iter_epoch()
+            snap, track = _start(cursor)
+            for idx in snap.iter_epoch():
+                _handed(track)
+                yield idx
 
     ds = tf.data.Dataset.from_generator(batches, output_signature=signature)
     if map_fn is not None:
