@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ckptcore.adapter import PackageAdapter
@@ -47,12 +49,81 @@ _CAPTURE_KEYWORDS = frozenset({"model", "optimizer", "cursor", "rng", "copy", "s
 _RESTORE_KEYWORDS = frozenset({"model", "optimizer", "cursor", "strict", "rng", "scheduler", "scaler"})
 
 
+# -- logging under Paddle ----------------------------------------------------------------------------
+# Importing paddle gives the *root* logger a StreamHandler with Paddle's format and sets its level to
+# INFO (paddle.distributed.utils.log_utils.get_logger(logging.INFO), name "root"), unless logging was
+# set up before.  ckptcore's records propagate to the root, so they came out in Paddle's format,
+# INFO ones included, and a warning that is also logged (ckptcore.adapter.warn_and_log) showed twice.
+# Paddle's root handlers are given a filter that leaves the "ckptcore" records out, and the
+# "ckptcore" logger (still propagating) a handler that prints them as Python does when logging is not
+# set up (logging.lastResort: WARNING and above, the message alone, on stderr) whenever no handler
+# but Paddle's would receive them.  A user's own handlers (basicConfig(force=True), a handler on
+# "ckptcore" or the root) receive them as usual.
+
+_PADDLE_FORMAT = "[%(asctime)-15s] [%(levelname)8s] %(filename)s:%(lineno)s - %(message)s"
+
+
+def _is_ckptcore(record: logging.LogRecord) -> bool:
+    return record.name == "ckptcore" or record.name.startswith("ckptcore.")
+
+
+class _NotCkptcore(logging.Filter):
+    """On Paddle's root handlers: ckptcore's records are not Paddle's to print."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _is_ckptcore(record)
+
+
+def _is_paddles(handler: logging.Handler) -> bool:
+    return any(isinstance(f, _NotCkptcore) for f in handler.filters)
+
+
+class _AsIfUnconfigured(logging.Handler):
+    """On the "ckptcore" logger: what Python would print if Paddle had not added a root handler."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        last = logging.lastResort
+        if last is None or record.levelno < last.level or not _is_ckptcore(record):
+            return
+        if record.funcName == "warn_and_log" and record.module == "adapter":
+            return  # also a Python warning: without logging set up it is a DEBUG record (shown once)
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:
+            if any(h is not self and not _is_paddles(h) for h in logger.handlers):
+                return  # someone set logging up: their handler has the record
+            logger = logger.parent if logger.propagate else None
+        last.handle(record)
+
+
+def _shield_logging() -> None:
+    """Keep Paddle's root handlers away from ckptcore's records (idempotent, cheap)."""
+    if "paddle" not in sys.modules:
+        return
+    shielded = False
+    for handler in list(logging.getLogger().handlers):
+        formatter = handler.formatter
+        if getattr(formatter, "_fmt", None) != _PADDLE_FORMAT:
+            continue
+        shielded = True
+        if not _is_paddles(handler):
+            handler.addFilter(_NotCkptcore())
+    log = logging.getLogger("ckptcore")
+    if shielded and not any(isinstance(h, _AsIfUnconfigured) for h in log.handlers):
+        log.addHandler(_AsIfUnconfigured())
+
+
+_shield_logging()  # paddle imported first (import paddle; import ckptcore_paddle)
+
+
 def process_group(group: Any = None) -> Any:
     """The ranks of the current ``paddle.distributed`` job (or of its sub-group ``group``) as a
     ``ckptcore.ProcessGroup`` over the job's own collectives (see ``_group.py``); a group of one
     outside a job."""
     from ._group import process_group as _process_group
-    return _process_group(group)
+    try:
+        return _process_group(group)
+    finally:
+        _shield_logging()
 
 
 def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,
@@ -60,6 +131,7 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
             accumulate_every: int | None = None, accumulated: int | None = None) -> TrainingState:
     """Snapshot a Paddle model, optimizer, scheduler, scaler, RNGs and cursor (see ``_capture.py``)."""
     from ._capture import capture as _capture
+    _shield_logging()
     return _capture(model, optimizer, cursor=cursor, rng=rng, copy=copy, scheduler=scheduler, scaler=scaler,
                     step=step, accumulate_every=accumulate_every, accumulated=accumulated)
 
@@ -69,6 +141,7 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
             warn_data: bool = True) -> RestoreReport:
     """Put a captured state back into Paddle objects, bit for bit (see ``_capture.py``)."""
     from ._capture import restore as _restore
+    _shield_logging()
     return _restore(state, model, optimizer, cursor=cursor, strict=strict, rng=rng, scheduler=scheduler,
                     scaler=scaler, warn_data=warn_data)
 
@@ -105,6 +178,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        _shield_logging()
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -54,6 +54,7 @@ from ckptcore.cursor import CursorShard, DataCursor
 from ckptcore.manager import CheckpointManager
 from ckptcore.state import TrainingState
 
+from . import _shield_logging
 from ._capture import capture
 from ._data import ResumableBatchSampler, samplers_of
 from ._loader import DataLoader
@@ -61,6 +62,7 @@ from ._loader import DataLoader
 __all__ = ["Checkpoint"]
 
 _log = logging.getLogger("ckptcore")
+_shield_logging()  # paddle is imported: its root handler leaves ckptcore's records alone
 _NOT_METRICS = frozenset({"step", "batch_size"})
 
 
