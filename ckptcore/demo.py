@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import CheckpointManager, DataCursor, TrainingState
-from .errors import AdapterNotFoundError
+from .errors import AdapterNotFoundError, CheckpointError
 from .registry import available_adapters, get_adapter
 
 N, FEATURES, CLASSES, BATCH, EPOCHS, SAVE_EVERY, SEED = 512, 8, 3, 32, 3, 5, 7
@@ -137,8 +138,15 @@ def _run_worker(root: str, options: dict, pause_after: int, framework: str,
                           + (f"; the end of its stderr:\n{tail}" if tail else ""))
 
 
-def run_demo(root: str | None, framework: str = "numpy", storage_options: dict | None = None) -> int:
-    from . import api
+def run_demo(root: str | None, framework: str = "numpy", storage_options: dict | None = None,
+             *, keep: bool = False) -> int:
+    """Run the demonstration; 0 when the resumed run equals the uninterrupted one.
+
+    ``root`` (any fsspec URL but ``memory://``) is the demo's own: a previous demo's checkpoints
+    under it are removed first, and it is kept afterwards.  Without ``root`` the demo works in a
+    new temporary folder, removed at the end unless ``keep`` is true or the demo failed (its
+    path is printed then).
+    """
     if root is not None and root.startswith("memory://"):
         print("ckpt demo: memory:// lives inside one process, and the demo kills a process; "
               "use a folder or a bucket URL", file=sys.stderr)
@@ -149,10 +157,47 @@ def run_demo(root: str | None, framework: str = "numpy", storage_options: dict |
         print(f"ckpt demo: {e}", file=sys.stderr)
         return 2
     options = storage_options or {}
+    temporary = root is None
     root = (root or tempfile.mkdtemp(prefix="ckpt-demo-")).rstrip("/")
+    try:
+        code = _demo(root, framework, options)
+    except BaseException:
+        if temporary:
+            print(f"ckpt demo: the demo's checkpoints are kept in {root}", file=sys.stderr)
+        raise
+    if not temporary:
+        print(f"ckpt demo: the checkpoints stay in {root} (a run on the same root starts over)")
+    elif keep or code != 0:
+        print(f"ckpt demo: the checkpoints are kept in {root} (remove it when done)")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"ckpt demo: removed the temporary folder {root} "
+              "(--root DIR keeps the checkpoints in DIR)")
+    return code
+
+
+def _start_over(root: str, options: dict) -> None:
+    """The demo owns ``root/reference`` and ``root/run``: a previous demo's steps there are
+    rewound (deleted), saying so, so that a second demo on the same root runs the whole story
+    again instead of resuming finished runs (whose final save would then collide)."""
+    for name in ("reference", "run"):
+        mgr = CheckpointManager(f"{root}/{name}", storage_options=options, save_on_preemption=False)
+        try:
+            steps = mgr.steps()
+            if steps:
+                mgr.rewind(steps[0])
+                print(f"ckpt demo: {root}/{name} held a previous demo's checkpoints "
+                      f"(steps {steps[0]}..{steps[-1]}); starting over: removed them")
+        finally:
+            mgr.close()
+
+
+def _demo(root: str, framework: str, options: dict) -> int:
+    from . import api
     steps_per_epoch = N // BATCH + (N % BATCH > 0)
     kill_at = steps_per_epoch + steps_per_epoch // 2 - 1  # mid epoch 1, between two checkpoints
     try:
+        _start_over(root, options)
         # Only a worker builds the model (this process never imports a framework), so the header
         # naming it comes once the first worker has said what it trains.
         description, reference = _run_worker(root + "/reference", options, -1, framework)
@@ -169,7 +214,7 @@ def run_demo(root: str | None, framework: str = "numpy", storage_options: dict |
         _, resumed = _run_worker(root + "/run", options, -1, framework, notes)
         for note in notes:  # e.g. the killed process's writer lease, taken over at once
             print(f"   resumed process: {note}")
-    except DemoWorkerError as e:
+    except (DemoWorkerError, CheckpointError) as e:
         print(f"ckpt demo: {e}", file=sys.stderr)
         return 1
     final = api.load_state(mgr.step_url(mgr.latest_step()), storage_options=options)
@@ -214,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--root", default=None)
     r.add_argument("--framework", default="numpy", choices=frameworks)
+    r.add_argument("--keep", action="store_true",
+                   help="keep the temporary folder (without --root) after a successful demo")
     w = sub.add_parser("worker")
     w.add_argument("root")
     w.add_argument("--options", default="{}")
@@ -221,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--framework", default="numpy", choices=frameworks)
     args = p.parse_args(argv)
     if args.verb == "run":
-        return run_demo(args.root, args.framework)
+        return run_demo(args.root, args.framework, keep=args.keep)
     return _worker(args)
 
 

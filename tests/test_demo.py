@@ -25,6 +25,41 @@ def test_numpy_demo_resumes_bit_exactly(tmp_path):
     assert (tmp_path / "demo" / "run").is_dir()
 
 
+def test_numpy_demo_runs_again_on_the_same_root(tmp_path):
+    # A second demo on the same root used to resume the finished runs and fail on its final
+    # save (CheckpointExistsError ... mgr.rewind(48)).  The demo owns its root: it starts over.
+    first = run_demo(tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "previous demo" not in first.stdout
+    second = run_demo(tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "CheckpointExistsError" not in second.stdout + second.stderr
+    for name in ("reference", "run"):
+        assert (f"{tmp_path / 'demo' / name} held a previous demo's checkpoints (steps 40..48); "
+                "starting over: removed them") in second.stdout
+    assert "1. uninterrupted reference run (its own process): 48 steps" in second.stdout
+    assert "SIGKILLed at step 23" in second.stdout and "newest checkpoint: step 20" in second.stdout
+    assert "RESULT: the resumed run equals the uninterrupted run" in second.stdout
+    assert f"the checkpoints stay in {tmp_path / 'demo'}" in second.stdout
+
+
+def test_demo_without_root_removes_its_temporary_folder(tmp_path):
+    # Without --root the demo works in a ckpt-demo-* temporary folder: removed at the end, saying
+    # so (nothing is left behind in the temporary directory).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    out = subprocess.run(CKPT, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "RESULT: the resumed run equals the uninterrupted run" in out.stdout
+    assert f"removed the temporary folder {tmp_path}/ckpt-demo-" in out.stdout
+    assert not list(tmp_path.glob("ckpt-demo-*"))
+    # Asked to keep it (python -m ckptcore.demo run --keep), the folder stays and is named.
+    out = subprocess.run([sys.executable, "-m", "ckptcore.demo", "run", "--keep"], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    kept = list(tmp_path.glob("ckpt-demo-*"))
+    assert len(kept) == 1 and f"the checkpoints are kept in {kept[0]}" in out.stdout
+
+
 def test_demo_refuses_memory_root():
     out = subprocess.run([*CKPT, "--root", "memory://x"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "memory://" in out.stderr
@@ -94,3 +129,15 @@ def test_numpy_demo_on_s3_resumes_at_once_after_the_kill(s3_backend, capsys):
     assert "RESULT: the resumed run equals the uninterrupted run" in captured.out
     assert "resumed process:" in captured.out and "taking over the writer lock" in captured.out
     assert "step-" in "".join(s3_backend.listdir("demo", "run"))
+
+
+def test_numpy_demo_on_s3_runs_again_on_the_same_root(s3_backend, capsys):
+    from ckptcore.demo import run_demo
+    url = s3_backend.url("demo2")
+    assert run_demo(url, "numpy", storage_options=s3_backend.storage_options) == 0
+    capsys.readouterr()
+    code = run_demo(url, "numpy", storage_options=s3_backend.storage_options)
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert f"{url}/run held a previous demo's checkpoints (steps 40..48); starting over" in captured.out
+    assert "RESULT: the resumed run equals the uninterrupted run" in captured.out
