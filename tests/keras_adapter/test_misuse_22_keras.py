@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import pickle
-import re
 import warnings
 
 import numpy as np
