@@ -23,7 +23,7 @@ from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
 from ._replica import check_structure
 from ._storage import CAS_DIR, Entry, Store, check_url
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["gc", "list_checkpoints", "CheckpointListing", "step_name"]
 
@@ -137,7 +137,7 @@ def gc(root: str | os.PathLike, *, grace: float | None = None,
         >>> removed = ckptcore.gc("s3://runs/exp1", grace=3600)            # doctest: +SKIP
 
     Raises:
-        FileNotFoundError: ``root`` is not a checkpoint root (no step folders, leftovers or lock).
+        CheckpointNotFoundError: (a ``FileNotFoundError``) ``root`` is not a checkpoint root (no step folders, leftovers or lock).
         LockedError: a writer holds the root.
         ValueError: ``grace`` is negative.
     """
@@ -145,8 +145,8 @@ def gc(root: str | os.PathLike, *, grace: float | None = None,
     store = Store(check_url(root, "root"), dict(storage_options or {}))
     if not store.exists() or not is_root(store):
         # A typo or a single checkpoint's folder: refuse before the lock file would be created.
-        raise FileNotFoundError(f"{store.url}: no checkpoint root here (no step-* folders or "
-                                "leftovers of saves)")
+        raise CheckpointNotFoundError(f"{store.url}: no checkpoint root here (no step-* folders "
+                                      "or leftovers of saves)")
     lock = WriterLock(store)
     lock.acquire()
     try:
