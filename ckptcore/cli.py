@@ -21,6 +21,7 @@ from ._diff import diff
 from ._storage import Store
 from .adapter import FileFormat
 from .errors import CheckpointError, CheckpointNotFoundError
+from ._manifest import MANIFEST_NAME
 from .layout import gc, is_root, list_checkpoints
 
 log = logging.getLogger("ckptcore")
@@ -230,9 +231,15 @@ def cmd_diff(args: argparse.Namespace, so: dict) -> int:
 
 
 def cmd_ls(args: argparse.Namespace, so: dict) -> int:
-    if not Store(args.root, dict(so)).exists():  # a typo or a missing bucket is not an empty run
+    store = Store(args.root, dict(so))
+    if not store.exists():  # a typo or a missing bucket is not an empty run
         raise FileNotFoundError(f"{args.root} does not exist (no such folder or bucket)")
     found = list_checkpoints(args.root, storage_options=so)
+    if not found and store.exists(MANIFEST_NAME) and not is_root(store):
+        # one checkpoint's folder, not a run's root (as inspect/verify of a root say the reverse)
+        raise CheckpointNotFoundError(
+            f"{args.root} is one checkpoint, not a run's root (a CheckpointManager folder): "
+            f"`ckpt inspect {args.root}` shows it")
     backup = {} if not args.backup else {c.step: c for c in list_checkpoints(args.backup,
                                                                             storage_options=so)}
     local = {c.step: c for c in found}
