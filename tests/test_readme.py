@@ -8,25 +8,29 @@ How a block is run:
   imports only that framework (TensorFlow and Paddle never share a process); it is skipped only
   when that framework is not installed here.
 - A block that mentions ``s3://`` runs against the moto S3 server of ``tests/conftest.py``:
-  every bucket the block names is created there, and the process gets ``S3_ENDPOINT_URL`` (what
-  README's S3 example reads for its ``endpoint_url``), ``AWS_ENDPOINT_URL_S3`` (what boto and
-  s3fs use when a block passes no ``storage_options``) and test credentials.  No block ever
-  reaches AWS.
+  every bucket the block names is created there, and the process gets ``AWS_ENDPOINT_URL_S3``
+  (what boto and s3fs use when a block passes no ``storage_options``, and what README's S3
+  examples read for their ``endpoint_url``; ``S3_ENDPOINT_URL`` too) and test credentials, as
+  README's "Trying the bucket examples locally" tells a reader to.  No block ever reaches AWS.
 - The names a block assumes exist (``x_train``, ``model``, ``train_step``...) come from a
-  *prelude*, code run before the block in the same process.  A block names its preludes in a
-  marker comment, conventionally its first line::
+  *prelude*, code run before the block in the same process.  A block names its preludes in an
+  HTML comment line right above its fence, which the rendered README does not show::
 
-      # prelude: keras-model
+      <!-- prelude: keras-model -->
 
-  (several: ``# prelude: keras-model, keras-strategy``).  A block without a marker gets its
-  section's default prelude (:data:`SECTION_DEFAULTS`); a block of any other section must be
+  (several: ``<!-- prelude: keras-model, keras-strategy -->``).  A block without a marker must be
   self-contained.  The preludes are :data:`PRELUDES` below; a new README block that needs other
   names adds a prelude here and names it in its marker.  A prelude defines only names: it never
-  fixes up what the block itself does wrong.
+  fixes up what the block itself does wrong.  The reader sees what a block assumes: the paragraph
+  right above the marker starts with "Assumes" and names, in backticks, every name of the prelude
+  the block uses without defining it.
+- A block that opens a ``CheckpointManager("ROOT", ...)`` must leave a committed step there
+  after its first run (an example loop that never reaches its save period saves nothing).
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import os
@@ -59,7 +63,6 @@ PRELUDES: dict[str, Prelude] = {
         x_train = _g.standard_normal((96, 4)).astype(np.float32)
         y_train = (x_train.sum(1) > 0).astype(np.float32)
         epochs = EPOCHS = 2
-        params, step = {"w": np.zeros(4, np.float32)}, 0
 
         def train_step(params, x, y):
             err = x @ params["w"] - y
@@ -127,16 +130,14 @@ PRELUDES: dict[str, Prelude] = {
         """),
 }
 
-# The prelude of a block without a marker, by its section ("## " heading).
-SECTION_DEFAULTS = {"Resuming a run": "numpy-loop", "Keras": "keras-model", "Paddle": "paddle-model"}
-
 # Blocks known to be broken as they stand, by the sha256 of their exact text, with the reason: a
 # changed block is run for real.  Each entry is an expected failure (strict: once such a block
 # runs, the entry must go).  Issue 12 has other owners rewriting these sections' blocks.
 KNOWN_BROKEN: dict[str, str] = {
 }
 
-MARKER = re.compile(r"^#\s*prelude:\s*(.+?)\s*$", re.MULTILINE)
+MARKER = re.compile(r"^<!--\s*prelude:\s*(.+?)\s*-->$")
+CODE_MARKER = re.compile(r"^#\s*prelude:", re.MULTILINE)  # the old in-code marker: not shown any more
 FRAMEWORK_MODULES = {"keras": ("tensorflow", "keras", "ckptcore_keras"),
                      "paddle": ("paddle", "ckptcore_paddle")}
 
@@ -146,6 +147,8 @@ class Block:
     section: str
     line: int  # of the opening fence, 1-based
     code: str
+    marked: tuple[str, ...] = ()  # the preludes its marker line names
+    above: str = ""  # the paragraph right above the block (and its marker)
 
     @property
     def id(self) -> str:
@@ -157,11 +160,17 @@ class Block:
 
     @property
     def preludes(self) -> list[str]:
-        found = MARKER.findall(self.code)
-        if found:
-            return [name.strip() for line in found for name in line.split(",") if name.strip()]
-        default = SECTION_DEFAULTS.get(self.section)
-        return [default] if default else []
+        return list(self.marked)
+
+    @property
+    def assumed(self) -> set[str]:
+        """The preludes' names the block uses without binding them itself."""
+        defined: set[str] = set()
+        for p in self.preludes:
+            defined |= _bound(ast.parse(textwrap.dedent(PRELUDES[p].code)), top_level=True)
+        tree = ast.parse(self.code)
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        return (used & defined) - _bound(tree)
 
     @property
     def framework(self) -> str | None:
@@ -174,17 +183,50 @@ class Block:
         return next(iter(wanted), None)
 
 
+def _bound(tree: ast.AST, top_level: bool = False) -> set[str]:
+    """Names ``tree`` binds (assignments, loop and ``with`` targets, defs, classes, imports)."""
+    nodes = tree.body if top_level else list(ast.walk(tree))
+    if top_level:
+        nodes = [n for stmt in nodes for n in ast.walk(stmt)
+                 if not isinstance(n, (ast.FunctionDef, ast.ClassDef)) or n in tree.body]
+    names: set[str] = set()
+    for n in nodes:
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            names.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in n.names}
+    return names
+
+
 def readme_blocks(text: str) -> list[Block]:
-    """Every fenced block opened by exactly ```python, with the ``## `` section it is in."""
+    """Every fenced block opened by exactly ```python, with the ``## `` section it is in, the
+    preludes its marker line (``<!-- prelude: ... -->`` right above the fence) names and the
+    paragraph above that."""
     blocks, section, current, start = [], "", None, 0
-    for number, line in enumerate(text.splitlines(), 1):
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         if current is None:
             if line.startswith("## "):
                 section = line[3:].strip()
             elif line.strip() == "```python":
                 current, start = [], number
         elif line.strip() == "```":
-            blocks.append(Block(section, start, "\n".join(current) + "\n"))
+            i = start - 2  # the line above the fence
+            marked: tuple[str, ...] = ()
+            m = MARKER.match(lines[i].strip()) if i >= 0 else None
+            if m:
+                marked = tuple(p.strip() for p in m.group(1).split(",") if p.strip())
+                i -= 1
+            while i >= 0 and not lines[i].strip():
+                i -= 1
+            paragraph = []
+            while i >= 0 and lines[i].strip() and not lines[i].startswith(("```", "#")):
+                paragraph.insert(0, lines[i])
+                i -= 1
+            blocks.append(Block(section, start, "\n".join(current) + "\n", marked,
+                                " ".join(paragraph)))
             current = None
         else:
             current.append(line)
@@ -203,9 +245,28 @@ def test_the_readme_has_python_blocks_and_known_preludes():
         unknown = [p for p in b.preludes if p not in PRELUDES]
         assert not unknown, f"README block at line {b.line}: no prelude named {unknown} " \
                             f"(known: {sorted(PRELUDES)})"
-    assert readme_blocks("## A\n```python\nx = 1\n```\n```bash\nno\n```\n## B\n```python\n"
-                         "# prelude: numpy-loop\ny\n```\n") == [
-        Block("A", 2, "x = 1\n"), Block("B", 9, "# prelude: numpy-loop\ny\n")]
+    assert readme_blocks("## A\n```python\nx = 1\n```\n```bash\nno\n```\n## B\nAssumes `y`.\n"
+                         "<!-- prelude: numpy-loop -->\n```python\ny\n```\n") == [
+        Block("A", 2, "x = 1\n"), Block("B", 11, "y\n", ("numpy-loop",), "Assumes `y`.")]
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_readme_block_states_what_it_assumes(block):
+    """No harness marker in the shown code; a block that needs a prelude says right above it,
+    in one paragraph starting "Assumes", every name it takes from the prelude."""
+    assert not CODE_MARKER.search(block.code), (
+        f"README block at line {block.line} shows the test's prelude marker in its code: put it on "
+        "an HTML comment line above the fence (<!-- prelude: NAME -->)")
+    assumed = block.assumed
+    if not block.preludes:
+        return
+    assert assumed, f"README block at line {block.line} names preludes but uses none of their names"
+    assert block.above.startswith("Assumes"), (
+        f"README block at line {block.line} takes {sorted(assumed)} from its prelude; the line "
+        f"above it must say so (\"Assumes `name`, ...\"), not {block.above[:80]!r}")
+    named = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)", block.above))
+    missing = sorted(assumed - named)
+    assert not missing, f"README block at line {block.line} uses {missing} without saying it assumes them"
 
 
 def _s3_env(request, code: str) -> dict[str, str]:
@@ -252,3 +313,48 @@ def test_readme_block_runs_as_written_twice(block, request, tmp_path):
             f"README.md block at line {block.line} ({block.section}, preludes {block.preludes}) "
             f"failed on its {run} run with exit {done.returncode}\n--- stdout\n{done.stdout[-2000:]}"
             f"\n--- stderr\n{done.stderr[-5000:]}")
+        if run == "first":
+            _assert_roots_saved(block, request, work)
+
+
+def _assert_roots_saved(block: Block, request, work: Path) -> None:
+    """Each ``CheckpointManager("ROOT"`` of the block holds a committed step after its run."""
+    import ckptcore
+    for root in re.findall(r"CheckpointManager\(\s*\"([^\"]+)\"", block.code):
+        if root.startswith("s3://"):
+            listed = ckptcore.list_checkpoints(root, storage_options=request.getfixturevalue(
+                "s3_storage_options"))
+        else:
+            listed = ckptcore.list_checkpoints(work / root)
+        assert listed, (f"README block at line {block.line} ({block.section}) saved nothing under "
+                        f"{root}: its loop never reaches a save (add a final save after the loop)")
+
+
+def _bucket_note() -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index("**Trying the bucket examples locally.**")
+    return text[start:text.index("```\n", text.index("```bash", start) + 7)]
+
+
+def test_the_bucket_note_sets_up_what_the_s3_blocks_need(s3_storage_options, tmp_path):
+    """The README's "Trying the bucket examples locally" steps, run as shown (the moto server is
+    the session's, on its own port): the environment they export and their bucket command are
+    all a block without storage options needs."""
+    note = _bucket_note()
+    assert "moto_server -p 5000" in note and "ThreadedMotoServer" in note
+    exported = dict(re.findall(r"\b(AWS_[A-Z0-9_]+)=(\S+)", note.split("export ", 1)[1].split("\n")[0]))
+    assert exported == {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:5000", "AWS_ACCESS_KEY_ID": "testing",
+                        "AWS_SECRET_ACCESS_KEY": "testing"}
+    command = re.search(r'^python -c "(.+)"$', note, re.MULTILINE).group(1)
+    buckets = {b for block in BLOCKS for b in re.findall(r"s3://([a-z0-9][a-z0-9.-]+[a-z0-9])/", block.code)}
+    assert buckets and all(f"'{b}'" in command for b in buckets), (buckets, command)
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("AWS_")}
+    env.update(exported, AWS_ENDPOINT_URL_S3=s3_storage_options["client_kwargs"]["endpoint_url"])
+    check = ("import ckptcore, numpy as np\n"
+             "s = ckptcore.TrainingState(model={'w': np.ones(2)}, step=1)\n"
+             "ckptcore.save_state('s3://bucket/note-check/step-1', s, overwrite=True)\n"
+             "assert ckptcore.load_state('s3://bucket/note-check/step-1').step == 1\n")
+    for code in (command, command, check):  # the bucket command twice: a re-run must not fail
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
