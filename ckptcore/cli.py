@@ -232,9 +232,17 @@ def cmd_diff(args: argparse.Namespace, so: dict) -> int:
 
 def cmd_ls(args: argparse.Namespace, so: dict) -> int:
     store = Store(args.root, dict(so))
-    if not store.exists():  # a typo or a missing bucket is not an empty run
+    local_missing = not store.exists()
+    if local_missing and not args.backup:  # a typo or a missing bucket is not an empty run
         raise FileNotFoundError(f"{args.root} does not exist (no such folder or bucket)")
-    found = list_checkpoints(args.root, storage_options=so)
+    if local_missing:
+        # A fresh machine: the local root is not there (yet), the backup's listing is what matters.
+        if not Store(args.backup, dict(so)).exists():
+            raise FileNotFoundError(f"{args.root} does not exist, nor does the backup "
+                                    f"{args.backup} (no such folder or bucket)")
+        print(f"(the local root {args.root} is missing; listing the backup {args.backup} only)",
+              file=sys.stderr)
+    found = [] if local_missing else list_checkpoints(args.root, storage_options=so)
     if not found and store.exists(MANIFEST_NAME) and not is_root(store):
         # one checkpoint's folder, not a run's root (as inspect/verify of a root say the reverse)
         raise CheckpointNotFoundError(

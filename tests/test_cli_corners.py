@@ -42,3 +42,23 @@ def test_ls_of_one_checkpoint_points_to_inspect(tmp_path, capsys):
     assert "one checkpoint" in err and f"ckpt inspect {url}" in err
 
 
+# -- 2. ls of a missing root with --backup ------------------------------------------------------
+def test_ls_of_a_missing_root_lists_the_backup(tmp_path, capsys):
+    from ckptcore._sync import sync
+
+    root = _run(tmp_path, steps=(1, 2))
+    backup = str(tmp_path / "backup")
+    sync(root, backup)
+    gone = str(tmp_path / "fresh-machine-root")
+    rc, out, err = _ckpt(capsys, "ls", gone, "--backup", backup)
+    assert rc == 0, err
+    steps = [ln for ln in out.splitlines() if ln.startswith("step-")]
+    assert [ln.split()[0] for ln in steps] == ["step-000000000001", "step-000000000002"]
+    assert all(ln.endswith(" backup") for ln in steps)
+    assert "missing" in out + err and gone in out + err
+    # without --backup it is still an error, and so is a missing backup too
+    assert _ckpt(capsys, "ls", gone)[0] == 2
+    rc, _, err = _ckpt(capsys, "ls", gone, "--backup", str(tmp_path / "nobackup"))
+    assert rc == 2 and "does not exist" in err
+
+
