@@ -27,13 +27,28 @@ from .layout import gc, is_root, list_checkpoints
 log = logging.getLogger("ckptcore")
 
 
-def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
+class _UsageExit(SystemExit):
+    """A usage error found after argparse: exit 2 as argparse's own (the README's "the arguments
+    are wrong"), the message already printed on stderr; ``str()`` is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = 2
+
+
+def _usage_error(message: str) -> _UsageExit:
+    print(message, file=sys.stderr)
+    return _UsageExit(message)
+
+
+def _options(pairs: Sequence[str] | None, option: str = "--storage-option/-o") -> dict[str, Any]:
     """``key=value`` pairs as storage options; values parse as JSON when they can."""
     out: dict[str, Any] = {}
     for pair in pairs or ():
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"ckpt: --storage-option expects key=value, got {pair!r}")
+            raise _usage_error(f"ckpt: {option} expects key=value (e.g. -o anon=true), "
+                               f"got {pair!r}")
         try:
             parsed: Any = json.loads(value)
         except ValueError:
@@ -275,7 +290,8 @@ def cmd_sync(args: argparse.Namespace, so: dict) -> int:
         ([KeepEvery(args.keep_every)] if args.keep_every is not None else [])
     report = sync(args.src, args.dst, dedup=not args.plain, keep=policies or None,
                   dry_run=args.dry_run, storage_options=so,
-                  dst_storage_options=_options(args.dst_option) if args.dst_option else None,
+                  dst_storage_options=(_options(args.dst_option, "--dst-option")
+                                       if args.dst_option else None),
                   progress=None if args.quiet or args.dry_run else progress_bar())
     verb = "would copy" if args.dry_run else "copied"
     for step in report.copied:

@@ -62,3 +62,16 @@ def test_ls_of_a_missing_root_lists_the_backup(tmp_path, capsys):
     assert rc == 2 and "does not exist" in err
 
 
+# -- 3. a malformed storage option is a usage error ---------------------------------------------
+@pytest.mark.parametrize("argv", [["ls", "{root}", "-o", "foo"], ["-o", "=x", "ls", "{root}"],
+                                  ["sync", "{root}", "{root}2", "--dst-option", "foo"]])
+def test_malformed_storage_option_exits_2(tmp_path, capsys, argv):
+    root = _run(tmp_path, steps=(1,))
+    with pytest.raises(SystemExit) as e:
+        cli.main([a.format(root=root) for a in argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "key=value" in err and "Traceback" not in err
+    assert not (tmp_path / "run2").exists()
+
+
