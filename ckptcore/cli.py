@@ -236,13 +236,34 @@ def _verify_deep(args: argparse.Namespace, so: dict) -> int:
     return 1 if report.broken else 0
 
 
+def _section(name: str) -> str:
+    """The section a tensor (or a chunk's key, ``name@[start]``) belongs to: ``model/dense/kernel``
+    -> ``model``."""
+    return name.split("/", 1)[0]
+
+
 def cmd_diff(args: argparse.Namespace, so: dict) -> int:
+    keys = None if args.keys is None else [k.strip() for k in args.keys.split(",") if k.strip()]
+    if keys is not None and not keys:
+        raise ValueError("--keys expects section names, e.g. --keys model,optimizer")
     result = diff(args.a, args.b, storage_options=so)
-    for d in result.differences:
+    differences, same, read = result.differences, result.same, result.read
+    if keys is not None:
+        # (the library compares every section; the filter applies to what it found)
+        present = {_section(n) for n in (*same, *(d.name for d in differences))}
+        unknown = [k for k in keys if k not in present]
+        if unknown:
+            raise ValueError(f"--keys: no tensors of section(s) {', '.join(unknown)} in either "
+                             f"checkpoint (sections with tensors: {', '.join(sorted(present)) or 'none'})")
+        differences = tuple(d for d in differences if _section(d.name) in keys)
+        same = tuple(n for n in same if _section(n) in keys)
+        read = tuple(n for n in read if _section(n) in keys)
+    for d in differences:
         print(d.describe())
-    print(f"{len(result.differences)} of {result.total} tensors differ "
-          f"({len(result.read)} read, the rest compared by checksum)")
-    return 0 if result.equal else 1
+    print(f"{len(differences)} of {len(differences) + len(same)} tensors differ "
+          f"({len(read)} read, the rest compared by checksum)"
+          + (f" in {', '.join(keys)}" if keys is not None else ""))
+    return 1 if differences else 0
 
 
 def cmd_ls(args: argparse.Namespace, so: dict) -> int:
@@ -459,6 +480,9 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
                                     "(compares checksums; reads only tensors that differ)")
     s.add_argument("a")
     s.add_argument("b")
+    s.add_argument("--keys", metavar="SECTION[,SECTION...]",
+                   help="compare only these sections' tensors, e.g. model,optimizer "
+                        "(default: every section)")
     s.set_defaults(fn=cmd_diff)
     s = sub.add_parser("ls", help="list the committed checkpoints under a manager's root")
     s.add_argument("root")

@@ -75,3 +75,20 @@ def test_malformed_storage_option_exits_2(tmp_path, capsys, argv):
     assert not (tmp_path / "run2").exists()
 
 
+# -- 4. diff --keys -----------------------------------------------------------------------------
+def test_diff_keys_compares_only_those_sections(tmp_path, capsys):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    ckptcore.save_state(a, make_state(3))
+    changed = make_state(3)
+    changed.model["dense/kernel"] = changed.model["dense/kernel"] + 1  # the model only
+    ckptcore.save_state(b, changed)
+    rc, out, _ = _ckpt(capsys, "diff", a, b, "--keys", "optimizer")
+    assert rc == 0 and "0 of 1 tensors differ" in out and "model/" not in out
+    rc, out, _ = _ckpt(capsys, "diff", a, b, "--keys", "model,optimizer")
+    assert rc == 1 and "~ model/dense/kernel" in out and "1 of 3 tensors differ" in out
+    rc, out, _ = _ckpt(capsys, "diff", a, b, "--keys", "model")
+    assert rc == 1 and "1 of 2 tensors differ" in out
+    rc, _, err = _ckpt(capsys, "diff", a, b, "--keys", "modle")
+    assert rc == 2 and "modle" in err and "model" in err
+
+
