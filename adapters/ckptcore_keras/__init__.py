@@ -16,7 +16,7 @@ Example:
     >>> state = ckptcore_keras.capture(model, optimizer, cursor=cursor)  # doctest: +SKIP
     >>> ckptcore_keras.restore(state, new_model, new_optimizer)          # doctest: +SKIP
     >>> cb = ckptcore_keras.BackupAndRestore("s3://b/run", cursor=cursor, save_freq=100)  # doctest: +SKIP
-    >>> model.fit(ckptcore_keras.dataset(cursor, x, y), epochs=5, callbacks=[cb])  # doctest: +SKIP
+    >>> model.fit(ckptcore_keras.dataset(cursor, x, y), epochs=5, callbacks=[cb], shuffle=False)  # doctest: +SKIP
 """
 
 from __future__ import annotations
