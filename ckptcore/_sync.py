@@ -46,6 +46,7 @@ class SyncReport:
     healed: list[int] = field(default_factory=list)  # present but broken, copied again
     broken: list[int] = field(default_factory=list)  # still broken under DST (see problems)
     problems: dict[int, str] = field(default_factory=dict)
+    skipped: list[int] = field(default_factory=list)  # missing under DST, but ``keep`` drops them
     read: int = 0
     written: int = 0
 
@@ -71,7 +72,14 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
         have = {s: n for s, n in layout.committed_steps(d_root)} if d_root.exists() else {}
         known: dict[str, Any] = {}  # chunks of DST this sync uploaded or verified
         listing = None
-        for step, name in layout.committed_steps(s_root):
+        src_steps = layout.committed_steps(s_root)
+        kept = None if keep is None else _kept(keep, src_steps, s_root, so, have, d_root, dso)
+        for step, name in src_steps:
+            if kept is not None and step not in have and step not in kept:
+                # retention would delete it right after: not worth copying
+                log.info("sync: step %d not copied: the retention would not keep it", step)
+                report.skipped.append(step)
+                continue
             if step in have:
                 try:
                     # (the checkpoint's identity; its generation is each root's own)
@@ -141,6 +149,30 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
         if lock is not None:
             lock.release()
     return report
+
+
+def _kept(keep: Any, src_steps: list, s_root: Store, so: Mapping[str, Any], have: Mapping[int, str],
+          d_root: Store, dso: Mapping[str, Any]) -> set[int]:
+    """The steps the retention ``keep`` would leave under DST once every step of SRC is there:
+    the policy over SRC's steps and those DST already holds, plus the newest and any whose
+    manifest cannot be read (as ``_backup.retain`` keeps them)."""
+    from . import api
+    from .manager import _saved_metrics
+    from .policies import CheckpointEntry, as_policy
+
+    where = {step: (d_root, name, dso) for step, name in have.items()}
+    where.update({step: (s_root, name, so) for step, name in src_steps})
+    entries, unreadable = [], set()
+    for step in sorted(where):
+        root, name, options = where[step]
+        try:
+            info = api.inspect(root.child(name).url, storage_options=options)
+        except CheckpointError:
+            unreadable.add(step)
+            continue
+        entries.append(CheckpointEntry(step, info.created, _saved_metrics(step, info.metadata)))
+    kept = set(as_policy(keep).keep(entries)) | unreadable
+    return kept | ({max(where)} if where else set())
 
 
 def progress_bar(stream: Any = None) -> Callable[[str, int, int], None]:

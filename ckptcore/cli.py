@@ -325,7 +325,11 @@ def cmd_sync(args: argparse.Namespace, so: dict) -> int:
         print(f"BROKEN step {step} under {args.dst}: {report.problems.get(step, '')}")
     for step in report.deleted:
         print(f"{'would delete' if args.dry_run else 'deleted'} step {step} under {args.dst}")
+    if report.skipped:
+        print(f"not copied (the retention would not keep them): step(s) "
+              f"{', '.join(map(str, report.skipped))}")
     print(f"{len(report.copied)} step(s) {verb}, {len(report.present)} already there"
+          + (f", {len(report.skipped)} left out by the retention" if report.skipped else "")
           + ("" if args.dry_run else f"; {_size(report.written)} written")
           + (f"; {len(report.broken)} broken" if report.broken else ""))
     return 1 if report.conflicts or report.broken else 0

@@ -92,3 +92,26 @@ def test_diff_keys_compares_only_those_sections(tmp_path, capsys):
     assert rc == 2 and "modle" in err and "model" in err
 
 
+# -- 5. sync copies only what the retention keeps ------------------------------------------------
+def test_sync_keep_last_copies_only_the_kept_steps(tmp_path, capsys):
+    src = _run(tmp_path, steps=(1, 2, 3), name="src")
+    dst = str(tmp_path / "dst")
+    rc, out, _ = _ckpt(capsys, "sync", src, dst, "--keep-last", "1")
+    assert rc == 0
+    assert re.findall(r"copied step (\d+)", out) == ["3"] and "deleted" not in out
+    assert [c.step for c in ckptcore.list_checkpoints(dst)] == [3]
+    dst2 = str(tmp_path / "dst2")
+    rc, out, _ = _ckpt(capsys, "sync", src, dst2, "--keep-every", "2", "--dry-run")
+    assert rc == 0 and re.findall(r"would copy step (\d+)", out) == ["2", "3"]  # (and the newest)
+
+
+def test_sync_keep_last_counts_the_steps_dst_already_has(tmp_path, capsys):
+    src = _run(tmp_path, steps=(1, 2, 3), name="src")
+    dst = str(tmp_path / "dst")
+    with CheckpointManager(dst) as mgr:
+        mgr.save(10, make_state(10))  # newer than anything SRC has
+    rc, out, _ = _ckpt(capsys, "sync", src, dst, "--keep-last", "2")
+    assert rc == 0 and re.findall(r"copied step (\d+)", out) == ["3"]
+    assert [c.step for c in ckptcore.list_checkpoints(dst)] == [3, 10]
+
+
