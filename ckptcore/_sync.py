@@ -138,6 +138,8 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
                 report.broken.append(step)
                 report.problems[step] = f"{type(e).__name__}: {e}"
                 continue
+            if progress and done[0] < total:  # (chunks DST had were not sent: the step is done)
+                progress(name, total, total)
             listing = None
             report.read += stats.read
             report.written += stats.written
@@ -187,5 +189,17 @@ def progress_bar(stream: Any = None) -> Callable[[str, int, int], None]:
         if done >= total:
             stream.write("\n")
         stream.flush()
+
+    return show
+
+
+def progress_lines(stream: Any = None) -> Callable[[str, int, int], None]:
+    """Progress for a log file (``stream`` not a terminal): one line per step, once copied."""
+    stream = stream or sys.stderr
+
+    def show(name: str, done: int, total: int) -> None:
+        if done >= total:
+            stream.write(f"{name}: copied ({total / 2**20:.1f} MiB)\n")
+            stream.flush()
 
     return show

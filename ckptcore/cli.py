@@ -61,12 +61,20 @@ def _options(pairs: Sequence[str] | None, option: str = "--storage-option/-o") -
     return out
 
 
+def _is_tty(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (a ``\r`` progress bar belongs there, not in a log file)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
 class _Progress:
-    """A one-line progress bar on stderr, shown only when stdout is a terminal."""
+    """A one-line progress bar on stderr, shown only when stderr is a terminal."""
 
     def __init__(self, total: int, label: str):
         self.total, self.done, self.label = max(total, 1), 0, label
-        self.enabled = sys.stdout.isatty() and total > (64 << 20)
+        self.enabled = _is_tty(sys.stderr) and total > (64 << 20)
 
     def __call__(self, n: int) -> None:
         self.done += n
@@ -304,7 +312,7 @@ def cmd_ls(args: argparse.Namespace, so: dict) -> int:
 
 
 def cmd_sync(args: argparse.Namespace, so: dict) -> int:
-    from ._sync import progress_bar, sync
+    from ._sync import progress_bar, progress_lines, sync
     from .policies import KeepEvery, KeepLast
 
     policies = ([KeepLast(args.keep_last)] if args.keep_last is not None else []) + \
@@ -313,7 +321,8 @@ def cmd_sync(args: argparse.Namespace, so: dict) -> int:
                   dry_run=args.dry_run, storage_options=so,
                   dst_storage_options=(_options(args.dst_option, "--dst-option")
                                        if args.dst_option else None),
-                  progress=None if args.quiet or args.dry_run else progress_bar())
+                  progress=(None if args.quiet or args.dry_run else
+                            progress_bar() if _is_tty(sys.stderr) else progress_lines()))
     verb = "would copy" if args.dry_run else "copied"
     for step in report.copied:
         print(f"{verb} step {step}")
@@ -504,7 +513,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
                    help="then keep every step divisible by K in DST (with --keep-last: either)")
     s.add_argument("--dst-option", action="append", metavar="KEY=VALUE",
                    help="fsspec storage option for DST only (default: the -o options)")
-    s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    s.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress on stderr (a bar on a terminal, else a line per step copied)")
     s.set_defaults(fn=cmd_sync)
     s = sub.add_parser("gc", help="remove leftovers of interrupted saves under a manager's root")
     s.add_argument("root")

@@ -115,3 +115,14 @@ def test_sync_keep_last_counts_the_steps_dst_already_has(tmp_path, capsys):
     assert [c.step for c in ckptcore.list_checkpoints(dst)] == [3, 10]
 
 
+# -- 6. sync's progress bar only on a terminal ---------------------------------------------------
+def test_sync_progress_is_lines_without_a_terminal(tmp_path, capsys, monkeypatch):
+    src = _run(tmp_path, steps=(1, 2), name="src")
+    rc, _, err = _ckpt(capsys, "sync", src, str(tmp_path / "dst"))
+    assert rc == 0 and "\r" not in err
+    assert len([ln for ln in err.splitlines() if "step-00000000000" in ln]) == 2, err
+    monkeypatch.setattr(cli, "_is_tty", lambda stream: True)
+    rc, _, err = _ckpt(capsys, "sync", src, str(tmp_path / "dst2"))
+    assert rc == 0 and "\r" in err
+
+
