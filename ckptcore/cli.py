@@ -22,7 +22,7 @@ from ._storage import Store
 from .adapter import FileFormat
 from .errors import CheckpointError, CheckpointNotFoundError
 from ._manifest import MANIFEST_NAME
-from .layout import gc, is_root, list_checkpoints
+from .layout import check_grace, gc, is_root, list_checkpoints
 
 log = logging.getLogger("ckptcore")
 
@@ -349,8 +349,39 @@ def cmd_gc(args: argparse.Namespace, so: dict) -> int:
     removed = gc(args.root, grace=args.grace, storage_options=so)
     for url in removed:
         print(f"removed {url}")
-    print(f"{len(removed)} leftover(s) removed under {args.root}")
+    young = _young_leftovers(Store(args.root, dict(so)))
+    grace = check_grace(args.grace)
+    print(f"{len(removed)} leftover(s) removed under {args.root}"
+          + (f"; {len(young)} kept, younger than the grace ({grace:g} s): `ckpt gc {args.root} "
+             "--grace 0` removes them when no save is running" if young else ""))
+    for url in young:
+        log.info("gc: kept %s (younger than the grace)", url)
     return 0
+
+
+def _young_leftovers(root: Store) -> list[str]:
+    """What ``gc`` left that it would remove once old enough (it just removed the older ones):
+    temporary folders of saves, step folders without a manifest, shards a committed manifest
+    does not name.  (Unreferenced chunks of a backup root are not counted.)"""
+    from ._commit import TMP_MARK
+    from .layout import STEP
+
+    root.fs.invalidate_cache()
+    found = []
+    for e in root.listdir():
+        if e.is_link:
+            continue
+        child = root.child(e.name)
+        if TMP_MARK in e.name or (STEP.fullmatch(e.name) and not child.exists(MANIFEST_NAME)):
+            found.append(child.url)
+        elif STEP.fullmatch(e.name):
+            try:
+                named = {sh.path for sh in api.read_manifest(child).shards}
+            except CheckpointError:
+                continue
+            found += [child.join(f.name) for f in child.listdir()
+                      if f.name.startswith("shard-") and f.name not in named and not f.is_link]
+    return found
 
 
 # -- the registry's verbs: import, export, convert, demo ----------------------------------------

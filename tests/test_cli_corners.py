@@ -126,3 +126,18 @@ def test_sync_progress_is_lines_without_a_terminal(tmp_path, capsys, monkeypatch
     assert rc == 0 and "\r" in err
 
 
+# -- 7. gc says what the grace kept ----------------------------------------------------------------
+def test_gc_says_how_many_the_grace_kept(tmp_path, capsys):
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, make_state(1))
+    leftover = root / "step-000000000002"
+    leftover.mkdir()
+    (leftover / "shard-00000-dead.bin").write_bytes(b"x" * 100)
+    rc, out, _ = _ckpt(capsys, "gc", str(root), "--grace", "3600")
+    assert rc == 0 and "0 leftover(s) removed" in out and leftover.exists()
+    assert "1 kept" in out and "--grace 0" in out
+    rc, out, _ = _ckpt(capsys, "gc", str(root), "--grace", "0")
+    assert rc == 0 and "1 leftover(s) removed" in out and "kept" not in out
+
+
