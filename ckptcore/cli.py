@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from . import _io, api, registry
 from ._diff import diff
 from ._storage import Store
+from ._version import __version__
 from .adapter import FileFormat
 from .errors import CheckpointError, CheckpointNotFoundError
 from ._manifest import MANIFEST_NAME
@@ -295,6 +296,22 @@ def cmd_ls(args: argparse.Namespace, so: dict) -> int:
     backup = {} if not args.backup else {c.step: c for c in list_checkpoints(args.backup,
                                                                             storage_options=so)}
     local = {c.step: c for c in found}
+    if args.json:
+        rows = []
+        for step in sorted(set(local) | set(backup)):
+            c = local.get(step) or backup[step]
+            row: dict[str, Any] = {"step": c.step, "folder": c.name, "url": c.url}
+            if c.info is None:
+                row["problem"] = c.problem
+            else:
+                info = c.info
+                metrics = info.metadata.get("metrics") if isinstance(info.metadata, Mapping) else None
+                row.update(saved_step=info.step, epoch=_epoch(info), framework=info.framework,
+                           bytes=info.nbytes, created=info.created, metrics=metrics)
+            row["tiers"] = [t for t, d in (("local", local), ("backup", backup)) if step in d]
+            rows.append(row)
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
     for step in sorted(set(local) | set(backup)):
         c = local.get(step) or backup[step]
         tiers = ("" if not args.backup else
@@ -504,6 +521,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser; the registry's choices are filled in only when ``verb`` needs them."""
     p = argparse.ArgumentParser(prog="ckpt", description="Inspect, verify and compare ckptcore checkpoints.")
     _add_global_options(p, "storage_option", "verbose")
+    p.add_argument("--version", action="version", version=f"ckpt (ckptcore) {__version__}")
     sub = _GlobalSubparsers(p.add_subparsers(dest="verb", required=True))
     s = sub.add_parser("inspect", help="show a checkpoint's contents from its manifest")
     s.add_argument("url")
@@ -531,6 +549,10 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("ls", help="list the committed checkpoints under a manager's root")
     s.add_argument("root")
     s.add_argument("--backup", metavar="URL", help="a backup root too: show which tiers hold each step")
+    s.add_argument("--json", action="store_true",
+                   help="a JSON list, one object per step: step (the folder's), folder, url, "
+                        "saved_step, epoch, framework, bytes, created (Unix time), metrics, tiers "
+                        "(problem instead of the manifest's fields when it cannot be read)")
     s.set_defaults(fn=cmd_ls)
     s = sub.add_parser("sync", help="copy the committed checkpoints of one root to another "
                                     "(any two stores), incremental and resumable")

@@ -141,3 +141,25 @@ def test_gc_says_how_many_the_grace_kept(tmp_path, capsys):
     assert rc == 0 and "1 leftover(s) removed" in out and "kept" not in out
 
 
+# -- 8. --version and ls --json ------------------------------------------------------------------
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and __version__ in capsys.readouterr().out
+
+
+def test_ls_json(tmp_path, capsys):
+    root = _run(tmp_path, steps=(1, 2), metrics={"loss": 0.25})
+    rc, out, _ = _ckpt(capsys, "ls", root, "--json")
+    assert rc == 0
+    rows = json.loads(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    r = rows[1]
+    assert r["folder"] == "step-000000000002" and r["saved_step"] == 2 and r["epoch"] == 0
+    assert r["bytes"] > 0 and isinstance(r["created"], float) and r["metrics"] == {"loss": 0.25}
+    assert r["tiers"] == ["local"] and "framework" in r
+    (tmp_path / "empty").mkdir()
+    rc, out, _ = _ckpt(capsys, "ls", str(tmp_path / "empty"), "--json")
+    assert rc == 0 and json.loads(out) == []
+
+
