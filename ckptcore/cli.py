@@ -462,13 +462,21 @@ def _add_format_options(s: argparse.ArgumentParser, formats: Sequence[FileFormat
     helps: dict[str, list[str]] = {}
     for fmt in formats:
         for option, text in fmt.options.items():
-            if option in _OWN_OPTIONS or not option.replace("-", "_").isidentifier():
+            if (option in _OWN_OPTIONS or option.replace("_", "-") in _OWN_OPTIONS
+                    or not option.replace("-", "_").isidentifier()):
                 log.warning("ckpt: option %r of format %r is not usable on the command line; "
                             "ignored", option, fmt.name)
                 continue
             helps.setdefault(option, []).append(f"{fmt.name}: {text}")
     for option, texts in helps.items():
-        s.add_argument(f"--{option}", dest=_dest(option), default=None, help="; ".join(texts))
+        # shown as --unique-id UNIQUE_ID; the keyword's own spelling (--unique_id) is accepted too
+        shown = option.replace("_", "-")
+        metavar = option.replace("-", "_").upper()
+        s.add_argument(f"--{shown}", dest=_dest(option), default=None, metavar=metavar,
+                       help="; ".join(texts))
+        if shown != option:
+            s.add_argument(f"--{option}", dest=_dest(option), default=None, metavar=metavar,
+                           help=argparse.SUPPRESS)
 
 
 def _format_kwargs(args: argparse.Namespace, fmt: FileFormat, formats: Sequence[FileFormat]) -> dict:
@@ -589,7 +597,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--from", dest="from_format", metavar="FORMAT", **_choices(readable),
                    help=f"the format of SRC (installed: {', '.join(readable) or 'none'})")
     s.add_argument("--model", metavar="MODULE:FACTORY", help=model_help)
-    s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace a checkpoint already at DST (default: refuse)")
     _strict_option(s)
     _add_format_options(s, [f for f in formats if f.read is not None])
     s.set_defaults(fn=cmd_import, formats=formats)
@@ -615,7 +624,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
                         "adapter captures) that give the target's structure; " + model_help)
     s.add_argument("--approximate", action="store_true",
                    help="convert what cannot continue exactly (schedules...) with a warning instead of failing")
-    s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace a ckptcore checkpoint already at DST (default: refuse)")
     _strict_option(s)
     _add_format_options(s, [f for f in formats if f.write is not None])
     s.set_defaults(fn=cmd_convert, formats=formats)

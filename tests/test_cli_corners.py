@@ -163,3 +163,29 @@ def test_ls_json(tmp_path, capsys):
     assert rc == 0 and json.loads(out) == []
 
 
+# -- 9. import --help ----------------------------------------------------------------------------
+def test_format_options_have_readable_names_and_metavars(capsys):
+    import argparse
+
+    fmt = FileFormat("dcp", "x", "a format", detect=lambda p: False, read=lambda *a, **k: None,
+                     options={"unique_id": "which save", "pdopt": "the .pdopt file"})
+    p = argparse.ArgumentParser(prog="t")
+    cli._add_format_options(p, [fmt])
+    text = p.format_help()
+    assert "--unique-id UNIQUE_ID" in text and "--pdopt PDOPT" in text
+    assert "FORMAT_OPTION" not in text and "--unique_id" not in text
+    args = p.parse_args(["--unique_id", "3"])  # the spelling of the keyword still works
+    assert cli._format_kwargs(args, fmt, [fmt]) == {"unique_id": "3", "pdopt": None}
+    args = p.parse_args(["--unique-id", "4"])
+    assert cli._format_kwargs(args, fmt, [fmt]) == {"unique_id": "4", "pdopt": None}
+
+
+@pytest.mark.parametrize("verb", ["import", "convert"])
+def test_overwrite_is_documented(capsys, verb):
+    with pytest.raises(SystemExit):
+        cli.main([verb, "--help"])
+    text = capsys.readouterr().out
+    assert re.search(r"--overwrite\s+\w", text), text
+    assert "FORMAT_OPTION" not in text
+
+
