@@ -188,25 +188,39 @@ def _chunking(chunks: list) -> str:
 
 
 def _print_tree(tensors) -> None:
+    """The tensors as a tree of their names' folders, each folder once (its tensors gathered in
+    the order they first appear, wherever the manifest lists them), in columns aligned whatever
+    the depth."""
     groups: dict[str, list] = {}
     for t in tensors:  # (the rows of a chunked tensor share its name)
         groups.setdefault(t.name, []).append(t)
-    last: list[str] = []
+    tree: dict[str, Any] = {}  # folder -> subtree; a tensor's leaf name -> its rows (a list)
     for name, rows in groups.items():
+        *folders, leaf = name.split("/")
+        node = tree
+        for f in folders:
+            node = node.setdefault(f + "/", {})
+        node[leaf] = rows
+    lines: list[tuple[str, list | None]] = []
+
+    def walk(node: dict, depth: int) -> None:
+        for key, value in node.items():
+            lines.append(("  " * (depth + 1) + key, None if isinstance(value, dict) else value))
+            if isinstance(value, dict):
+                walk(value, depth + 1)
+
+    walk(tree, 0)
+    width = max([30] + [len(text) + 1 for text, rows in lines if rows is not None])
+    for text, rows in lines:
+        if rows is None:
+            print(text)
+            continue
         t = rows[0]
-        parts = t.name.split("/")
-        common = 0
-        while common < min(len(last), len(parts) - 1) and last[common] == parts[common]:
-            common += 1
-        for depth in range(common, len(parts) - 1):
-            print("  " * (depth + 1) + parts[depth] + "/")
         whole = t.global_shape if t.global_shape is not None else t.shape
         shape = "x".join(map(str, whole)) or "scalar"
         size = _size(sum(r.nbytes for r in rows))
         cut = _chunking(rows) if t.global_shape is not None else ""
-        print("  " * len(parts) + f"{parts[-1]:<28} {t.dtype:<10} {shape:<16} {size}"
-              + (f"   {cut}" if cut else ""))
-        last = parts[:-1]
+        print(f"{text:<{width}} {t.dtype:<10} {shape:<16} {size}" + (f"   {cut}" if cut else ""))
 
 
 def cmd_verify(args: argparse.Namespace, so: dict) -> int:

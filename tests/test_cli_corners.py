@@ -189,3 +189,21 @@ def test_overwrite_is_documented(capsys, verb):
     assert "FORMAT_OPTION" not in text
 
 
+# -- 10. the inspect tree and the ls columns -----------------------------------------------------
+def test_inspect_tree_prints_each_folder_once_in_aligned_columns(tmp_path, capsys):
+    state = make_state(3)
+    state.model["encoder/layer_0/attention/query/kernel_with_a_long_name"] = np.zeros((4, 4), np.float32)
+    state.model["encoder/layer_0/ffn/w"] = np.zeros(3, np.float32)
+    state.model["dense/z"] = np.zeros(3, np.float32)  # model/dense/ again, after encoder/
+    url = str(tmp_path / "c")
+    ckptcore.save_state(url, state)
+    rc, out, _ = _ckpt(capsys, "inspect", url)
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines.count("    dense/") == 1, out  # model/dense/ (optimizer's is deeper)
+    assert lines.count("      layer_0/") == 1
+    rows = [ln for ln in lines if re.search(r"\b(float32|int64)\b", ln)]
+    assert len(rows) == 6
+    assert len({re.search(r"\b(float32|int64)\b", ln).start() for ln in rows}) == 1, out
+    z = next(i for i, ln in enumerate(lines) if ln.strip().startswith("z "))
+    assert lines[z - 1].strip().startswith(("kernel", "bias"))  # under model/dense/, with them
