@@ -326,6 +326,11 @@ def cmd_ls(args: argparse.Namespace, so: dict) -> int:
             rows.append(row)
         print(json.dumps(rows, indent=2, default=str))
         return 0
+    if (local or backup) and _is_tty(sys.stdout):
+        # For a reader, not a script (which gets the rows alone, or --json): the folder's step
+        # is the manager's (save(step=...), often a batch count), "step N" the state's own.
+        print(f"{'FOLDER (step saved as)':<32} {'SAVED STEP':<13} {'EPOCH':<10} {'FRAMEWORK':<9} "
+              f"{'SIZE':>10}  {'SAVED AT':<19}  METRICS" + (" TIERS" if args.backup else ""))
     for step in sorted(set(local) | set(backup)):
         c = local.get(step) or backup[step]
         tiers = ("" if not args.backup else
@@ -335,11 +340,30 @@ def cmd_ls(args: argparse.Namespace, so: dict) -> int:
             continue
         info = c.info
         print(f"{c.name:<32} step {info.step:<8} epoch {_epoch(info):<4} "
-              f"{info.framework or '-':<7} {_size(info.nbytes)}{tiers}")
+              f"{info.framework or '-':<9} {_size(info.nbytes):>10}  {_when(info.created)}  "
+              f"{_metrics(info.metadata)}{tiers}")
     if not found and not backup:
         print(f"no committed checkpoints under {args.root}" +
               (f" or {args.backup}" if args.backup else ""))
     return 0
+
+
+def _when(created: float) -> str:
+    """A save time as local time, to the second."""
+    import time
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return f"{'?':<19}"
+
+
+def _metrics(metadata: Any) -> str:
+    """``metadata["metrics"]`` as ``loss=0.5 acc=0.91``; "-" when there are none."""
+    metrics = metadata.get("metrics") if isinstance(metadata, Mapping) else None
+    if not isinstance(metrics, Mapping) or not metrics:
+        return "-"
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, (int, float)) and not isinstance(v, bool)
+                    else f"{k}={v}" for k, v in metrics.items())
 
 
 def cmd_sync(args: argparse.Namespace, so: dict) -> int:

@@ -207,3 +207,19 @@ def test_inspect_tree_prints_each_folder_once_in_aligned_columns(tmp_path, capsy
     assert len({re.search(r"\b(float32|int64)\b", ln).start() for ln in rows}) == 1, out
     z = next(i for i, ln in enumerate(lines) if ln.strip().startswith("z "))
     assert lines[z - 1].strip().startswith(("kernel", "bias"))  # under model/dense/, with them
+
+
+def test_ls_names_its_columns_and_shows_time_and_metrics(tmp_path, capsys, monkeypatch):
+    root = _run(tmp_path, steps=(100, 200), metrics={"loss": 0.5})
+    monkeypatch.setattr(cli, "_is_tty", lambda stream: True)
+    rc, out, _ = _ckpt(capsys, "ls", root)
+    assert rc == 0
+    lines = out.splitlines()
+    header = lines[0].lower()
+    assert "folder" in header and "saved step" in header and "epoch" in header
+    assert "saved" in header and "metrics" in header
+    row = next(ln for ln in lines if ln.startswith("step-000000000100"))
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", row) and "loss=0.5" in row
+    monkeypatch.setattr(cli, "_is_tty", lambda stream: False)  # piped: data lines only
+    rc, out, _ = _ckpt(capsys, "ls", root)
+    assert out.splitlines()[0].startswith("step-000000000100")
