@@ -37,11 +37,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequenc
 
 import numpy as np
 
+from ._storage import open_regular  # for adapters' readers of native files (containment)
 from .errors import RestoreError, UnappliedStateWarning
 from .state import RestoreReport, TrainingState
 
 __all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified",
-           "mismatch_message", "warn_unapplied", "warn_and_log", "CALLBACK_KEEP"]
+           "mismatch_message", "warn_unapplied", "warn_and_log", "CALLBACK_KEEP", "open_regular"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
 # every adapter, so switching frameworks does not change how much disk a run uses.

@@ -39,12 +39,10 @@ Bounds (a hostile folder costs about its own size, never hangs, and fails typed)
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 import pickle
 import re
-import stat
 import struct
 from typing import Any, Iterator
 from contextlib import contextmanager
@@ -52,9 +50,10 @@ from contextlib import contextmanager
 import numpy as np
 
 from ckptcore import _codec
+from ckptcore.adapter import open_regular
 from ckptcore.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                              IncompleteCheckpointError, SchemaError, StorageError,
-                             UnsafeCheckpointError, UnsupportedCheckpointError)
+                             UnsupportedCheckpointError)
 from ckptcore.state import TrainingState
 
 from ._files import NAME_TABLE, _import_optimizer, _model_arrays, _structure_errors
@@ -127,53 +126,16 @@ def _backstop(source: str) -> Iterator[None]:
                           f"({type(e).__name__}: {brief_error(e)})") from e
 
 
-_READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return f"a special file (mode {mode:#o})"
-
-
 def _open_regular(path: str) -> tuple[int, os.stat_result]:
-    """``(fd, fstat of fd)`` of a regular file, opened without following a link or blocking.
-
-    The few lines of ``ckptcore._storage.open_regular`` (an adapter does not import the core's
-    private modules).  ``FileNotFoundError`` when absent; :class:`UnsafeCheckpointError` naming
-    the path and what is there for anything but a regular file.  The caller closes ``fd``.
-    """
+    """``(fd, fstat of fd)`` of a regular file, opened without following a link or blocking
+    (``ckptcore.adapter.open_regular``, the core's own containment); any other failure to open
+    it is a :class:`StorageError` naming it."""
     try:
-        fd = os.open(path, _READ_FLAGS)
-    except FileNotFoundError:
+        return open_regular(path)
+    except (FileNotFoundError, CheckpointError):
         raise
     except OSError as e:
-        # O_NOFOLLOW on a link gives ELOOP (EMLINK on FreeBSD, EFTYPE on NetBSD).
-        if e.errno in (errno.ELOOP, errno.EMLINK, getattr(errno, "EFTYPE", -1)) \
-                and os.path.islink(path):
-            try:
-                target = f" to {os.readlink(path)!r}"
-            except OSError:
-                target = ""
-            raise UnsafeCheckpointError(
-                f"{path}: is a symbolic link{target}, not a regular file; ckptcore never follows "
-                "links inside a checkpoint (one could lead outside it). Replace the link with the "
-                "file itself") from None
         raise StorageError(f"{path}: cannot be opened ({type(e).__name__}: {brief_error(e)})") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeCheckpointError(
-                f"{path}: is {_kind(st.st_mode)}, not a regular file; a checkpoint holds only "
-                "regular files (remove it, or restore the file from a good copy)")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
 
 
 def _load(path: str, *, records: bool = False, expect: os.stat_result | None = None) -> Any:
