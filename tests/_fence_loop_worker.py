@@ -94,6 +94,7 @@ def main() -> None:
     while not stopped():
         inc += 1
         use_async = mode == "async" or (mode == "mixed" and inc % 2 == 0)
+        save_error: BaseException | None = None
         mgr = CheckpointManager(root, storage_options=options, keep=keep_arg,
                                 async_save=use_async, lease_seconds=lease,
                                 heartbeat_seconds=beat, save_on_preemption=False)
@@ -131,6 +132,7 @@ def main() -> None:
                     info = handle.result()
                 except Exception as e:  # noqa: BLE001 - reported to the test
                     failed("save", e, mgr._lock, inc=inc, step=step, nonce=nonce)
+                    save_error = e
                     break
                 log("ack", inc=inc, step=step, nonce=nonce, id=info.writer["id"],
                     generation=info.writer.get("generation"))
@@ -146,8 +148,12 @@ def main() -> None:
             try:
                 mgr.close()
             except Exception as e:  # noqa: BLE001 - the save's error once more, or another
+                # An async save's error is raised by its handle and once more by the manager's
+                # next call (close() here): marked as a repeat, not counted twice.
+                repeat = save_error is not None and (type(e), str(e)) == (type(save_error),
+                                                                          str(save_error))
                 log("close_error", inc=inc, type=type(e).__name__, msg=str(e)[:300],
-                    checkpoint_error=isinstance(e, CheckpointError))
+                    checkpoint_error=isinstance(e, CheckpointError), repeat=repeat)
     log("exit", incarnations=inc)
 
 
