@@ -13,7 +13,7 @@ from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_
 from .errors import (AdapterNotFoundError, CaptureError, CheckpointError, CheckpointExistsError,
                      CheckpointNotFoundError, CorruptCheckpointError, FencedError, GroupError,
                      GroupTimeoutError, IncompleteCheckpointError, LockedError, MigrationError,
-                     MigrationWarning, RestoreError, SchemaError, StorageError,
+                     MigrationWarning, RestoreError, SchemaError, StepOrderError, StorageError,
                      UnappliedStateWarning, UnsafeCheckpointError, UnsupportedCheckpointError)
 from .group import ProcessGroup, SingleProcessGroup, ThreadGroup
 from .sharding import Chunks, Shard
@@ -41,7 +41,7 @@ __all__ = [
     "RestoreReport", "Shard", "Chunks", "ProcessGroup", "SingleProcessGroup", "ThreadGroup",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
     "IncompleteCheckpointError", "CorruptCheckpointError", "SchemaError", "UnsafeCheckpointError",
-    "LockedError", "FencedError", "MigrationError", "UnappliedStateWarning", "GroupError", "GroupTimeoutError",
+    "LockedError", "FencedError", "StepOrderError", "MigrationError", "UnappliedStateWarning", "GroupError", "GroupTimeoutError",
     "StorageError", "RestoreError", "CaptureError", "AdapterNotFoundError",
     "UnsupportedCheckpointError",
 ]

@@ -448,11 +448,21 @@ class Reading:
             batches[-1].append(check)
             batch_of[check[0]] = len(batches) - 1
             size += check[4]
+        self._clean = [False] * len(batches)
+        if len(batches) == 1 and size < limit // 16:
+            # A small load (a few hundred KiB at most): checksummed here, at once; a pool's
+            # thread would cost more than the checksum.
+            done: Future = Future()
+            try:
+                done.set_result(self._verify_batch(batches[0]))
+            except Exception as e:  # noqa: BLE001 - raised where the batch's result is asked for
+                done.set_exception(e)
+            self._futures = [done]
+            return
         ctx = contextvars.copy_context()
         self._pool = ThreadPoolExecutor(max(1, min(int(_knobs.get("threads")), len(batches))),
                                         thread_name_prefix="ckptcore-verify")
         self._futures = [self._pool.submit(ctx.copy().run, self._verify_batch, b) for b in batches]
-        self._clean = [False] * len(batches)
 
     def _verify_batch(self, batch: list) -> dict[int, CorruptCheckpointError]:
         table, shards = self.manifest.tensors, self.manifest.shards

@@ -110,6 +110,11 @@ class AdapterNotFoundError(CheckpointError, LookupError):
     """No installed adapter handles the given framework objects."""
 
 
+class StepOrderError(CheckpointError, ValueError):
+    """``save(step)`` below the newest committed step of the root (a run restarted without
+    ``restore()``, or another writer committed newer steps since this run restored)."""
+
+
 class GroupError(CheckpointError, RuntimeError):
     """A process group failed during a distributed save or load (a peer's error, a broken engine)."""
 

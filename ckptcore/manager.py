@@ -47,7 +47,8 @@ from ._manifest import MANIFEST_NAME
 from ._storage import Store, check_url
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, FencedError, GroupError,
-                     LockedError, StorageError, UnsafeCheckpointError, UnsupportedCheckpointError)
+                     LockedError, StepOrderError, StorageError, UnsafeCheckpointError,
+                     UnsupportedCheckpointError)
 from .policies import CheckpointEntry, as_policy
 from .state import TrainingState
 
@@ -320,7 +321,7 @@ class CheckpointManager:
         steps = self._committed()
         good = [s for s in steps if s not in self._fell_back]
         if good and step < good[-1]:
-            raise ValueError(
+            raise StepOrderError(
                 f"save({step}): step {step} is below the newest committed step {good[-1]} under "
                 f"{self.root.url}, so a restore() would resume from step {good[-1]}, not from this "
                 f"run. If this run started over without restoring, call mgr.restore(...) first; to "
