@@ -131,7 +131,7 @@ class Scheduler:
         self.who = who  # label of the current writer for publishes outside actions
         self._mu = threading.RLock()
         self._acting: int | None = None
-        self._before: set[int] = set()
+        self._before: set[threading.Thread] = set()
         self._done = threading.Event()
         self._done.set()
         self.ops_seen = 0
@@ -145,7 +145,8 @@ class Scheduler:
 
     def __call__(self, op: str, path: str) -> None:
         me = threading.get_ident()
-        if self._acting is not None and me != self._acting and me in self._before:
+        if (self._acting is not None and me != self._acting
+                and threading.current_thread() in self._before):
             self._done.wait(30)
         taker = self._acting is not None
         root = self.root_of(path)
@@ -170,7 +171,9 @@ class Scheduler:
             if fire is not None:
                 fire.fired_at = (op, path)
                 self._acting = me
-                self._before = {t.ident for t in threading.enumerate() if t.ident != me}
+                # Thread objects, not idents: a thread the taker starts may reuse the ident
+                # of one that ended (it must not wait for the action it belongs to).
+                self._before = {t for t in threading.enumerate() if t.ident != me}
                 self._done.clear()
         if fire is not None:
             try:
@@ -314,16 +317,28 @@ def check_root(out: Outcome, root: str, saved: dict[tuple[int, int], TrainingSta
     return set(steps)
 
 
-def newest_generation(root: str) -> int:
+def newest_generation(root: str) -> dict[int, str]:
+    """Every generation of ``root`` now, with its holder (read from its record; "?" when the
+    record is gone): the snapshot a publish is judged against."""
+    import json
     fs = fsspec.filesystem("memory")
     base = root + "/.ckptcore.gen/"
-    return max((int(k[len(base):]) for k in list(fs.store) if k.startswith(base)
-                and k[len(base):].isdigit()), default=0)
+    gens = {}
+    for k in list(fs.store):
+        if k.startswith(base) and k[len(base):].isdigit():
+            f = fs.store.get(k)
+            try:
+                gens[int(k[len(base):])] = str(json.loads(f.getvalue()).get("holder", "?"))
+            except Exception:  # noqa: BLE001 - absent or being written
+                gens[int(k[len(base):])] = "?"
+    return gens
 
 
 def fenced_commits(sched: Scheduler, root: str) -> set[int]:
     """Steps under ``root`` whose current manifest was published by a writer whose generation
-    (recorded in the manifest) was already superseded when it published."""
+    (recorded in the manifest) was already superseded when it published: a newer generation
+    existed then, claimed by another holder (an overdue holder claiming the next generation for
+    itself supersedes no one)."""
     from ckptcore._fence import manifest_generation
     from ckptcore._storage import Store
     last: dict[int, int] = {}
@@ -338,7 +353,10 @@ def fenced_commits(sched: Scheduler, root: str) -> set[int]:
             g = manifest_generation(ckpt)
         except Exception:  # noqa: BLE001
             continue
-        if g is not None and g < newest:
+        if g is None:
+            continue
+        mine = newest.get(g, "?")
+        if any(h2 != mine or mine == "?" for g2, h2 in newest.items() if g2 > g):
             out.add(step)
     return out
 
@@ -618,3 +636,36 @@ def run_c(seed: int) -> Outcome:
         again = {p[1] for p in run.sched.publishes[mark:] if p[0] == run.bk}
         run.check(damaged_ok=damaged - again)
     return run.out
+
+
+# -- exploring many seeds -------------------------------------------------------------------------
+def families() -> dict[str, Callable[[int], Outcome]]:
+    """Every family by its letter (the group family lives in ``_faults_group``)."""
+    import _faults_group
+    return {"a": run_a, "b": run_b, "c": run_c, "d": _faults_group.run_d}
+
+
+def explore(family: str, seeds: range) -> dict[str, Any]:
+    """Run ``family`` over ``seeds`` in this process (a pool worker's job): the totals, and the
+    reports of the first schedules that broke an invariant (each replayable by its seed)."""
+    run = families()[family]
+    errors: collections.Counter = collections.Counter()
+    takeovers = refused = 0
+    ops: set = set()
+    bad: list[str] = []
+    n_bad = 0
+    t0 = _real_time.perf_counter()
+    with installed():
+        for seed in seeds:
+            out = run(seed)
+            errors.update(out.errors)
+            takeovers += out.takeovers
+            refused += out.fenced_refused
+            ops |= {repr(o) for o in out.ops}
+            if out.violations:
+                n_bad += 1
+                if len(bad) < 3:
+                    bad.append(out.report())
+    return {"family": family, "schedules": len(seeds), "seconds": _real_time.perf_counter() - t0,
+            "errors": dict(errors), "takeovers": takeovers, "fenced_refused": refused,
+            "ops": sorted(ops), "violations": n_bad, "reports": bad}
