@@ -43,6 +43,7 @@ from .policies import CheckpointEntry, as_policy
 
 log = logging.getLogger("ckptcore")
 _PAUSE_LIMIT = 60  # seconds a replication waits for one save before going on alongside it
+_REACH_SECONDS = 10.0  # how long the check at construction waits for the backup root to answer
 
 
 INTENT_DIR = ".ckptcore.intents"
@@ -269,6 +270,28 @@ class BackupTier:
         self._intents: tuple[str, ...] = ()  # the upload intent of the replication in progress
 
     # -- what is where --------------------------------------------------------------------------
+    def reach(self, timeout: float = _REACH_SECONDS) -> BaseException | None:
+        """Whether the backup root answers now: one existence check (and a listing when it
+        exists), given ``timeout`` seconds; returns what failed (a ``StorageError`` naming the
+        URL when it took longer), or None.  ``CheckpointManager`` asks once at construction."""
+        box: dict[str, BaseException | None] = {}
+
+        def check() -> None:
+            try:
+                if self.root.exists():
+                    self.root.listdir()
+                box["error"] = None
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+
+        worker = threading.Thread(target=check, name="ckptcore-backup-check", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if "error" not in box:  # still waiting on the store: the thread is left to finish
+            return StorageError(f"{self.root.url}: the backup root did not answer within "
+                                f"{timeout:g} s")
+        return box["error"]
+
     def steps(self) -> list[int]:
         """Steps committed in the backup root, ascending (listed now)."""
         steps = [s for s, _ in layout.committed_steps(self.root)] if self.root.exists() else []

@@ -196,6 +196,57 @@ class WriterLock:
         self._held = True
         _LIVE[self.token] = self
 
+    def check_free(self) -> None:
+        """Raise :class:`LockedError` if a live writer holds the root now, without taking the
+        lock (``CheckpointManager`` asks at construction).  Free: no holder, this lock itself, a
+        holder released cleanly, or one that ``acquire`` would take over (its process is gone,
+        its manager in this process was closed or dropped, its lease expired or unreadable)."""
+        if self._held or self._lost:
+            return
+        if self.store.local:
+            self._check_flock()
+            return
+        lease = self._read_lease()
+        if lease is None or lease.get("holder") == self.holder or self._gone(lease):
+            return
+        holder = str(lease.get("holder", "unknown"))
+        expires, beat = _float(lease.get("expires")), _float(lease.get("heartbeat"))
+        renewed = f"last renewed {_when(beat)}, " if beat else ""
+        raise LockedError(
+            f"{self.store.url}: another writer holds the lease {LOCK_NAME} ({holder}, {renewed}"
+            f"expires {_when(expires)} unless renewed); one CheckpointManager may write a root at "
+            "a time. To read this root meanwhile, pass lock=False")
+
+    def _check_flock(self) -> None:
+        """``check_free`` on local disk: a lock file naming a holder is probed with a
+        non-blocking flock, released at once; an absent or empty file (released cleanly) is
+        not even opened."""
+        import fcntl
+        path = self.store.join(LOCK_NAME)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return  # none (or not a file: acquire() says what is wrong with it)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
+            if not holder:
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                hint = (" by another CheckpointManager of this process: close() it first (or use "
+                        "`with`)") if (st.st_dev, st.st_ino) in _HELD else ""
+                raise LockedError(
+                    f"{self.store.url}: another writer holds the lock ({holder}){hint}; one "
+                    "CheckpointManager may write a root at a time. To read this root meanwhile, "
+                    "pass lock=False") from None
+        finally:
+            os.close(fd)  # drops the probe's shared flock, if it got one
+
     # -- fencing --------------------------------------------------------------------------------
     def _claim(self, extra: tuple[int, ...] = ()) -> None:
         """Claim the root's next generation (the caller holds the flock or the lease)."""

@@ -263,9 +263,13 @@ def read_manifest_bytes(store: Store) -> tuple[Manifest, bytes]:
 
 def _is_root(store: Store) -> bool:
     """Whether a folder without a manifest is a manager's root (``layout.is_root``); False
-    when it cannot be listed (the caller's error says enough then)."""
+    when it cannot be listed (the caller's error says enough then).  A step folder's name is
+    answered without touching storage: a manager reading its own steps (a step deleted while
+    it was read) pays no extra listing."""
     from . import layout
 
+    if layout.STEP.fullmatch(store.name):
+        return False
     try:
         return layout.is_root(store)
     except (OSError, CheckpointError):

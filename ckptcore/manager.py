@@ -44,7 +44,7 @@ import numpy as np
 from . import _backup, _codec, _dist, _knobs, api, layout
 from ._lock import LockTakeoverWarning, WriterLock, _caller_level
 from ._manifest import MANIFEST_NAME
-from ._storage import Store, check_url
+from ._storage import Store, _bucket_missing, check_url
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, FencedError, GroupError,
                      LockedError, StepOrderError, StorageError, UnsafeCheckpointError,
@@ -144,7 +144,13 @@ class CheckpointManager:
         lock: Hold a writer lock on the root while saving (recommended).  On object stores the
             lock is a lease renewed by a daemon thread every ``heartbeat_seconds`` and taken
             over when not renewed within ``lease_seconds``, or at once when its holder's process
-            on this machine is gone (docs/RELIABILITY.md, "The writer lock").
+            on this machine is gone (docs/RELIABILITY.md, "The writer lock").  The lock is
+            taken at the first write.  ``"lazy"`` (the default): a live holder is found then
+            (``LockedError``).  ``True``: the constructor checks first, without taking the lock,
+            that no live writer holds the root, and raises ``LockedError`` naming the holder at
+            once (a holder whose process is gone, or a closed or dropped manager of this
+            process, would be taken over and does not count).  ``False``: no lock (readers,
+            tools).
         lease_seconds: How long an unrenewed lease stays valid (default 30 s,
             ``CKPTCORE_LEASE_SECONDS``).
         heartbeat_seconds: How often the lease is renewed (default 10 s,
@@ -163,6 +169,11 @@ class CheckpointManager:
             errors.  ``restore()`` takes the newest step that verifies in either tier, local
             first.  Unchanged tensors are not uploaded again (``backup_dedup``).  With a group,
             rank 0 replicates the group's steps (every rank passes the same ``backup``).
+            The constructor checks once that the backup root answers (within 10 s): when it
+            does not, a run starting afresh raises ``StorageError`` naming it (a wrong URL,
+            endpoint or credentials), while a resumed run (local steps) whose bucket is down
+            for now goes on locally.  A bucket that does not exist is logged at construction
+            and raised by ``wait()``/``close()``.
         backup_keep: The backup's own retention (as ``keep``); None keeps every replica.
         backup_storage_options: Passed to fsspec for ``backup``.
         backup_dedup: Store replicas as content-addressed chunks shared between steps (default);
@@ -177,12 +188,14 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str, *, keep: Any = None, async_save: bool = False,
-                 storage_options: Mapping[str, Any] | None = None, lock: bool = True,
+                 storage_options: Mapping[str, Any] | None = None, lock: bool | str = "lazy",
                  lease_seconds: float | None = None, heartbeat_seconds: float | None = None,
                  save_on_preemption: bool = True, group: Any = None, backup: str | None = None,
                  backup_keep: Any = None, backup_storage_options: Mapping[str, Any] | None = None,
                  backup_dedup: bool = True, keep_unreplicated: bool = True):
         self.root = Store(check_url(root, "root"), dict(storage_options or {}))
+        if lock not in (True, False, "lazy"):
+            raise ValueError(f"lock must be True, False or 'lazy', got {lock!r}")
         if backup is None and (backup_keep is not None or backup_storage_options):
             raise ValueError("backup_keep and backup_storage_options need backup=URL")
         self.backup = (None if backup is None else _backup.BackupTier(
@@ -200,6 +213,10 @@ class CheckpointManager:
         self._lock = (WriterLock(self.root, lease_seconds=lease_seconds,
                                  heartbeat_seconds=heartbeat_seconds)
                       if lock and self._coordinator else None)
+        if self._lock is not None and lock is True:
+            # A root another live writer holds: say so now, not at the first save.  Checked
+            # without taking the lock (the first write takes it, as with lock="lazy").
+            self._lock.check_free()
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: Future | None = None
         self._error: BaseException | None = None
@@ -216,6 +233,10 @@ class CheckpointManager:
         self._preempted = False
         self._asked = False  # whether the loop ever checked for preemption (see _on_sigterm)
         self._closed = False
+        local_steps: list[int] = []
+        if self.backup is not None:  # before anything is installed: this may raise
+            local_steps = self.steps() if self.root.exists() else []
+            self._check_backup(local_steps)
         _live.add(self)
         if save_on_preemption:
             _catch_sigterm(self)
@@ -223,7 +244,32 @@ class CheckpointManager:
         # replicates (the group's root is shared: it sees every rank's files); the other ranks'
         # tier only lists and reads the backup.
         if self.backup is not None and self._coordinator:
-            self.backup.resume(self.steps() if self.root.exists() else [])
+            self.backup.resume(local_steps)
+
+    def _check_backup(self, local_steps: list[int]) -> None:
+        """The backup root answers (one quick check): else raise now, naming its URL, when the
+        run starts afresh (no local step: most likely a wrong URL, endpoint or credentials) or
+        the answer is one retries cannot change (refused credentials, a permission).  A resumed
+        run whose bucket is down for now goes on locally (logged): its steps are replicated once
+        the bucket answers, and ``wait()``/``close()`` report what failed.  A bucket that does
+        not exist (the store answered) is logged at once by ``BackupTier.resume`` and raised by
+        ``wait()``/``close()``: saves go on locally meanwhile, and a later start replicates
+        them once it is created."""
+        assert self.backup is not None
+        error = self.backup.reach()
+        if error is None or _bucket_missing(error):
+            return
+        url = self.backup.root.url
+        if local_steps and _backup.transient(error):
+            log.warning("backup: %s does not answer now (%s: %s); training goes on with the "
+                        "local tier, and its steps are replicated once it does", url,
+                        type(error).__name__, error)
+            return
+        cls = CheckpointNotFoundError if isinstance(error, FileNotFoundError) else StorageError
+        raise cls(f"backup={url!r} cannot be reached ({type(error).__name__}: {error}); check "
+                  "its URL, endpoint and credentials (backup_storage_options). Nothing was "
+                  "saved; a bucket that goes down later, during the run, is ridden out with "
+                  "retries") from error
 
     # -- listing --------------------------------------------------------------------------------
     def step_url(self, step: int) -> str:

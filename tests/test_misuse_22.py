@@ -248,3 +248,100 @@ def test_backup_retry_counts_agree_when_close_cuts_the_schedule(tmp_path, caplog
     assert len(gave_up) == 1 and "(2 tries)" in gave_up[0], lines  # ...is the one kept
     assert "not the 5 of the full schedule: close() started" in gave_up[0], lines
     assert "try 3 of" not in caplog.text
+
+
+# -------------------------------------------------------------------- 5. errors that came late
+def _dead_endpoint() -> dict:
+    """Storage options of an S3 endpoint nobody listens on, failing fast."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"key": "k", "secret": "s", "skip_instance_cache": True,
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+            "config_kwargs": {"connect_timeout": 1, "read_timeout": 2,
+                              "retries": {"max_attempts": 1}}}
+
+
+def test_a_backup_that_cannot_be_reached_is_an_error_at_construction(tmp_path):
+    pytest.importorskip("s3fs")
+    started = time.monotonic()
+    with pytest.raises(StorageError) as err:
+        CheckpointManager(tmp_path / "local", backup="s3://nobucket/run1",
+                          backup_storage_options=_dead_endpoint(), save_on_preemption=False)
+    assert time.monotonic() - started < 30  # not the 85-96 s of wait()'s retries
+    assert "s3://nobucket/run1" in str(err.value) and "cannot be reached" in str(err.value)
+    assert not (tmp_path / "local" / ".ckptcore.lock").exists()  # nothing taken or written
+    # A resumed run (local steps) whose bucket is down for now goes on locally, as before.
+    with CheckpointManager(tmp_path / "local", save_on_preemption=False) as mgr:
+        mgr.save(1, _state(1))
+    mgr = CheckpointManager(tmp_path / "local", backup="s3://nobucket/run1",
+                            backup_storage_options=_dead_endpoint(), save_on_preemption=False)
+    try:
+        assert mgr.restore().step == 1
+        mgr.save(2, _state(2))
+        assert mgr.steps() == [1, 2]
+    finally:
+        with pytest.raises(StorageError):
+            mgr.close()  # what failed is reported by close(), as before
+
+
+def test_a_reachable_backup_passes_the_check(tmp_path):
+    with CheckpointManager(tmp_path / "local", backup=str(tmp_path / "bk" / "new"),
+                           save_on_preemption=False) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait()
+        assert mgr.backup.steps() == [1]
+
+
+_HOLDER = """
+    import sys, numpy as np, ckptcore
+    mgr = ckptcore.CheckpointManager(sys.argv[1], save_on_preemption=False)
+    mgr.save(1, ckptcore.TrainingState(model={"w": np.zeros(3, np.float32)}))
+    print("holding", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+    mgr.close()
+"""
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_lock_true_refuses_a_root_a_live_writer_of_this_process_holds(tmp_path, where):
+    root = str(tmp_path / "run") if where == "local" else f"memory://misuse22-{time.time_ns()}/run"
+    first = CheckpointManager(root, save_on_preemption=False)
+    first.save(1, _state(1))
+    with pytest.raises(LockedError, match=f":{os.getpid()}:"):
+        CheckpointManager(root, lock=True, save_on_preemption=False)
+    # lazy (the default): constructed, refused at the first write; readers need no lock
+    lazy = CheckpointManager(root, lock="lazy", save_on_preemption=False)
+    with pytest.raises(LockedError):
+        lazy.save(2, _state(2))
+    assert CheckpointManager(root, lock=False, save_on_preemption=False).steps() == [1]
+    first.save(2, _state(2))  # the holder was not disturbed by the checks
+    first.close()
+    lazy.close()
+    with CheckpointManager(root, lock=True, save_on_preemption=False) as again:  # closed: free
+        again.save(3, _state(3))
+        assert again.steps() == [1, 2, 3]
+    with pytest.raises(ValueError, match="lock must be"):
+        CheckpointManager(root, lock="eager", save_on_preemption=False)
+
+
+def test_lock_true_refuses_a_live_writer_of_another_process_and_takes_a_dead_ones(tmp_path):
+    root = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_HOLDER), root],
+                              env=subprocess_env(HERE), cwd=str(HERE), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
+        with pytest.raises(LockedError, match=f":{holder.pid}:"):
+            CheckpointManager(root, lock=True, save_on_preemption=False)
+        holder.kill()  # dies holding it: the kernel drops its flock, its name stays in the file
+        holder.wait(30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    mgr = CheckpointManager(root, lock=True, save_on_preemption=False)  # a dead holder: free
+    with pytest.warns(ckptcore.LockTakeoverWarning, match=f":{holder.pid}:"):
+        mgr.save(2, _state(2))
+    mgr.close()

@@ -216,17 +216,19 @@ class BackupAndRestore(keras.callbacks.Callback):
     def manager(self) -> CheckpointManager:
         """The :class:`ckptcore.CheckpointManager` of ``root`` (opened on first use)."""
         if self._manager is None:
-            mgr = CheckpointManager(self.root, keep=self.keep, async_save=self.async_save,
-                                    storage_options=self.storage_options, lock=self.lock,
-                                    save_on_preemption=self.save_on_preemption, **self._backup)
-            stale = _OPEN.pop(mgr.root.url, None)
+            # The previous fit's manager on this root is closed first: it holds the root's lock,
+            # which the new manager checks for at construction (lock=True).
+            stale = _OPEN.pop(self.root, None)
             if stale is not None:
                 try:
                     stale.close()
                 except Exception as e:  # noqa: BLE001 - its run is over; report and move on
                     warnings.warn(f"{self.root}: the previous fit's last save failed: {e!r}",
                                   stacklevel=3)
-            self._manager = _OPEN[mgr.root.url] = mgr
+            mgr = CheckpointManager(self.root, keep=self.keep, async_save=self.async_save,
+                                    storage_options=self.storage_options, lock=self.lock,
+                                    save_on_preemption=self.save_on_preemption, **self._backup)
+            self._manager = _OPEN[self.root] = mgr
         return self._manager
 
     # -- resume ---------------------------------------------------------------------------------
@@ -326,7 +328,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if self._manager is not None:
                 if self.delete_checkpoint and not self._preempted:
                     self._delete_all()
-                _OPEN.pop(self._manager.root.url, None)
+                _OPEN.pop(self.root, None)
                 self._manager.close()
         finally:
             self._manager = None
