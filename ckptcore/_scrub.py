@@ -36,7 +36,7 @@ from ._manifest import MANIFEST_NAME, Manifest
 from ._replica import (Listed, _write_objects, check_structure, chunk_matches, chunk_rel,
                        list_chunk_objects)
 from ._storage import CAS_PREFIX, Store, check_url
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["ScrubReport", "scrub"]
 
@@ -87,7 +87,7 @@ def scrub(url: str | os.PathLike, *, repair_from: Iterable[str | os.PathLike] = 
     rso = dict(so if repair_storage_options is None else repair_storage_options)
     root = Store(check_url(os.fspath(url), "url"), so)
     if not root.exists():
-        raise FileNotFoundError(f"{root.url} does not exist (no such folder or bucket)")
+        raise CheckpointNotFoundError(f"{root.url} does not exist (no such folder or bucket)")
     if root.exists(MANIFEST_NAME):
         raise ValueError(f"{root.url} is one checkpoint, not a root: `ckpt verify` checks it; "
                          "scrub the root it is in")

@@ -29,7 +29,8 @@ from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
 from ._replica import check_structure, copy_checkpoint, list_chunk_objects
 from ._storage import Store, check_url
-from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                     IncompleteCheckpointError)
 
 log = logging.getLogger("ckptcore")
 
@@ -63,7 +64,7 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
     dso = dict(so if dst_storage_options is None else dst_storage_options)
     s_root, d_root = Store(check_url(src, "src"), so), Store(check_url(dst, "dst"), dso)
     if not s_root.exists():
-        raise FileNotFoundError(f"{src} does not exist (no such folder or bucket)")
+        raise CheckpointNotFoundError(f"{src} does not exist (no such folder or bucket)")
     report = SyncReport()
     lock = None if dry_run else WriterLock(d_root)
     if lock is not None:

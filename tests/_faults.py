@@ -547,26 +547,37 @@ def _drive_b(run: Run, cfg: tuple) -> None:
 
 
 def run_b(seed: int) -> Outcome:
-    """(b) gc(backup_root, grace=0) racing A's replication: A's leases lapse at the k-th
-    operation on the backup root, and gc takes the backup root over inside the hook."""
+    """(b) a sweep racing A's replication: A's leases lapse at the k-th operation on the backup
+    root, and inside the hook ``gc(grace=0)`` or a sync of the local root into the backup root
+    (``ckpt sync``, with or without a retention) takes the backup root over."""
+    from ckptcore._sync import sync
     rng = random.Random(seed)
     cfg = (rng.random() < 0.5, rng.randint(1, 3), rng.randint(0, 2))
+    taker = rng.choice(["gc", "sync", "sync-keep"])
     n_ops = calibrate("b", cfg, _drive_b)["bk"]
     with Run("b", seed) as run:
         k = rng.randrange(max(1, n_ops))
         out = run.out
         out.note(f"A: async_save={cfg[0]} backup saves {cfg[1]} then {cfg[2]} more; lapse at "
-                 f"op {k} of {n_ops} on the backup root; taker gc(grace=0)")
-        out.ops.add((cfg, k))
+                 f"op {k} of {n_ops} on the backup root; taker {taker}")
+        out.ops.add((cfg, k, taker))
 
         def action(op: str, path: str) -> None:
             run.fired = True
             out.takeovers += 1
-            out.note(f"takeover at {op} {path[len(run.prefix):]}: clock +101s, gc(bk, grace=0)")
+            out.note(f"takeover at {op} {path[len(run.prefix):]}: clock +101s, {taker}")
             CLOCK.advance(LEASE["lease_seconds"] + 1)
-            ok, removed = call(out, "gc(bk, grace=0)", lambda: ckptcore.gc(url(run.bk), grace=0))
+            if taker == "gc":
+                ok, removed = call(out, "gc(bk, grace=0)",
+                                   lambda: ckptcore.gc(url(run.bk), grace=0))
+                if ok:
+                    out.note(f"gc removed {[r[len('memory://' + run.prefix):] for r in removed]}")
+                return
+            keep = ckptcore.KeepLast(1) if taker == "sync-keep" else None
+            ok, report = call(out, f"sync(local, bk, keep={keep})",
+                              lambda: sync(url(run.local), url(run.bk), keep=keep))
             if ok:
-                out.note(f"gc removed {[r[len('memory://' + run.prefix):] for r in removed]}")
+                out.note(f"sync: {report}")
 
         run.sched.triggers.append(Trigger(run.bk, k, action))
         _drive_b(run, cfg)
