@@ -50,6 +50,7 @@ import hashlib
 import heapq
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -331,7 +332,7 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
     try:
         outcome = _unpack(group.broadcast(None, timeout=timeout), "save")
     except GroupError as e:
-        if failure is None and _committed(store, token):
+        if failure is None and _await_commit(store, token, timeout):
             log.warning("%s: committed by rank 0, but this rank (%d) missed the outcome (%s: %s); "
                         "a rank lost after its reply is only logged", store.url, rank,
                         type(e).__name__, e)
@@ -354,11 +355,29 @@ def _committed(store: Store, token: str) -> bool:
         manifest = Manifest.from_bytes(
             store.read(MANIFEST_NAME, max_bytes=int(_knobs.get("max_manifest_bytes"))),
             source=store.join(MANIFEST_NAME))
-    except Exception as e:  # no manifest, another one, or the store failing: not ours
-        log.info("%s: no committed manifest of this save found (%s: %s)", store.url,
-                 type(e).__name__, e)
+    except Exception:  # noqa: BLE001 - no manifest, another one, or the store failing: not ours
         return False
     return isinstance(manifest.writer, dict) and manifest.writer.get("id") == token
+
+
+def _await_commit(store: Store, token: str, timeout: float) -> bool:
+    """Whether rank 0 commits the save ``token``, for a rank whose outcome broadcast broke.
+
+    The engine may report a peer's death (gloo does, at once) while rank 0 is still merging or
+    publishing: asked once, the store would say "not committed" while rank 0 commits, and the
+    ranks would disagree.  So the manifest is looked for until the group's timeout (rank 0 may
+    be gone too); only then is the save taken as not committed."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while not _committed(store, token):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.info("%s: no committed manifest of this save found within %gs", store.url,
+                     timeout)
+            return False
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.25)
+    return True
 
 
 def _structure(enc: _codec.Encoded, arrays: Sequence[np.ndarray]) -> dict:
@@ -412,8 +431,12 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
         group.broadcast(_pack({"kind": "mismatch"}), timeout=timeout)
         theirs = [_unpack(r, "save") for r in group.gather(b"", timeout=timeout)[1:]]
         first = e.ranks[0]
+        try:
+            how = _first_difference(enc, arrays, theirs[first - 1])
+        except Exception as x:  # noqa: BLE001 - a peer's malformed answer: say so, still refuse
+            how = f"its description of it cannot be read: {type(x).__name__}"
         err = SchemaError(f"{store.url}: rank {first} saves another state than rank 0 "
-                          f"({_first_difference(enc, arrays, theirs[first - 1])}); a save with a "
+                          f"({how}); a save with a "
                           "group needs the same replicated state on every rank; nothing committed")
         group.broadcast(_pack({"kind": "error", "error": {"type": "SchemaError",
                                                           "message": str(err)}}), timeout=timeout)
@@ -451,10 +474,16 @@ def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], dige
            part: _Part, replies: list[dict], make_manifest: Callable, token: str) -> Manifest:
     """One manifest from every rank's part; refuses failed ranks, differing states and replies
     that do not fit (see the module docstring), whatever the format."""
-    for reply in replies:
+    for r, reply in enumerate(replies, start=1):
+        if not isinstance(reply, dict):  # a peer's bytes decode to anything: trust no shape
+            raise GroupError(f"{store.url}: rank {r}'s reply is not a map but a "
+                             f"{type(reply).__name__}; nothing committed")
         if "error" in reply:
             err = reply["error"]
-            raise GroupError(f"{store.url}: {err['message']} ({err['type']}); nothing committed")
+            if not isinstance(err, dict):
+                err = {"message": f"rank {r}: {err!r:.200}", "type": "an error"}
+            raise GroupError(f"{store.url}: {err.get('message')} ({err.get('type')}); nothing "
+                             "committed")
     differ = [r for r, reply in enumerate(replies, start=1) if reply.get("digest") != digest]
     if differ:
         raise _Mismatch(store, differ)
@@ -527,8 +556,10 @@ def _merge_chunks(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray
         table = merge_tables([p.table for p in parts], offsets,  # type: ignore[misc]
                              source=f"{store.url}: the ranks' blocks")
     except SchemaError as e:
-        raise ValueError(f"{e}; a save with a group needs disjoint Shard blocks; nothing "
-                         "committed") from None
+        # A SchemaError (a ValueError too): the ranks' Shard blocks overlap, or a rank's table
+        # does not fit the state; either way nothing is committed.
+        raise SchemaError(f"{e}; a save with a group needs disjoint Shard blocks, and every "
+                          "rank's table must fit the state; nothing committed") from None
     names, _, shapes, _ = _logical(enc, arrays)
     itemsize = {enc.chunks.tensor[i]: a.dtype.itemsize for i, a in enumerate(arrays)}  # type: ignore[union-attr]
     have = np.bincount(table.tensor.astype(np.int64), weights=table.length.astype(np.float64),
@@ -539,7 +570,7 @@ def _merge_chunks(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray
     for k, (name, shape) in enumerate(zip(names, shapes)):
         want = int(np.prod(shape, dtype=np.int64)) * itemsize.get(k, 0)
         if int(have[k]) != want:
-            raise ValueError(f"{store.url}: tensor {name!r} {shape}: the ranks' blocks hold "
+            raise SchemaError(f"{store.url}: tensor {name!r} {shape}: the ranks' blocks hold "
                              f"{int(have[k])} of its {want} bytes; a save with a group must "
                              "cover every sharded tensor whole (nothing committed)")
     return shards, table

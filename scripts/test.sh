@@ -39,7 +39,10 @@ workers=$(( workers < 2 ? 2 : (workers > 4 ? 4 : workers) ))
 # of it waits on subprocesses and the local servers, so two workers on two cores halve its time.
 # Each worker starts its own servers (session fixtures).
 suite core tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter -n "$workers" \
-  --dist loadfile "${@}"
+  --dist loadfile --deselect tests/test_fault_schedules.py::test_fault_schedules "${@}"
+# The fault-schedule checker (10,000 seeded schedules, tests/_faults.py) in a run of its own: it
+# spreads them over a process per core itself, and its time is part of what it promises.
+suite faults tests/test_fault_schedules.py::test_fault_schedules -s "${@}"
 # Docstring examples of the core and the framework-free NumPy adapter, in a run of their own:
 # --doctest-modules over tests/ would import the framework test helpers (Keras and Paddle in one
 # process).  ckptcore/testing.py is the conformance suite that adapters' tests subclass, not docs.
@@ -53,7 +56,7 @@ wait
 
 echo
 passed=0; failed=0
-for name in core doctests paddle keras; do
+for name in core faults doctests paddle keras; do
   [ -f "$logs/$name.rc" ] || continue
   read -r rc secs < "$logs/$name.rc"
   line=$(grep -E '[0-9]+ (passed|failed|deselected)|no tests ran' "$logs/$name.log" | tail -n 1 \
@@ -65,5 +68,6 @@ for name in core doctests paddle keras; do
   # pytest's exit 5 means "no tests collected": not a failure for an optional group
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; fi
 done
+[ -f "$logs/faults.log" ] && grep -h "^FAULT SCHEDULES" "$logs/faults.log" || true
 echo "total: $passed passed, $failed failed"
 exit $status
