@@ -596,8 +596,9 @@ def run_c(seed: int) -> Outcome:
     with Run("c", seed) as run:
         out = run.out
         fs = fsspec.filesystem("memory")
+        # Every step of a writer holds the same "c" tensor: its chunk is shared by all of them,
+        # so the steps saved after the damage reuse (or must re-upload) a damaged chunk.
         n1, n2 = rng.randint(1, 3), rng.randint(1, 3)
-        dedup_same = rng.random() < 0.5  # the new steps repeat an old step's bytes (chunk reuse)
         ok, a = call(out, "A = CheckpointManager(...)",
                      lambda: run.mgr(run.local, backup=url(run.bk), async_save=rng.random() < 0.3))
         if not ok:
@@ -611,6 +612,7 @@ def run_c(seed: int) -> Outcome:
             how = rng.choice(["flip", "delete", "swap", "truncate"])
             victim = rng.choice(chunks)
             out.note(f"A saved {n1} steps; damage {how} {victim[len(run.prefix):]}")
+            out.ops.add((n1, n2, how, chunks.index(victim), len(chunks)))
             f = fs.store[victim]
             data = bytearray(f.getvalue())
             if how == "flip" and data:
@@ -633,9 +635,6 @@ def run_c(seed: int) -> Outcome:
         mark = len(run.sched.publishes)
         more = {}
         for s in range(n1, n1 + n2):
-            if dedup_same:
-                # same bytes as step 0's tensors except the step: "c" chunk reused
-                pass
             more[s] = run.save(A, a, s, "A")
         ok2, _ = call(out, "A.wait()", a.wait)
         ok3, _ = call(out, "A.close()", a.close)
