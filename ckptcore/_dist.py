@@ -555,9 +555,9 @@ def _merge_chunks(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray
     try:
         table = merge_tables([p.table for p in parts], offsets,  # type: ignore[misc]
                              source=f"{store.url}: the ranks' blocks")
-    except SchemaError as e:
-        # A SchemaError (a ValueError too): the ranks' Shard blocks overlap, or a rank's table
-        # does not fit the state; either way nothing is committed.
+    except ValueError as e:
+        # (SchemaError is a ValueError): the ranks' Shard blocks overlap, or a rank's table does
+        # not fit the state or the others' (a crc_block of another version); nothing committed.
         raise SchemaError(f"{e}; a save with a group needs disjoint Shard blocks, and every "
                           "rank's table must fit the state; nothing committed") from None
     names, _, shapes, _ = _logical(enc, arrays)

@@ -213,10 +213,6 @@ class CheckpointManager:
         self._lock = (WriterLock(self.root, lease_seconds=lease_seconds,
                                  heartbeat_seconds=heartbeat_seconds)
                       if lock and self._coordinator else None)
-        if self._lock is not None and lock is True:
-            # A root another live writer holds: say so now, not at the first save.  Checked
-            # without taking the lock (the first write takes it, as with lock="lazy").
-            self._lock.check_free()
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: Future | None = None
         self._error: BaseException | None = None
@@ -234,9 +230,10 @@ class CheckpointManager:
         self._asked = False  # whether the loop ever checked for preemption (see _on_sigterm)
         self._closed = False
         local_steps: list[int] = []
-        if self.backup is not None:  # before anything is installed: this may raise
-            local_steps = self.steps() if self.root.exists() else []
-            self._check_backup(local_steps)
+        if lock is True or self.backup is not None:  # before anything is installed: may raise
+            # With a group, rank 0 checks and every rank gets its verdict at once (the others
+            # would otherwise wait out the group timeout in the first save).
+            local_steps = self._on_coordinator(lambda: self._check_at_start(lock is True))
         _live.add(self)
         if save_on_preemption:
             _catch_sigterm(self)
@@ -245,6 +242,18 @@ class CheckpointManager:
         # tier only lists and reads the backup.
         if self.backup is not None and self._coordinator:
             self.backup.resume(local_steps)
+
+    def _check_at_start(self, lock: bool) -> list[int]:
+        """The checks at construction: a root another live writer holds (``lock=True``; without
+        taking the lock, which the first write takes as with ``lock="lazy"``) and a backup root
+        that does not answer.  Returns the local steps (for the backup's resume)."""
+        if lock and self._lock is not None:
+            self._lock.check_free()
+        local_steps: list[int] = []
+        if self.backup is not None:
+            local_steps = self.steps() if self.root.exists() else []
+            self._check_backup(local_steps)
+        return local_steps
 
     def _check_backup(self, local_steps: list[int]) -> None:
         """The backup root answers (one quick check): else raise now, naming its URL, when the

@@ -326,6 +326,28 @@ def test_lock_true_refuses_a_root_a_live_writer_of_this_process_holds(tmp_path, 
         CheckpointManager(root, lock="eager", save_on_preemption=False)
 
 
+def test_lock_true_with_a_group_refuses_on_every_rank_at_construction(tmp_path):
+    # Only rank 0 holds a group's lock: its verdict reaches the other ranks at once, where they
+    # used to wait out the group timeout in the first save.
+    from _support import run_ranks
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, save_on_preemption=False) as first:
+        first.save(1, _state(1))
+        t0 = time.monotonic()
+        with _knobs.override(group_timeout=30):
+            out = run_ranks(ckptcore.ThreadGroup.create(3), lambda g: CheckpointManager(
+                root, lock=True, group=g, save_on_preemption=False), timeout=60)
+        assert all(isinstance(out[r], LockedError) for r in range(3)), out
+        assert time.monotonic() - t0 < 25  # not the group timeout
+    with _knobs.override(group_timeout=30):  # free now: every rank constructs and saves
+        def body(g):
+            with CheckpointManager(root, lock=True, group=g, save_on_preemption=False) as m:
+                m.save(2, _state(2))
+                return m.steps()
+        out = run_ranks(ckptcore.ThreadGroup.create(3), body, timeout=60)
+    assert out == {0: [1, 2], 1: [1, 2], 2: [1, 2]}, out
+
+
 def test_lock_true_refuses_a_live_writer_of_another_process_and_takes_a_dead_ones(tmp_path):
     root = str(tmp_path / "run")
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_HOLDER), root],
