@@ -32,7 +32,7 @@ from ckptcore._manifest import CHUNK_COLUMNS, COLUMNS
 
 import _faults as F
 
-LONG = 2.0  # the knob: no healthy collective comes near it; a wait this long is a finding
+LONG = 4.0  # the knob: no healthy collective comes near it (a loaded machine included); a wait this long is a finding
 SHORT = 0.005  # the timeout of the waits a hung or dead rank is meant to break
 _COL3 = {**COLUMNS, **CHUNK_COLUMNS}
 

@@ -333,12 +333,11 @@ def test_lock_true_with_a_group_refuses_on_every_rank_at_construction(tmp_path):
     root = str(tmp_path / "run")
     with CheckpointManager(root, save_on_preemption=False) as first:
         first.save(1, _state(1))
-        t0 = time.monotonic()
         with _knobs.override(group_timeout=30):
             out = run_ranks(ckptcore.ThreadGroup.create(3), lambda g: CheckpointManager(
                 root, lock=True, group=g, save_on_preemption=False), timeout=60)
-        assert all(isinstance(out[r], LockedError) for r in range(3)), out
-        assert time.monotonic() - t0 < 25  # not the group timeout
+        # every rank refused at construction (not constructed, nor a GroupTimeoutError later)
+        assert all(type(out[r]) is LockedError for r in range(3)), out
     with _knobs.override(group_timeout=30):  # free now: every rank constructs and saves
         def body(g):
             with CheckpointManager(root, lock=True, group=g, save_on_preemption=False) as m:
