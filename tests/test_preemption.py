@@ -210,16 +210,26 @@ def test_no_handler_outside_the_main_thread(tmp_path, caplog):
     gc.collect()
     for leftover in list(manager._preemptible):
         leftover.close()
-    before = signal.getsignal(signal.SIGTERM)
-    assert before is not manager._on_sigterm
-    made = []
-    with caplog.at_level("INFO", logger="ckptcore"):
-        t = threading.Thread(target=lambda: made.append(CheckpointManager(str(tmp_path / "r"))))
-        t.start()
-        t.join()
-    assert signal.getsignal(signal.SIGTERM) is before
-    assert any("outside the main thread" in r.getMessage() for r in caplog.records)
-    made[0].close()
+    saved = signal.getsignal(signal.SIGTERM)
+    if saved is manager._on_sigterm:
+        # Still ours with no manager left: one that another test dropped without close(), or
+        # closed from another thread (only the main thread can put a handler back).  Start
+        # from the default, and put the process's state back afterwards.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+        assert before is not manager._on_sigterm
+        made = []
+        with caplog.at_level("INFO", logger="ckptcore"):
+            t = threading.Thread(
+                target=lambda: made.append(CheckpointManager(str(tmp_path / "r"))))
+            t.start()
+            t.join()
+        assert signal.getsignal(signal.SIGTERM) is before
+        assert any("outside the main thread" in r.getMessage() for r in caplog.records)
+        made[0].close()
+    finally:
+        signal.signal(signal.SIGTERM, saved)
 
 
 FORKED = textwrap.dedent("""
