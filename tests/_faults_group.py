@@ -33,7 +33,7 @@ from ckptcore._manifest import CHUNK_COLUMNS, COLUMNS
 import _faults as F
 
 LONG = 4.0  # the knob: no healthy collective comes near it (a loaded machine included); a wait this long is a finding
-SHORT = 0.005  # the timeout of the waits a hung or dead rank is meant to break
+SHORT = 0.025  # the timeout of the waits a hung or dead rank is meant to break (room for load)
 _COL3 = {**COLUMNS, **CHUNK_COLUMNS}
 
 
