@@ -37,12 +37,13 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequenc
 
 import numpy as np
 
-from ._storage import open_regular  # for adapters' readers of native files (containment)
+from ._storage import check_url, open_regular  # for adapters: URL arguments, native files
 from .errors import RestoreError, UnappliedStateWarning
 from .state import RestoreReport, TrainingState
 
 __all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified",
-           "mismatch_message", "warn_unapplied", "warn_and_log", "CALLBACK_KEEP", "open_regular"]
+           "mismatch_message", "warn_unapplied", "warn_and_log", "CALLBACK_KEEP", "open_regular",
+           "check_url", "convert_for"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
 # every adapter, so switching frameworks does not change how much disk a run uses.
@@ -362,3 +363,12 @@ def check_fits(name: str, value: Any, shape: Iterable[int] | None, dtype: Any) -
         if got != want:
             raise RestoreError(f"{name}: the checkpoint holds {got}, the target is {want}")
 
+
+
+def convert_for(state: TrainingState, framework: str, objects: Mapping[str, Any], **kw: Any
+                ) -> TrainingState:
+    """``state`` itself when it is ``framework``'s (or neutral), else converted for ``objects``:
+    what an adapter's ``restore`` calls first (``ckptcore.api.convert_for``; imported on use,
+    since ``api`` imports this module)."""
+    from . import api
+    return api.convert_for(state, framework, objects, **kw)

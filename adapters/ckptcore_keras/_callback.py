@@ -74,7 +74,7 @@ from typing import Any, Mapping, Sequence
 import keras
 import numpy as np
 
-from ckptcore._storage import check_url
+from ckptcore.adapter import check_url
 from ckptcore.adapter import CALLBACK_KEEP
 from ckptcore.errors import RestoreError
 from ckptcore.manager import CheckpointManager

@@ -137,7 +137,7 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     built here), into the same architecture built in another process, and into a
     second copy built in the same process (auto-generated names such as
     ``dense_1`` are then matched in model order).  Values are assigned bit for bit.
-    A state of another framework is converted first (``ckptcore.api.convert_for``).
+    A state of another framework is converted first (``ckptcore.adapter.convert_for``).
 
     Args:
         state: A state captured by :func:`capture` (or imported from a TF checkpoint).
@@ -175,7 +175,7 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
             ``strict``, a name is missing or unexpected (lists them).
     """
     check_arguments(model, objects, "restore")
-    from ckptcore.api import convert_for
+    from ckptcore.adapter import convert_for
 
     opt = _optimizer_of(model, optimizer)
     state = convert_for(state, _NAME, {"model": model, "optimizer": opt})

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ckptcore._storage import check_url
+from ckptcore.adapter import check_url
 from ckptcore.adapter import FileFormat
 from ckptcore.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                              SchemaError, UnsafeCheckpointError)

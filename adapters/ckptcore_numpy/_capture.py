@@ -64,7 +64,7 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     """Put ``state`` back into the objects.  With ``strict`` a state that does not fit raises
     :class:`~ckptcore.errors.RestoreError` listing every mismatch; otherwise what fits is
     restored and the rest reported."""
-    from ckptcore.api import convert_for
+    from ckptcore.adapter import convert_for
 
     if not isinstance(state, TrainingState):
         raise TypeError(f"restore() needs a ckptcore.TrainingState, got {type(state).__name__}")

@@ -48,7 +48,7 @@ from typing import Any, Mapping
 
 import paddle
 
-from ckptcore._storage import check_url
+from ckptcore.adapter import check_url
 from ckptcore.adapter import CALLBACK_KEEP
 from ckptcore.cursor import CursorShard, DataCursor
 from ckptcore.manager import CheckpointManager

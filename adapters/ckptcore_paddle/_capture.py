@@ -172,9 +172,9 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     Raises:
         RestoreError: a mismatch as described.
         MigrationError: a state captured from another framework (it is converted first, through
-            ``ckptcore.api.convert_for``) that cannot be converted.
+            ``ckptcore.adapter.convert_for``) that cannot be converted.
     """
-    from ckptcore.api import convert_for
+    from ckptcore.adapter import convert_for
 
     layer, hapi_opt = unwrap(model)
     optimizer = hapi_opt if optimizer is None else optimizer
