@@ -97,7 +97,7 @@ def save_latency(opts: dict, state_mb: float, saves: int, gap: float) -> dict:
         for label, backup in (("local only", None),
                               ("local + S3 backup", f"s3://ckptcore-bench/tier-{uuid.uuid4().hex}")):
             times = []
-            kw = {} if backup is None else {"backup": backup, "backup_storage_options": opts}
+            kw = {} if backup is None else {"backup": ckptcore.Backup(backup, storage_options=opts)}
             with ckptcore.CheckpointManager(os.path.join(tmp, label.replace(" ", "_")), keep=2,
                                             **kw) as mgr:
                 for step in range(1, saves + 1):
@@ -124,7 +124,7 @@ def dedup(opts: dict) -> dict:
     backup = f"s3://ckptcore-bench/dedup-{uuid.uuid4().hex}"
     grown = []
     try:
-        with ckptcore.CheckpointManager(tmp, backup=backup, backup_storage_options=opts) as mgr:
+        with ckptcore.CheckpointManager(tmp, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
             for step in range(1, 6):
                 head = np.random.default_rng(step).standard_normal(2**20 // 4).astype(np.float32)
                 before = sum(e.size or 0 for e in Store(backup, opts).find()) if step > 1 else 0

@@ -11,8 +11,9 @@ from ._version import __version__
 from . import errors
 from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
 from .errors import (AdapterNotFoundError, CaptureError, CheckpointError, CheckpointExistsError,
-                     CheckpointNotFoundError, CorruptCheckpointError, FencedError, GroupError,
-                     GroupTimeoutError, IncompleteCheckpointError, LockedError, MigrationError,
+                     CheckpointFallbackWarning, CheckpointNotFoundError, CorruptCheckpointError, FencedError, GroupError,
+                     GroupTimeoutError, IncompleteCheckpointError, LockedError, LockTakeoverWarning,
+                     MigrationError,
                      MigrationWarning, RestoreError, SchemaError, StepOrderError, StorageError,
                      UnappliedStateWarning, UnsafeCheckpointError, UnsupportedCheckpointError)
 from .group import ProcessGroup, SingleProcessGroup, ThreadGroup
@@ -21,7 +22,8 @@ from .cursor import DataCursor
 from ._diff import CheckpointDiff, TensorDiff, diff
 from ._scrub import ScrubReport, scrub
 from .layout import CheckpointListing, gc, list_checkpoints
-from .manager import CheckpointFallbackWarning, CheckpointManager, LockTakeoverWarning, SaveHandle
+from .manager import CheckpointManager, SaveHandle
+from .options import Backup, Lease
 from .policies import KeepAll, KeepAny, KeepBest, KeepEvery, KeepEveryDuration, KeepLast
 from .rng import capture_rng, restore_rng
 from .state import (AccumulationState, OptimizerState, ParamInfo, RestoreReport, ScheduleState,
@@ -32,7 +34,8 @@ __all__ = [
     "errors",
     "save_state", "load_state", "inspect", "verify", "convert", "MigrationWarning",
     "CheckpointInfo", "TensorInfo",
-    "CheckpointManager", "SaveHandle", "CheckpointFallbackWarning", "LockTakeoverWarning",
+    "CheckpointManager", "SaveHandle", "Backup", "Lease", "CheckpointFallbackWarning",
+    "LockTakeoverWarning",
     "gc", "list_checkpoints", "CheckpointListing", "diff", "CheckpointDiff", "TensorDiff",
     "scrub", "ScrubReport",
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",

@@ -25,154 +25,28 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import json
 import logging
 import threading
 import time
-import uuid
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
-from . import _fence, _knobs, layout
+from . import _knobs
+from ._cas import intent, sweep
 from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
-from ._replica import (CopyStats, check_structure, chunk_rel, copy_checkpoint, list_chunks,
-                       references)
+from ._read import read_manifest
+from ._replica import CopyStats, check_structure, copy_checkpoint
+from ._steps import step_name
 from ._storage import Store, _bucket_missing, check_url, error_chain
-from .errors import CheckpointError, CheckpointExistsError, FencedError, LockedError, StorageError
-from .policies import CheckpointEntry, as_policy
+from ._tier import Tier
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, FencedError,
+                     LockedError, StorageError)
+from .options import Backup, Lease
+from .policies import as_policy
 
 log = logging.getLogger("ckptcore")
 _PAUSE_LIMIT = 60  # seconds a replication waits for one save before going on alongside it
 _REACH_SECONDS = 10.0  # how long the check at construction waits for the backup root to answer
-
-
-INTENT_DIR = ".ckptcore.intents"
-_INTENT_MAX_AGE = 24 * 3600.0  # an unlocked uploader's intent is honoured this long
-_INTENT_SLACK = 60.0  # seconds of clock skew between an uploader and the store
-
-
-@contextlib.contextmanager
-def intent(root: Store, generation: int | None, holder: str) -> Iterator[str]:
-    """Record, while the block runs, that chunks are being uploaded under ``root`` (a sweep keeps
-    every chunk written since, unless ``generation`` was fenced meanwhile: its replica can then
-    never be accepted).  Removed after; one left by a killed uploader is fenced by the next
-    holder's generation (or, unlocked, expires after a day) and removed by the next sweep."""
-    name = f"{INTENT_DIR}/{uuid.uuid4().hex}.json"
-    root.makedirs(INTENT_DIR)
-    root.write_bytes(name, json.dumps({"generation": generation, "holder": holder,
-                                       "started": time.time()}).encode())
-    try:
-        yield name
-    finally:
-        try:
-            root.delete(name)
-        except Exception as e:  # noqa: BLE001 - a leftover intent only delays the sweep
-            log.warning("backup: could not remove the upload intent %s (%s: %s)",
-                        root.join(name), type(e).__name__, e)
-
-
-def live_intents(root: Store, own: tuple[str, ...] = ()) -> tuple[float | None, list[str]]:
-    """The start of the oldest upload in progress under ``root`` that a sweep must honour (None:
-    none; the sweeper's ``own`` intents aside), and the stale intents (fenced generations,
-    expired) a sweep may remove."""
-    newest = max(_fence.generations(root), default=0)
-    oldest, stale = None, []
-    for e in root.listdir(INTENT_DIR):
-        rel = f"{INTENT_DIR}/{e.name}"
-        if rel in own:
-            continue
-        try:
-            body = json.loads(root.read(rel, max_bytes=1 << 16))
-            started, g = float(body["started"]), body.get("generation")
-        except (ValueError, KeyError, TypeError, OSError, CheckpointError):
-            started, g = (e.mtime or time.time()), None  # unreadable: honoured by its age
-        fenced = isinstance(g, int) and g < newest
-        if fenced or time.time() - started > _INTENT_MAX_AGE:
-            stale.append(rel)
-        else:
-            oldest = started if oldest is None else min(oldest, started)
-    return oldest, stale
-
-
-def sweep(root: Store, grace: float, fence: Any = None, own: tuple[str, ...] = ()) -> list[str]:
-    """Remove chunks under ``root`` that no committed manifest refers to, that are older than
-    ``grace`` seconds and that no upload in progress may name (``intent``); returns their URLs.
-    The caller holds ``root``'s writer lock (``fence``: checked before deleting)."""
-    from .api import read_manifest
-
-    chunks = list_chunks(root)  # first: a chunk listed here and referenced later is kept below
-    referenced: set[str] = set()
-    for _, name in layout.committed_steps(root):
-        try:
-            referenced |= references(read_manifest(root.child(name)))
-        except CheckpointError as e:
-            log.warning("backup: not sweeping chunks under %s: the manifest of %s cannot be read "
-                        "(%s), so what it refers to is unknown", root.url, name, e)
-            return []
-    uploading, stale = live_intents(root, own)
-    cutoff = time.time() - grace
-    if uploading is not None:
-        log.info("backup: an upload to %s is in progress since %s: keeping every chunk written "
-                 "since", root.url, time.strftime("%H:%M:%S", time.localtime(uploading)))
-        cutoff = min(cutoff, uploading - _INTENT_SLACK)
-    doomed = [n for n, (_, mtime) in sorted(chunks.items())
-              if n not in referenced and mtime is not None and mtime <= cutoff]
-    # (a store that gives no time: a chunk's age is unknown, so it is kept)
-    if (doomed or stale) and fence is not None:
-        fence.before_delete()
-    removed = []
-    for name in doomed:
-        url = root.join(chunk_rel(name))
-        log.info("backup: removing chunk %s, which no committed replica refers to", url)
-        root.delete(chunk_rel(name))
-        removed.append(url)
-    for rel in stale:
-        log.info("backup: removing the stale upload intent %s (its uploader was superseded or "
-                 "is long gone)", root.join(rel))
-        root.delete(rel)
-    return removed
-
-
-def retain(root: Store, policy: Any, options: Mapping[str, Any], *,
-           dry_run: bool = False, fence: Any = None) -> list[int]:
-    """Apply ``policy`` to the committed steps under ``root`` (the newest, and any whose manifest
-    cannot be read, always kept): delete the others, manifest first; return them.  Nothing is
-    deleted unless the newest step passes the reader's structural checks
-    (``layout.structure_problem``).  ``dry_run``: only say which.  ``fence``: the writer lock,
-    checked before each deletion."""
-    from . import api
-    from .manager import _saved_metrics
-
-    steps = [s for s, _ in layout.committed_steps(root)] if root.exists() else []
-    if len(steps) < 2:
-        return []
-    entries = []
-    for s in steps:
-        try:
-            info = api.inspect(root.child(layout.step_name(s)).url, storage_options=options)
-        except CheckpointError:
-            continue  # unreadable: kept (a policy cannot judge it)
-        entries.append(CheckpointEntry(s, info.created, _saved_metrics(s, info.metadata)))
-    keep = set(as_policy(policy).keep(entries)) | {steps[-1]}
-    keep |= set(steps) - {e.step for e in entries}
-    gone = [s for s in steps[:-1] if s not in keep]
-    if gone and not dry_run:
-        problem = layout.structure_problem(root.child(layout.step_name(steps[-1])))
-        if problem:
-            log.warning("retention: not deleting steps %s under %s: the newest step %d, which "
-                        "supersedes them, does not pass the reader's checks (%s)", gone,
-                        root.url, steps[-1], problem)
-            return []
-    for s in gone:
-        if dry_run:
-            continue
-        if fence is not None:
-            fence.before_delete()
-        log.info("retention: deleting replica step %d under %s", s, root.url)
-        ckpt = root.child(layout.step_name(s))
-        ckpt.delete(MANIFEST_NAME)  # uncommit first
-        ckpt.delete_tree()
-    return gone
 
 
 # Store answers worth another try (throttling, a server's own failure) and those that are not
@@ -231,20 +105,23 @@ def transient(e: BaseException) -> bool:
 class BackupTier:
     """Replication of one manager's committed steps to ``url`` (see the module docstring)."""
 
-    def __init__(self, local: Store, url: str, *, keep: Any = None,
-                 storage_options: Mapping[str, Any] | None = None, dedup: bool = True,
-                 lock: bool = True, lease_seconds: float | None = None,
-                 heartbeat_seconds: float | None = None) -> None:
+    def __init__(self, local: Store, spec: Backup, *, lock: bool = True,
+                 lease: Lease | None = None) -> None:
         self.local = local
-        self.root = Store(check_url(url, "backup"), dict(storage_options or {}))
+        self.spec = spec
+        url = check_url(spec.url, "backup")
+        self.root = Store(url, dict(spec.storage_options or {}))
         if self.root.same_place(local):
             raise ValueError(f"backup={url!r} is the manager's own root {local.url!r} (spelled "
                              "another way); a backup must be another location")
-        self.options = dict(storage_options or {})
-        self.policy = as_policy(keep)
-        self.dedup = dedup
-        self._lock = (WriterLock(self.root, lease_seconds=lease_seconds,
-                                 heartbeat_seconds=heartbeat_seconds) if lock else None)
+        self.options = dict(spec.storage_options or {})
+        self.policy = as_policy(spec.keep)
+        self.dedup = spec.dedup
+        lease = lease or Lease()
+        self._lock = (WriterLock(self.root, lease_seconds=lease.seconds,
+                                 heartbeat_seconds=lease.heartbeat) if lock else None)
+        # (listed without the lock's view: the manager lists it from another thread)
+        self.tier = Tier(self.root, self.options, lock=self._lock, view=False, what="replica")
         self._queue: collections.deque[int] = collections.deque()
         self._cond = threading.Condition()
         self._busy = False
@@ -292,9 +169,33 @@ class BackupTier:
                                 f"{timeout:g} s")
         return box["error"]
 
+    def check_reachable(self, local_steps: list[int]) -> None:
+        """The check at construction (one quick :meth:`reach`): raise now, naming the URL, when
+        the run starts afresh (no local step: most likely a wrong URL, endpoint or credentials)
+        or the answer is one retries cannot change (refused credentials, a permission).  A
+        resumed run whose bucket is down for now goes on locally (logged): its steps are
+        replicated once the bucket answers, and ``wait()``/``close()`` report what failed.  A
+        bucket that does not exist (the store answered) is logged by :meth:`resume` and raised
+        by ``wait()``/``close()``: saves go on locally meanwhile, and a later start replicates
+        them once it is created."""
+        error = self.reach()
+        if error is None or _bucket_missing(error):
+            return
+        url = self.root.url
+        if local_steps and transient(error):
+            log.warning("backup: %s does not answer now (%s: %s); training goes on with the "
+                        "local tier, and its steps are replicated once it does", url,
+                        type(error).__name__, error)
+            return
+        cls = CheckpointNotFoundError if isinstance(error, FileNotFoundError) else StorageError
+        raise cls(f"backup={url!r} cannot be reached ({type(error).__name__}: {error}); check "
+                  "its URL, endpoint and credentials (Backup(storage_options=...)). Nothing was "
+                  "saved; a bucket that goes down later, during the run, is ridden out with "
+                  "retries") from error
+
     def steps(self) -> list[int]:
         """Steps committed in the backup root, ascending (listed now)."""
-        steps = [s for s, _ in layout.committed_steps(self.root)] if self.root.exists() else []
+        steps = self.tier.steps(missing_ok=True)
         with self._cond:
             self._committed = set(steps)
             self._done |= self._committed
@@ -450,18 +351,16 @@ class BackupTier:
 
     def _replicate(self, step: int) -> bool:
         """Copy ``step`` to the backup (False: its local copy is gone, nothing was done)."""
-        from .api import read_manifest
-
-        name = layout.step_name(step)
+        name = step_name(step)
         if self._lock is not None:
             self._lock.acquire()
         dst = self.root.child(name)
         src = self.local.child(name)
-        if dst.exists(MANIFEST_NAME) and not layout.is_committed(self.root, step):
+        if dst.exists(MANIFEST_NAME) and not self.tier.has(step):
             # Committed by a replicator after its lease was taken over: no reader accepts it.
             log.warning("backup: removing %s, committed by a writer after its lease was taken "
                         "over, to replicate step %d again", dst.url, step)
-            self._uncommit(dst)
+            self.tier.delete(step)
         if dst.exists(MANIFEST_NAME):
             there = read_manifest(dst)
             here = read_manifest(src) if src.exists(MANIFEST_NAME) else None
@@ -475,7 +374,7 @@ class BackupTier:
                     raise problems[0]
                 log.warning("backup: the replica of step %d in %s is broken (%s); replicating "
                             "it again", step, self.root.url, problems[0])
-                self._uncommit(dst)
+                self.tier.delete(step)
             elif not here.created > there.created:
                 raise CheckpointExistsError(
                     f"backup: {dst.url} holds another checkpoint of step {step} (writer "
@@ -486,7 +385,7 @@ class BackupTier:
                 log.warning("backup: replacing the replica of step %d in %s: the local step "
                             "was saved again since (writer %s, was %s)", step, self.root.url,
                             here.writer.get("id"), there.writer.get("id"))
-                self._uncommit(dst)
+                self.tier.delete(step)
         if not src.exists(MANIFEST_NAME):
             log.warning("backup: step %d is no longer under %s (deleted before it was "
                         "replicated); skipping it", step, self.local.url)
@@ -498,12 +397,6 @@ class BackupTier:
                                        gate=self._gate, fence=self._lock)
         self._committed_now(step)
         return True
-
-    def _uncommit(self, dst: Store) -> None:
-        if self._lock is not None:
-            self._lock.before_delete()
-        dst.delete(MANIFEST_NAME)  # uncommit first
-        dst.delete_tree()
 
     def _committed_now(self, step: int) -> None:
         with self._cond:
@@ -531,7 +424,7 @@ class BackupTier:
                 self._intents = ()
 
     def _retention(self) -> None:
-        gone = retain(self.root, self.policy, self.options, fence=self._lock)
+        gone = self.tier.retain(self.policy)
         with self._cond:
             if self._committed is not None:
                 self._committed -= set(gone)

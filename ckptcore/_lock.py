@@ -46,8 +46,8 @@ from typing import Any
 
 from . import _fence, _knobs
 from ._storage import Store, _kind
-from .adapter import warn_and_log
-from .errors import FencedError, LockedError, UnsafeCheckpointError
+from .errors import (FencedError, LockedError, LockTakeoverWarning, UnsafeCheckpointError,
+                     warn_and_log)
 
 __all__ = ["WriterLock", "LockTakeoverWarning", "LOCK_NAME"]
 
@@ -77,10 +77,6 @@ if hasattr(os, "register_at_fork"):
 # to a manager that was dropped or closed without releasing it (its holder is provably gone).
 _LIVE: weakref.WeakValueDictionary[str, WriterLock] = weakref.WeakValueDictionary()
 log = logging.getLogger("ckptcore")
-
-
-class LockTakeoverWarning(UserWarning):
-    """A writer lock or lease whose holder is gone (killed, preempted) was taken over."""
 
 
 def _close_held(fd: int, key: tuple[int, int]) -> None:

@@ -61,6 +61,7 @@ import numpy as np
 
 from ._commit import commit
 from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, encoded_tree
+from ._read import read_manifest, read_manifest_bytes
 from ._storage import CAS_DIR, CAS_PREFIX, Store, _as_time, _mtime_of, fsync_dir
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
@@ -278,8 +279,6 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
     store checksum or time)}``, module docstring), updated here; keep one per writer and pass it
     to every copy.  Returns the destination's manifest and what was moved, once the committed
     replica verifies; if it does not, it is uncommitted and the error raised."""
-    from .api import read_manifest_bytes
-
     started = time.perf_counter()
     manifest, raw = read_manifest_bytes(src)
     # The writer's generation belongs to the root it was committed in: the copy records the
@@ -332,8 +331,6 @@ def check_structure(dst: Store, manifest: Manifest | None = None,
     unreadable one is raised), and every object it names is present with its size (chunks by
     ``listing`` of its root, listed now unless given; plain shards by a listing of its folder).
     Returns the manifest and the problems (:class:`IncompleteCheckpointError`, naming each)."""
-    from .api import read_manifest
-
     if manifest is None:
         manifest = read_manifest(dst)
     problems: list[CheckpointError] = []
@@ -360,8 +357,6 @@ def check_structure(dst: Store, manifest: Manifest | None = None,
 def _check_committed(dst: Store, manifest: Manifest, *, dedup: bool, known: dict,
                      placed: dict[str, tuple[int, tuple[str, ...]]], stats: CopyStats) -> None:
     """The replica just committed at ``dst`` verifies (module docstring), else raise."""
-    from .api import read_manifest
-
     there = read_manifest(dst)  # it decodes, by the reader's own checks
     if there.shards != manifest.shards:
         raise CorruptCheckpointError(f"{dst.join(MANIFEST_NAME)}: the manifest read back names "

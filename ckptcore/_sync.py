@@ -23,12 +23,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from . import _knobs, layout
-from ._backup import retain, sweep
+from . import _knobs
+from ._cas import sweep
 from ._lock import WriterLock
-from ._manifest import MANIFEST_NAME
 from ._replica import check_structure, copy_checkpoint, list_chunk_objects
+from ._read import inspect
+from ._steps import committed_steps
 from ._storage import Store, check_url
+from .policies import as_policy
+from ._tier import Tier
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError)
 
@@ -58,8 +61,6 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
          progress: Callable[[str, int, int], None] | None = None) -> SyncReport:
     """Copy the committed steps of root ``src`` that root ``dst`` lacks (see the module
     docstring).  ``progress(step name, bytes done, bytes total)`` is called as bytes go."""
-    from . import api
-
     so = dict(storage_options or {})
     dso = dict(so if dst_storage_options is None else dst_storage_options)
     s_root, d_root = Store(check_url(src, "src"), so), Store(check_url(dst, "dst"), dso)
@@ -70,10 +71,10 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
     if lock is not None:
         lock.acquire()
     try:
-        have = {s: n for s, n in layout.committed_steps(d_root)} if d_root.exists() else {}
+        have = {s: n for s, n in committed_steps(d_root)} if d_root.exists() else {}
         known: dict[str, Any] = {}  # chunks of DST this sync uploaded or verified
         listing = None
-        src_steps = layout.committed_steps(s_root)
+        src_steps = committed_steps(s_root)
         kept = None if keep is None else _kept(keep, src_steps, s_root, so, have, d_root, dso)
         for step, name in src_steps:
             if kept is not None and step not in have and step not in kept:
@@ -84,8 +85,8 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
             if step in have:
                 try:
                     # (the checkpoint's identity; its generation is each root's own)
-                    same = (api.inspect(s_root.child(name).url, storage_options=so).writer.get("id")
-                            == api.inspect(d_root.child(name).url,
+                    same = (inspect(s_root.child(name).url, storage_options=so).writer.get("id")
+                            == inspect(d_root.child(name).url,
                                            storage_options=dso).writer.get("id"))
                 except CheckpointError:
                     same = False
@@ -121,7 +122,7 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
             report.copied.append(step)
             if dry_run:
                 continue
-            total = api.inspect(s_root.child(name).url, storage_options=so).nbytes
+            total = inspect(s_root.child(name).url, storage_options=so).nbytes
             done = [0]
 
             def tick(n: int, name: str = name, total: int = total) -> None:
@@ -145,7 +146,8 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
             report.read += stats.read
             report.written += stats.written
         if keep is not None:
-            report.deleted = retain(d_root, keep, dso, dry_run=dry_run, fence=lock)
+            target = Tier(d_root, dso, lock=lock, what="replica")
+            report.deleted = target.retain(as_policy(keep), dry_run=dry_run)
         if report.deleted and dedup and not dry_run:
             report.swept = sweep(d_root, float(_knobs.get("gc_grace")), fence=lock)
     finally:
@@ -158,22 +160,17 @@ def _kept(keep: Any, src_steps: list, s_root: Store, so: Mapping[str, Any], have
           d_root: Store, dso: Mapping[str, Any]) -> set[int]:
     """The steps the retention ``keep`` would leave under DST once every step of SRC is there:
     the policy over SRC's steps and those DST already holds, plus the newest and any whose
-    manifest cannot be read (as ``_backup.retain`` keeps them)."""
-    from . import api
-    from .manager import _saved_metrics
-    from .policies import CheckpointEntry, as_policy
-
-    where = {step: (d_root, name, dso) for step, name in have.items()}
-    where.update({step: (s_root, name, so) for step, name in src_steps})
+    manifest cannot be read (as ``Tier.retain`` keeps them)."""
+    src, dst = Tier(s_root, so), Tier(d_root, dso)
+    where = {step: dst for step in have}
+    where.update({step: src for step, _ in src_steps})
     entries, unreadable = [], set()
     for step in sorted(where):
-        root, name, options = where[step]
-        try:
-            info = api.inspect(root.child(name).url, storage_options=options)
-        except CheckpointError:
+        entry = where[step].entry(step)
+        if entry is None:
             unreadable.add(step)
-            continue
-        entries.append(CheckpointEntry(step, info.created, _saved_metrics(step, info.metadata)))
+        else:
+            entries.append(entry)
     kept = set(as_policy(keep).keep(entries)) | unreadable
     return kept | ({max(where)} if where else set())
 

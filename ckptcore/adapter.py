@@ -31,14 +31,13 @@ import contextlib
 import contextvars
 import importlib
 import logging
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from ._storage import check_url, open_regular  # for adapters: URL arguments, native files
-from .errors import RestoreError, UnappliedStateWarning
+from .errors import RestoreError, UnappliedStateWarning, warn_and_log
 from .state import RestoreReport, TrainingState
 
 __all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified",
@@ -201,19 +200,6 @@ def warn_unapplied(parts: Mapping[str, str], *, stacklevel: int = 3) -> None:
                "A run resumed this way does not continue where it stopped. To leave a part out on "
                "purpose, load with keys=[...] without it (e.g. keys=['model']).")
     warn_and_log(message, UnappliedStateWarning, stacklevel=stacklevel)
-
-
-def warn_and_log(message: str, category: type[Warning], *, stacklevel: int,
-                 logger: logging.Logger = _log) -> None:
-    """Warn ``message`` and put it on the ``ckptcore`` log trail, so that it shows once.
-
-    The log record is a WARNING when logging is set up to receive it (a handler on the
-    ``ckptcore`` logger or an ancestor: a log file, pytest's ``caplog``); with logging not set
-    up at all it is a DEBUG record, because Python's last-resort handler would print a WARNING
-    one to stderr right beside the warning itself (the same message twice on the console).
-    """
-    logger.log(logging.WARNING if logger.hasHandlers() else logging.DEBUG, "%s", message)
-    warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 def _show(names: Sequence[str], limit: int = 20) -> str:

@@ -8,6 +8,9 @@ around bad input) the class derives from that builtin too, so existing
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -28,6 +31,8 @@ __all__ = [
     "MigrationError",
     "AdapterNotFoundError",
     "MigrationWarning",
+    "CheckpointFallbackWarning",
+    "LockTakeoverWarning",
     "UnappliedStateWarning",
 ]
 
@@ -138,3 +143,28 @@ class UnappliedStateWarning(UserWarning):
     accumulation buffers, the schedule...) because no target for it was given: the run would
     continue, but not where it stopped.  The message names the part and how to apply it; load with
     ``keys=[...]`` leaving that section out to skip it on purpose."""
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """The newest checkpoint did not verify, and an older one (or its replica) was restored
+    instead; or a damaged step restore() fell back over is being replaced by a save."""
+
+
+class LockTakeoverWarning(UserWarning):
+    """A writer lock or lease whose holder is gone (killed, preempted) was taken over."""
+
+
+_log = logging.getLogger("ckptcore")
+
+
+def warn_and_log(message: str, category: type[Warning], *, stacklevel: int,
+                 logger: logging.Logger = _log) -> None:
+    """Warn ``message`` and put it on the ``ckptcore`` log trail, so that it shows once.
+
+    The log record is a WARNING when logging is set up to receive it (a handler on the
+    ``ckptcore`` logger or an ancestor: a log file, pytest's ``caplog``); with logging not set
+    up at all it is a DEBUG record, because Python's last-resort handler would print a WARNING
+    one to stderr right beside the warning itself (the same message twice on the console).
+    """
+    logger.log(logging.WARNING if logger.hasHandlers() else logging.DEBUG, "%s", message)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)

@@ -5,8 +5,9 @@ zero-padded so names sort in step order.  A step folder is a committed checkpoin
 manifest; anything else of ours under the root (temporary folders of a save, step folders without
 a manifest, shards a committed manifest does not name) is a leftover for :func:`gc`.
 
-The manager, ``ckpt ls`` and ``ckpt gc`` all read the layout through this module, so they agree on
-what a checkpoint is.
+What a committed step is comes from ``_steps`` (below the load path); this module adds what
+users call: :func:`list_checkpoints` and :func:`gc`.  The tiers of a manager (``_tier``) and the
+``ckpt`` commands use these same functions on their roots, so there is one listing and one gc.
 """
 
 from __future__ import annotations
@@ -17,53 +18,21 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from . import _fence, _knobs, api
+from . import _fence, _knobs
+from ._cas import sweep
 from ._commit import TMP_MARK
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
+from ._read import CheckpointInfo, inspect, read_manifest
 from ._replica import check_structure
+from ._steps import STEP, committed_steps, fenced_steps, is_committed, is_root, step_name
 from ._storage import CAS_DIR, Entry, Store, check_url
 from .errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["gc", "list_checkpoints", "CheckpointListing", "step_name"]
+__all__ = ["gc", "list_checkpoints", "CheckpointListing", "step_name", "committed_steps",
+           "is_committed", "fenced_steps", "is_root", "STEP"]
 
-STEP = _fence.STEP  # a step folder's name (fullmatch only: "$" would admit a trailing newline)
 log = logging.getLogger("ckptcore")
-
-
-def step_name(step: int) -> str:
-    """The folder name of checkpoint ``step`` under a root (``step-000000000042``)."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return f"step-{step:012d}"
-
-
-def committed_steps(root: Store, fence: Any = None) -> list[tuple[int, str]]:
-    """``(step, folder name)`` of every committed step folder under ``root`` that readers
-    accept, ascending.
-
-    A step folder is committed when it has a manifest; a damaged manifest still counts (restore
-    falls back over it).  A step committed by a writer after its lease was taken over is not
-    accepted (``_fence``; logged, and :func:`gc` removes it).  Manifests are read only for steps
-    the newest writer record does not name.  ``fence``: the caller's writer lock, whose own
-    view of the root saves reading it.
-    """
-    known = fence.view() if fence is not None else None
-    return _fence.split(root, _fence.step_folders(root), known)[0]
-
-
-def is_committed(root: Store, step: int) -> bool:
-    """Whether ``step`` is a committed step under ``root`` that readers accept (as
-    :func:`committed_steps`, for one step)."""
-    name = step_name(step)
-    if not root.exists() or not root.child(name).exists(MANIFEST_NAME):
-        return False
-    return bool(_fence.split(root, [(step, name)])[0])
-
-
-def fenced_steps(root: Store) -> list[tuple[int, str]]:
-    """Step folders committed by a writer after it was superseded: ignored by every reader."""
-    return _fence.split(root, _fence.step_folders(root))[1]
 
 
 @dataclass(frozen=True)
@@ -81,7 +50,7 @@ class CheckpointListing:
     step: int
     name: str
     url: str
-    info: api.CheckpointInfo | None = None
+    info: CheckpointInfo | None = None
     problem: str | None = None
 
 
@@ -104,16 +73,10 @@ def list_checkpoints(root: str | os.PathLike, *, storage_options: Mapping[str, A
         url = store.child(name).url
         try:
             out.append(CheckpointListing(step, name, url,
-                                         info=api.inspect(url, storage_options=storage_options)))
+                                         info=inspect(url, storage_options=storage_options)))
         except CheckpointError as e:
             out.append(CheckpointListing(step, name, url, problem=f"{type(e).__name__}: {e}"))
     return out
-
-
-def is_root(store: Store) -> bool:
-    """Whether ``store`` looks like a manager's root: step folders, save leftovers or its lock."""
-    return any(STEP.fullmatch(e.name) or TMP_MARK in e.name or e.name in (LOCK_NAME, _fence.GEN_DIR)
-               for e in store.listdir())
 
 
 def check_grace(grace: float | None) -> float:
@@ -195,7 +158,6 @@ def remove_leftovers(root: Store, grace: float, fence: Any = None) -> list[str]:
         elif STEP.fullmatch(e.name):
             removed += _gc_shards(child, cutoff)
         elif e.name == CAS_DIR and e.is_dir:  # a backup root: chunks no replica names any more
-            from ._backup import sweep
             removed += sweep(root, grace, fence)
     return removed
 
@@ -211,7 +173,7 @@ def _older(store: Store, entry: Entry, cutoff: float) -> bool:
 def _gc_shards(ckpt: Store, cutoff: float) -> list[str]:
     """Shards in a committed step folder that its manifest does not name (a losing writer's)."""
     try:
-        named = {s.path for s in api.read_manifest(ckpt).shards}
+        named = {s.path for s in read_manifest(ckpt).shards}
     except CheckpointError:
         return []
     removed = []

@@ -16,11 +16,14 @@ A custom policy subclasses :class:`RetentionPolicy` and implements ``keep``.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 __all__ = [
     "CheckpointEntry",
@@ -32,7 +35,11 @@ __all__ = [
     "KeepAll",
     "KeepAny",
     "as_policy",
+    "check_metrics",
+    "saved_metrics",
 ]
+
+log = logging.getLogger("ckptcore")
 
 
 @dataclass(frozen=True)
@@ -251,3 +258,40 @@ def as_policy(keep: Any) -> RetentionPolicy:
         return KeepAny(*(as_policy(k) for k in keep))
     raise TypeError(f"keep= takes None, an int, a retention policy or a list of them, "
                     f"got {type(keep).__name__}")
+
+
+def check_metrics(metrics: Any) -> dict[str, float] | None:
+    """``metrics`` as ``{name: float}``; ``TypeError``/``ValueError`` for anything else (None passes)."""
+    if metrics is None:
+        return None
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise TypeError(f"metrics: names must be str, got {type(k).__name__} {k!r:.40}")
+        if isinstance(v, bool) or not isinstance(v, (numbers.Real, np.ndarray)) or np.ndim(v) != 0:
+            raise TypeError(f"metrics[{k!r}] must be a number, got {type(v).__name__}")
+        f = float(v)
+        if not math.isfinite(f):
+            raise ValueError(f"metrics[{k!r}] is {f}; metrics must be finite (a NaN loss usually "
+                             "means the run diverged; leave it out of metrics= to save anyway)")
+        out[k] = f
+    return out
+
+
+def saved_metrics(step: int, metadata: Any) -> dict[str, float] | None:
+    """The metrics a checkpoint carries, for retention; None (logged) when they are unusable.
+
+    A user may have put anything under ``state.metadata["metrics"]``: a policy must not fail on
+    it after the step is committed, it just cannot rank that step.
+    """
+    value = metadata.get("metrics") if isinstance(metadata, Mapping) else None
+    if value is None:
+        return None
+    try:
+        return check_metrics(value)
+    except (TypeError, ValueError) as e:
+        log.warning("checkpoint step %d: metadata['metrics'] is not usable for retention (%s); "
+                    "metric-based policies ignore this step", step, e)
+        return None

@@ -38,7 +38,8 @@ from ckptcore import CheckpointError, CheckpointManager, TrainingState, _knobs, 
 from ckptcore import layout
 
 _STEP_RE = re.compile(r"/step-(\d{12,})/manifest\.msgpack$")
-LEASE = dict(lease_seconds=100.0, heartbeat_seconds=30.0)
+LEASE_SECONDS = 100.0
+LEASE = dict(lease=ckptcore.Lease(seconds=LEASE_SECONDS, heartbeat=30.0))
 
 
 class Clock:
@@ -443,9 +444,9 @@ def _takeover_b(run: Run, use_backup: bool) -> Callable[[str, str], None]:
     def action(op: str, path: str) -> None:
         run.fired = True
         out.takeovers += 1
-        out.note(f"takeover at {op} {path[len(run.prefix):]}: clock +{LEASE['lease_seconds'] + 1}s, "
+        out.note(f"takeover at {op} {path[len(run.prefix):]}: clock +{LEASE_SECONDS + 1}s, "
                  f"B saves {n_b} step(s){', closes' if close_b else ''}")
-        CLOCK.advance(LEASE["lease_seconds"] + 1)
+        CLOCK.advance(LEASE_SECONDS + 1)
         ok, b = call(out, "B = CheckpointManager(...)",
                      lambda: run.mgr(run.local, backup=url(run.bk) if use_backup else None))
         if not ok:
@@ -566,7 +567,7 @@ def run_b(seed: int) -> Outcome:
             run.fired = True
             out.takeovers += 1
             out.note(f"takeover at {op} {path[len(run.prefix):]}: clock +101s, {taker}")
-            CLOCK.advance(LEASE["lease_seconds"] + 1)
+            CLOCK.advance(LEASE_SECONDS + 1)
             if taker == "gc":
                 ok, removed = call(out, "gc(bk, grace=0)",
                                    lambda: ckptcore.gc(url(run.bk), grace=0))

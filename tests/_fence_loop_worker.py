@@ -96,8 +96,8 @@ def main() -> None:
         use_async = mode == "async" or (mode == "mixed" and inc % 2 == 0)
         save_error: BaseException | None = None
         mgr = CheckpointManager(root, storage_options=options, keep=keep_arg,
-                                async_save=use_async, lease_seconds=lease,
-                                heartbeat_seconds=beat, save_on_preemption=False)
+                                async_save=use_async, lease=ckptcore.Lease(seconds=lease,
+                                heartbeat=beat), save_on_preemption=False)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", LockTakeoverWarning)

@@ -28,8 +28,8 @@ def state(step: int) -> ckptcore.TrainingState:
     return ckptcore.TrainingState(model={"w": np.full(1000, step, np.float32)}, step=step)
 
 
-mgr = ckptcore.CheckpointManager(root, storage_options=options, keep=1, lease_seconds=3.0,
-                                 heartbeat_seconds=1.0, save_on_preemption=False,
+mgr = ckptcore.CheckpointManager(root, storage_options=options, keep=1, lease=ckptcore.Lease(seconds=3.0,
+                                 heartbeat=1.0), save_on_preemption=False,
                                  async_save=mode.endswith("async"))
 for s in (10, 20):
     mgr.save(s, state(s)).result()

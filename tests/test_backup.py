@@ -14,7 +14,7 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager, KeepLast, TrainingState, _knobs
-from ckptcore._backup import sweep
+from ckptcore._cas import sweep
 from ckptcore._replica import list_chunks
 from ckptcore._storage import Store
 from ckptcore.cli import main as ckpt
@@ -51,8 +51,7 @@ def tiers(tmp_path, cloud_backend):
 
 def test_every_step_is_replicated_with_its_own_retention(tiers):
     local, backup, opts = tiers
-    with CheckpointManager(local, keep=2, backup=backup, backup_keep=KeepLast(3),
-                           backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, keep=2, backup=ckptcore.Backup(backup, keep=KeepLast(3), storage_options=opts)) as mgr:
         for step in range(1, 7):
             mgr.save(step, _state(step))
         mgr.wait()
@@ -70,7 +69,7 @@ def test_unchanged_tensors_are_not_uploaded_again(tiers):
     local, backup, opts = tiers
     state_bytes = FROZEN.nbytes + _state(1).model["head"].nbytes
     grown = []
-    with CheckpointManager(local, backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in range(1, 5):
             before = _bytes_in(backup, opts) if step > 1 else 0
             mgr.save(step, _state(step))
@@ -85,22 +84,22 @@ def test_save_does_not_wait_for_the_bucket_and_wait_raises_its_errors(tmp_path, 
     # A bucket that does not exist: every replication fails; saves go on locally.
     opts = s3_backend.storage_options
     with pytest.raises(ckptcore.CheckpointError, match="does not exist"):
-        with CheckpointManager(str(tmp_path / "local"), backup="s3://no-such-bucket-here/run",
-                               backup_storage_options=opts) as mgr:
+        with CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup("s3://no-such-bucket-here/run",
+                               storage_options=opts)) as mgr:
             for step in (1, 2):
                 mgr.save(step, _state(step))
             assert mgr.steps() == [1, 2]
             mgr.wait()
     # the local steps were kept (no replica committed), and the next start retries them
-    with CheckpointManager(str(tmp_path / "local"), keep=1, backup=s3_backend.url("b"),
-                           backup_storage_options=opts) as mgr:
+    with CheckpointManager(str(tmp_path / "local"), keep=1, backup=ckptcore.Backup(s3_backend.url("b"),
+                                                                 storage_options=opts)) as mgr:
         mgr.wait()
         assert mgr.backup.steps() == [1, 2]
 
 
 def test_local_retention_keeps_steps_until_their_replica_is_committed(tiers, caplog):
     local, backup, opts = tiers
-    mgr = CheckpointManager(local, keep=1, backup=backup, backup_storage_options=opts)
+    mgr = CheckpointManager(local, keep=1, backup=ckptcore.Backup(backup, storage_options=opts))
     gate = __import__("threading").Event()
     original = mgr.backup._replicate
     mgr.backup._replicate = lambda step: (gate.wait(30), original(step))  # a stalled bucket
@@ -119,7 +118,7 @@ def test_local_retention_keeps_steps_until_their_replica_is_committed(tiers, cap
 
 def test_restore_prefers_local_falls_back_to_the_replica_then_older(tiers):
     local, backup, opts = tiers
-    with CheckpointManager(local, backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in (1, 2):
             mgr.save(step, _state(step))
     # damage local step 2: its replica, not step 1, is restored
@@ -127,7 +126,7 @@ def test_restore_prefers_local_falls_back_to_the_replica_then_older(tiers):
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with CheckpointManager(local, backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         with pytest.warns(ckptcore.CheckpointFallbackWarning, match="its replica"):
             state = mgr.restore()
     assert _same(state, _state(2))
@@ -135,11 +134,11 @@ def test_restore_prefers_local_falls_back_to_the_replica_then_older(tiers):
 
 def test_a_fresh_machine_restores_from_the_bucket_and_seeds_the_local_tier(tiers):
     local, backup, opts = tiers
-    with CheckpointManager(local, keep=1, backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, keep=1, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, _state(step))
     shutil.rmtree(local)
-    with CheckpointManager(local, backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         state = mgr.restore(seed=True)
         assert _same(state, _state(3))
         assert mgr.steps() == [3]  # seeded
@@ -152,8 +151,7 @@ def test_a_fresh_machine_restores_from_the_bucket_and_seeds_the_local_tier(tiers
 def test_retention_and_sweep_never_remove_a_chunk_a_committed_replica_names(tiers):
     local, backup, opts = tiers
     with _knobs.override(gc_grace=0):
-        with CheckpointManager(local, backup=backup, backup_keep=KeepLast(1),
-                               backup_storage_options=opts) as mgr:
+        with CheckpointManager(local, backup=ckptcore.Backup(backup, keep=KeepLast(1), storage_options=opts)) as mgr:
             for step in range(1, 5):
                 mgr.save(step, _state(step))
             mgr.wait()
@@ -174,7 +172,7 @@ def test_retention_and_sweep_never_remove_a_chunk_a_committed_replica_names(tier
 
 def test_a_damaged_chunk_is_found_by_verify_and_the_local_copy_wins(tiers, capsys):
     local, backup, opts = tiers
-    with CheckpointManager(local, backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         mgr.save(1, _state(1))
     root = Store(backup, opts)
     name = max(list_chunks(root).items(), key=lambda kv: kv[1][0])[0]  # the backbone's chunk
@@ -227,7 +225,7 @@ def test_ckpt_sync_between_stores_is_incremental_and_resumable(tmp_path, cloud_b
 
 def test_ckpt_ls_shows_the_tiers(tiers, capsys):
     local, backup, opts = tiers
-    with CheckpointManager(local, keep=1, backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, keep=1, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in (1, 2):
             mgr.save(step, _state(step))
     o = sum((["-o", f"{k}={v}"] for k, v in _flat(opts).items()), [])
@@ -237,8 +235,18 @@ def test_ckpt_ls_shows_the_tiers(tiers, capsys):
 
 
 def test_bad_arguments_are_refused_clearly(tmp_path):
-    with pytest.raises(ValueError, match="backup=URL"):
+    with pytest.raises(ValueError, match="backup=URL"), pytest.warns(DeprecationWarning):
         CheckpointManager(str(tmp_path / "a"), backup_keep=3)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        CheckpointManager(str(tmp_path / "a"), backup_kep=3)
+    with pytest.raises(TypeError, match="ckptcore.Backup"):
+        CheckpointManager(str(tmp_path / "a"), backup=[{"url": "x"}])
+    with pytest.raises(ValueError, match="given twice"):
+        CheckpointManager(str(tmp_path / "a"), backup=[str(tmp_path / "b"), str(tmp_path / "b/")])
+    with pytest.raises(TypeError, match="Backup"):
+        ckptcore.Backup(str(tmp_path / "b"), dedup="yes")
+    with pytest.raises(TypeError, match="keep="):
+        ckptcore.Backup(str(tmp_path / "b"), keep="three")
     with pytest.raises(ValueError, match="own root"):
         CheckpointManager(str(tmp_path / "a"), backup=str(tmp_path / "a"))
     with pytest.raises(ValueError, match="backup"):
@@ -247,7 +255,7 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
 
 def test_ckpt_gc_of_a_backup_root_sweeps_unreferenced_chunks(tiers, capsys):
     local, backup, opts = tiers
-    with CheckpointManager(local, backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         mgr.save(1, _state(1))
     root = Store(backup, opts)
     orphan = "chunks/cd/" + "cd" * 32  # an upload whose replica was never committed
@@ -269,7 +277,7 @@ def test_many_small_frozen_tensors_are_not_uploaded_again(tmp_path, s3_backend):
               for i in range(400)}  # 4 MB in 10 KB tensors
     state_bytes = 4_000_000 + 400_000
     grown = []
-    with CheckpointManager(str(tmp_path / "l"), backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(str(tmp_path / "l"), backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in (1, 2, 3):
             head = np.random.default_rng(step).standard_normal(100_000).astype(np.float32)
             before = _bytes_in(backup, opts) if step > 1 else 0
@@ -300,8 +308,8 @@ def _outage_after_step_1(tmp_path, outage, **knobs):
     """A manager (keep=1) whose step 1 is replicated, then the bucket goes down."""
     proxy, url, opts = outage
     with _knobs.override(**knobs):
-        with CheckpointManager(str(tmp_path / "local"), keep=1, backup=url,
-                               backup_storage_options=opts) as mgr:
+        with CheckpointManager(str(tmp_path / "local"), keep=1, backup=ckptcore.Backup(url,
+                               storage_options=opts)) as mgr:
             mgr.save(1, _state(1))
             mgr.wait()
             proxy.down = True
@@ -398,7 +406,7 @@ def test_a_group_replicates_once_and_every_rank_restores_from_the_best_tier(tmp_
     root, url, opts = str(tmp_path / "local"), s3_backend.url("backup"), s3_backend.storage_options
 
     def manager(g):
-        return CheckpointManager(root, keep=1, group=g, backup=url, backup_storage_options=opts,
+        return CheckpointManager(root, keep=1, group=g, backup=ckptcore.Backup(url, storage_options=opts),
                                  save_on_preemption=False)
 
     def save(g):
@@ -490,7 +498,7 @@ def test_with_a_group_every_rank_learns_what_replication_raised(tmp_path):
 def test_a_step_saved_again_replaces_its_stale_replica(tiers, caplog):
     local, backup, opts = tiers
     caplog.set_level(logging.INFO, logger="ckptcore")
-    with CheckpointManager(local, backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         mgr.save(1, _state(1))
         mgr.save(2, _state(2))
         mgr.wait()
@@ -503,13 +511,13 @@ def test_a_step_saved_again_replaces_its_stale_replica(tiers, caplog):
 
 def test_restore_with_the_bucket_down_uses_the_local_tier(tmp_path, outage, caplog):
     proxy, url, opts = outage
-    with CheckpointManager(str(tmp_path / "local"), backup=url, backup_storage_options=opts) as mgr:
+    with CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup(url, storage_options=opts)) as mgr:
         mgr.save(1, _state(1))
         mgr.wait()
     proxy.down = True
     caplog.set_level(logging.WARNING, logger="ckptcore")
     with _knobs.override(backup_retries=0):
-        mgr = CheckpointManager(str(tmp_path / "local"), backup=url, backup_storage_options=opts)
+        mgr = CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup(url, storage_options=opts))
         try:
             assert _same(mgr.restore(), _state(1))
             assert "cannot be listed" in caplog.text
@@ -524,7 +532,7 @@ def test_close_with_the_bucket_down_tries_each_step_once_more_at_most(tmp_path, 
     proxy, url, opts = outage
     caplog.set_level(logging.INFO, logger="ckptcore")
     with _knobs.override(backup_retries=4, backup_retry_seconds=30.0):
-        mgr = CheckpointManager(str(tmp_path / "local"), backup=url, backup_storage_options=opts)
+        mgr = CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup(url, storage_options=opts))
         mgr.save(1, _state(1))
         mgr.wait()
         proxy.down = True

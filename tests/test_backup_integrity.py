@@ -80,8 +80,8 @@ def _intact(url: str, opts: dict) -> bool:
 @pytest.mark.parametrize("how", ("flip", "delete", "swap"))
 def test_a_damaged_chunk_is_not_reused_but_uploaded_again(tmp_path, store, how, caplog):
     backup, opts = store.url("backup"), store.storage_options
-    with CheckpointManager(str(tmp_path / "local"), keep=1, backup=backup,
-                           backup_storage_options=opts) as mgr:
+    with CheckpointManager(str(tmp_path / "local"), keep=1, backup=ckptcore.Backup(backup,
+                           storage_options=opts)) as mgr:
         mgr.save(1, _state(1))
         mgr.wait()
         name = _backbone(Store(backup, opts))
@@ -102,13 +102,13 @@ def test_the_first_reuse_in_a_process_is_verified_and_what_it_costs(tmp_path, st
     by the store's MD5 where there is one (S3: no byte read back), else read back; later reuses
     of an unchanged chunk cost nothing more."""
     backup, opts = store.url("backup"), store.storage_options
-    with CheckpointManager(str(tmp_path / "local"), backup=backup,
-                           backup_storage_options=opts) as mgr:
+    with CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup(backup,
+                           storage_options=opts)) as mgr:
         mgr.save(1, _state(1))
     name = _backbone(Store(backup, opts))
     _damage(store, "backup", name, "flip")
-    with CheckpointManager(str(tmp_path / "local"), backup=backup,
-                           backup_storage_options=opts) as mgr:
+    with CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup(backup,
+                           storage_options=opts)) as mgr:
         with caplog.at_level(logging.WARNING, logger="ckptcore"):
             mgr.save(2, _state(2))
             mgr.wait()
@@ -163,8 +163,8 @@ def test_a_replica_that_does_not_verify_is_not_replicated_and_the_local_copy_sta
                     for n, d in objects.items()})
 
     monkeypatch.setattr(_replica, "_write_objects", bad_store)
-    mgr = CheckpointManager(str(tmp_path / "local"), keep=1, backup=backup,
-                            backup_storage_options=opts)
+    mgr = CheckpointManager(str(tmp_path / "local"), keep=1, backup=ckptcore.Backup(backup,
+                            storage_options=opts))
     with caplog.at_level(logging.WARNING, logger="ckptcore"):
         mgr.save(1, _state(1))
         with pytest.raises((ckptcore.CorruptCheckpointError,
@@ -220,7 +220,7 @@ def test_ckpt_sync_heals_the_destination_or_exits_non_zero(tmp_path, store, caps
 # -- 4. scrub / ckpt verify --deep --------------------------------------------------------------
 def _backup_with_three_steps(tmp_path, b):
     local, backup, opts = str(tmp_path / "local"), b.url("backup"), b.storage_options
-    with CheckpointManager(local, backup=backup, backup_storage_options=opts) as mgr:
+    with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, _state(step))
     root = Store(backup, opts)

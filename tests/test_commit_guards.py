@@ -21,7 +21,7 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager, FencedError, SchemaError, TrainingState, _knobs, _storage
-from ckptcore._lock import LockTakeoverWarning
+from ckptcore import LockTakeoverWarning
 
 
 def _state(step: int, meta: str = "") -> TrainingState:
@@ -110,8 +110,9 @@ def test_gc_taking_a_lapsed_backup_over_mid_replication_loses_nothing(tmp_path, 
                 warnings.simplefilter("ignore", LockTakeoverWarning)
                 swept.extend(ckptcore.gc(backup, grace=0, storage_options=opts))
 
-    mgr = CheckpointManager(local, keep=1, backup=backup, backup_storage_options=opts,
-                            lease_seconds=1.5, heartbeat_seconds=0.5, save_on_preemption=False)
+    mgr = CheckpointManager(local, keep=1, backup=ckptcore.Backup(backup, storage_options=opts),
+                            lease=ckptcore.Lease(seconds=1.5, heartbeat=0.5),
+                            save_on_preemption=False)
     try:
         mgr.save(1, _state(1))
         mgr.wait()

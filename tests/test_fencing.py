@@ -19,9 +19,9 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager, LockedError, TrainingState
-from ckptcore.manager import LockTakeoverWarning
+from ckptcore import LockTakeoverWarning
 
-LEASE = dict(lease_seconds=3.0, heartbeat_seconds=1.0, save_on_preemption=False)
+LEASE = dict(lease=ckptcore.Lease(seconds=3.0, heartbeat=1.0), save_on_preemption=False)
 
 
 def _state(step: int) -> TrainingState:

@@ -14,9 +14,10 @@ import time
 
 import pytest
 
+import ckptcore
 from ckptcore import CheckpointManager, LockedError
 from ckptcore._lock import _machine, _start_time
-from ckptcore.manager import LockTakeoverWarning
+from ckptcore import LockTakeoverWarning
 from manager_support import hold_lock, make_state, mp, open_manager, wait_for_line
 
 
@@ -96,16 +97,16 @@ def test_a_sigkilled_writer_on_local_disk_is_named_when_taken_over(tmp_path, cap
 # ------------------------------------------------------------------------------ live writers
 def test_a_live_writer_is_never_taken_over_while_it_heartbeats(s3_backend, tmp_path):
     root, options = s3_backend.url("run"), s3_backend.storage_options
-    proc, release, pid = _start_holder(root, options, tmp_path, lease_seconds=2.0,
-                                       heartbeat_seconds=0.4)
+    proc, release, pid = _start_holder(root, options, tmp_path,
+                                       lease=ckptcore.Lease(seconds=2.0, heartbeat=0.4))
     try:
         first = _lease(s3_backend)
         assert first["lease_seconds"] == 2.0 and first["pid"] == pid
         time.sleep(3.0)  # longer than the lease: only the heartbeat keeps it
         renewed = _lease(s3_backend)
         assert renewed["heartbeat"] > first["heartbeat"] and renewed["expires"] > time.time()
-        mgr = CheckpointManager(root, storage_options=options, lease_seconds=2.0,
-                                heartbeat_seconds=0.4)
+        mgr = CheckpointManager(root, storage_options=options, lease=ckptcore.Lease(seconds=2.0,
+                                heartbeat=0.4))
         with pytest.raises(LockedError, match=rf":{pid}:.*last renewed"):
             mgr.save(2, make_state(2))
         assert mgr.steps() == [1]
@@ -177,7 +178,7 @@ def test_an_unreadable_lease_is_taken_over(s3_backend):
 
 
 def test_the_heartbeat_finds_its_lease_taken_over_and_the_next_save_stops(s3_backend, caplog):
-    first = open_manager(s3_backend, lease_seconds=1.0, heartbeat_seconds=0.2)
+    first = open_manager(s3_backend, lease=ckptcore.Lease(seconds=1.0, heartbeat=0.2))
     first.save(1, make_state(1))
     _plant(s3_backend, _foreign_lease())  # another writer took it (its clock said it expired)
     with caplog.at_level(logging.WARNING, logger="ckptcore"):
@@ -195,12 +196,18 @@ def test_the_heartbeat_finds_its_lease_taken_over_and_the_next_save_stops(s3_bac
 
 @pytest.mark.parametrize("lease, beat", [(10, 10), (10, 20), (0, 0), (-1, 0.5), (float("nan"), 1)])
 def test_lease_and_heartbeat_periods_are_checked(tmp_path, lease, beat):
-    with pytest.raises(ValueError, match="heartbeat_seconds < lease_seconds"):
+    with pytest.raises(ValueError, match="heartbeat|seconds > 0"):
+        CheckpointManager(str(tmp_path / "run"), lease=ckptcore.Lease(seconds=lease, heartbeat=beat))
+    # the old spelling: still checked, and warned about
+    with pytest.raises(ValueError, match="heartbeat|seconds > 0"), pytest.warns(DeprecationWarning):
         CheckpointManager(str(tmp_path / "run"), lease_seconds=lease, heartbeat_seconds=beat)
 
 
 def test_a_lease_given_alone_gets_a_heartbeat_that_fits(tmp_path):
-    mgr = CheckpointManager(str(tmp_path / "run"), lease_seconds=6)
+    mgr = CheckpointManager(str(tmp_path / "run"), lease=ckptcore.Lease(seconds=6))
     assert (mgr._lock.lease_seconds, mgr._lock.heartbeat_seconds) == (6.0, 2.0)
-    mgr = CheckpointManager(str(tmp_path / "run"), lease_seconds=600)
+    mgr = CheckpointManager(str(tmp_path / "run"), lease=ckptcore.Lease(seconds=600))
     assert mgr._lock.heartbeat_seconds == 10.0
+    with pytest.warns(DeprecationWarning, match=r"lease=Lease\(seconds=...\)"):
+        mgr = CheckpointManager(str(tmp_path / "run"), lease_seconds=6)
+    assert (mgr._lock.lease_seconds, mgr._lock.heartbeat_seconds) == (6.0, 2.0)

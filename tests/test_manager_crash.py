@@ -32,7 +32,7 @@ from manager_support import (assert_state_of, check_listed_steps, crash_child, g
 KILLED = -signal.SIGKILL
 # Every resume here takes over the killed writer's lock, by design (tests/test_lease.py checks
 # the warning itself).
-pytestmark = pytest.mark.filterwarnings("ignore::ckptcore.manager.LockTakeoverWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::ckptcore.LockTakeoverWarning")
 
 
 def _run(target, *args, timeout: float = 60.0) -> int:

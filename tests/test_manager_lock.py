@@ -15,7 +15,7 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager, CheckpointNotFoundError, LockedError, _storage
-from ckptcore.manager import LockTakeoverWarning
+from ckptcore import LockTakeoverWarning
 from manager_support import (assert_state_of, hold_lock, leftovers, make_state, mp,
                              open_manager, read_lines, root_of, wait_for_line)
 
@@ -313,8 +313,8 @@ def test_a_lapsed_lease_taken_over_stops_the_old_writer_on_s3(s3_backend):
 
 def test_a_lease_removed_by_hand_is_taken_again_on_s3(s3_backend):
     root, options = s3_backend.url("run"), s3_backend.storage_options
-    with CheckpointManager(root, storage_options=options, lease_seconds=3,
-                           heartbeat_seconds=0.5) as mgr:
+    with CheckpointManager(root, storage_options=options, lease=ckptcore.Lease(seconds=3,
+                           heartbeat=0.5)) as mgr:
         mgr.save(1, make_state(1))
         s3_backend.delete("run", ".ckptcore.lock")
         time.sleep(0.3)  # a save renews a lease not renewed for half a heartbeat

@@ -222,7 +222,7 @@ def test_a_schedule_migration_error_gives_no_name_map_hint():
 def test_backup_retry_counts_agree_when_close_cuts_the_schedule(tmp_path, caplog):
     local = Store(str(tmp_path / "local"))
     (tmp_path / "backup").mkdir()
-    tier = BackupTier(local, str(tmp_path / "backup"), lock=False, dedup=False)
+    tier = BackupTier(local, ckptcore.Backup(str(tmp_path / "backup"), dedup=False), lock=False)
 
     def down(step):
         raise StorageError(f"{tier.root.url}: connection refused")
@@ -267,16 +267,16 @@ def test_a_backup_that_cannot_be_reached_is_an_error_at_construction(tmp_path):
     pytest.importorskip("s3fs")
     started = time.monotonic()
     with pytest.raises(StorageError) as err:
-        CheckpointManager(tmp_path / "local", backup="s3://nobucket/run1",
-                          backup_storage_options=_dead_endpoint(), save_on_preemption=False)
+        CheckpointManager(tmp_path / "local", backup=ckptcore.Backup("s3://nobucket/run1",
+                          storage_options=_dead_endpoint()), save_on_preemption=False)
     assert time.monotonic() - started < 30  # not the 85-96 s of wait()'s retries
     assert "s3://nobucket/run1" in str(err.value) and "cannot be reached" in str(err.value)
     assert not (tmp_path / "local" / ".ckptcore.lock").exists()  # nothing taken or written
     # A resumed run (local steps) whose bucket is down for now goes on locally, as before.
     with CheckpointManager(tmp_path / "local", save_on_preemption=False) as mgr:
         mgr.save(1, _state(1))
-    mgr = CheckpointManager(tmp_path / "local", backup="s3://nobucket/run1",
-                            backup_storage_options=_dead_endpoint(), save_on_preemption=False)
+    mgr = CheckpointManager(tmp_path / "local", backup=ckptcore.Backup("s3://nobucket/run1",
+                            storage_options=_dead_endpoint()), save_on_preemption=False)
     try:
         assert mgr.restore().step == 1
         mgr.save(2, _state(2))

@@ -202,23 +202,19 @@ def test_the_handler_chains_the_previous_one_and_close_restores_it(tmp_path):
 
 def test_no_handler_outside_the_main_thread(tmp_path, caplog):
     # Managers another test left open keep the process's handler installed, and a manager made
-    # in a thread then simply joins them: close them first, so that this test sees no handler.
+    # in a thread then simply joins them: close them first, so that this test sees no handler
+    # (a manager dropped without close() gives it back when collected).
     import gc
 
-    from ckptcore import manager
+    from ckptcore import _preempt
 
     gc.collect()
-    for leftover in list(manager._preemptible):
+    for leftover in _preempt.owners():
         leftover.close()
     saved = signal.getsignal(signal.SIGTERM)
-    if saved is manager._on_sigterm:
-        # Still ours with no manager left: one that another test dropped without close(), or
-        # closed from another thread (only the main thread can put a handler back).  Start
-        # from the default, and put the process's state back afterwards.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         before = signal.getsignal(signal.SIGTERM)
-        assert before is not manager._on_sigterm
+        assert before is not _preempt.on_sigterm
         made = []
         with caplog.at_level("INFO", logger="ckptcore"):
             t = threading.Thread(
@@ -230,6 +226,30 @@ def test_no_handler_outside_the_main_thread(tmp_path, caplog):
         made[0].close()
     finally:
         signal.signal(signal.SIGTERM, saved)
+
+
+def test_a_manager_dropped_without_close_gives_the_handler_back(tmp_path):
+    import gc
+
+    from ckptcore import _preempt
+
+    gc.collect()
+    for leftover in _preempt.owners():
+        leftover.close()
+    before = signal.getsignal(signal.SIGTERM)
+    mgr = CheckpointManager(str(tmp_path / "r"))
+    assert signal.getsignal(signal.SIGTERM) is _preempt.on_sigterm
+    kept = CheckpointManager(str(tmp_path / "q"))
+    del mgr
+    gc.collect()
+    assert signal.getsignal(signal.SIGTERM) is _preempt.on_sigterm  # another still watches
+    kept.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+    dropped = CheckpointManager(str(tmp_path / "p"))
+    assert signal.getsignal(signal.SIGTERM) is _preempt.on_sigterm
+    del dropped
+    gc.collect()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 FORKED = textwrap.dedent("""

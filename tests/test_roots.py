@@ -25,7 +25,8 @@ def test_a_backup_that_is_the_root_in_another_spelling_is_refused(tmp_path, monk
     backup = {"relative": "run", "dot": "./run", "file-url": f"file://{root}",
               "trailing-slash": root + "/", "symlink": str(tmp_path / "link")}[spelling]
     with pytest.raises(ValueError, match="own root"):
-        CheckpointManager(root, backup=backup, lock=lock, backup_keep=1, save_on_preemption=False)
+        CheckpointManager(root, backup=ckptcore.Backup(backup, keep=1), lock=lock,
+                          save_on_preemption=False)
     # and nothing was deleted or written by the attempt
     assert os.listdir(tmp_path / "run") == []
 
@@ -42,7 +43,7 @@ def test_keep_is_not_undone_by_an_aliased_backup_keep(tmp_path, monkeypatch):
         for s in (1, 2, 3):
             mgr.save(s, ckptcore.TrainingState(model={"w": np.zeros(3)}, step=s))
     with pytest.raises(ValueError):
-        CheckpointManager("run", backup="./run", backup_keep=1, lock=False)
+        CheckpointManager("run", backup=ckptcore.Backup("./run", keep=1), lock=False)
     assert CheckpointManager("run", lock=False).steps() == [1, 2, 3]
 
 

@@ -139,9 +139,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         lock: Hold the root's writer lease while training (``CheckpointManager(lock=)``).
         save_on_preemption: Catch SIGTERM, save the batch just trained and stop ``fit``.
         storage_options: Passed to fsspec.
-        backup, backup_keep, backup_storage_options: A bucket tier behind ``root``, as
-            ``CheckpointManager(backup=...)`` takes them: each committed checkpoint replicated in
-            the background, restored from when ``root`` has none.
+        backup: A bucket tier behind ``root`` (a ``ckptcore.Backup``, a URL, or a list of them),
+            as ``CheckpointManager(backup=...)`` takes it: each committed checkpoint replicated
+            in the background, restored from when ``root`` has none.  (``backup_keep`` and
+            ``backup_storage_options``, the older spellings, still work with a
+            ``DeprecationWarning``.)
+        lease: A ``ckptcore.Lease`` for the writer locks on object stores.
 
     Example:
         >>> cursor = ckptcore.DataCursor(len(x), 64, seed=0)                  # doctest: +SKIP
@@ -158,8 +161,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                  mode: str = "auto", save_best_only: bool = False,
                  delete_checkpoint: bool = False, lock: bool = True,
                  save_on_preemption: bool = True,
-                 storage_options: Mapping[str, Any] | None = None, backup: str | None = None,
-                 backup_keep: Any = None, backup_storage_options: Mapping[str, Any] | None = None):
+                 storage_options: Mapping[str, Any] | None = None, backup: Any = None,
+                 lease: Any = None, backup_keep: Any = None,
+                 backup_storage_options: Mapping[str, Any] | None = None):
         if root is None and backup_dir is None:
             raise TypeError("BackupAndRestore needs root (or backup_dir, Keras' spelling of it)")
         if root is not None and backup_dir is not None:
@@ -194,9 +198,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.storage_options = dict(storage_options or {})
         # A bucket tier behind the fast root (CheckpointManager(backup=...)): every committed
         # step replicated in the background; on_train_end waits for it.
-        self._backup = ({} if backup is None else
-                        {"backup": backup, "backup_keep": backup_keep,
-                         "backup_storage_options": dict(backup_storage_options or {})})
+        # (backup_keep and backup_storage_options: the spellings before ckptcore.Backup, passed on
+        # for the manager to fold in with a DeprecationWarning)
+        self._backup = {"backup": backup, "lease": lease,
+                        **{k: v for k, v in (("backup_keep", backup_keep),
+                                             ("backup_storage_options", backup_storage_options))
+                           if v is not None}}
         self._manager: CheckpointManager | None = None
         self._batches = 0          # batches trained in the whole run, over all processes
         self._epoch = 0            # the Keras epoch in progress

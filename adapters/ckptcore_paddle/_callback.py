@@ -84,9 +84,12 @@ class Checkpoint(paddle.callbacks.Callback):
             ``ckptcore.adapter.CALLBACK_KEEP``, the newest 3, as in every adapter's callback).
         async_save: Write in a background thread.
         storage_options: Passed to fsspec (through the manager).
-        backup, backup_keep, backup_storage_options: A bucket tier behind ``root``, as
-            ``CheckpointManager(backup=...)`` takes them: each committed checkpoint replicated in
-            the background, restored from when ``root`` has none.
+        backup: A bucket tier behind ``root`` (a ``ckptcore.Backup``, a URL, or a list of them),
+            as ``CheckpointManager(backup=...)`` takes it: each committed checkpoint replicated
+            in the background, restored from when ``root`` has none.  (``backup_keep`` and
+            ``backup_storage_options``, the older spellings, still work with a
+            ``DeprecationWarning``.)
+        lease: A ``ckptcore.Lease`` for the writer locks on object stores.
         lock: Take the root's writer lock (the manager's ``lock=``).
         save_on_preemption: Catch SIGTERM (the manager's ``save_on_preemption=``): after the batch
             in progress, save it and stop ``fit`` cleanly (``model.stop_training``).  With a
@@ -114,8 +117,8 @@ class Checkpoint(paddle.callbacks.Callback):
     def __init__(self, root: str | os.PathLike, *, save_freq: str | int = "epoch", cursor: Any = None,
                  keep: Any = CALLBACK_KEEP, async_save: bool = False, storage_options: Mapping[str, Any] | None = None,
                  lock: bool = True, save_on_preemption: bool = True, monitor: str = "loss", mode: str = "auto",
-                 save_best_only: bool = False, backup: str | None = None, backup_keep: Any = None,
-                 backup_storage_options: Mapping[str, Any] | None = None):
+                 save_best_only: bool = False, backup: Any = None, lease: Any = None,
+                 backup_keep: Any = None, backup_storage_options: Mapping[str, Any] | None = None):
         # Checked before anything else: "" would put checkpoints in "/" and None in a folder "None".
         root = check_url(root, "root")
         super().__init__()
@@ -140,9 +143,12 @@ class Checkpoint(paddle.callbacks.Callback):
         self.lock, self.save_on_preemption = bool(lock), bool(save_on_preemption)
         # A bucket tier behind the fast root (CheckpointManager(backup=...)): every committed
         # step replicated in the background; on_train_end waits for it.
-        self._backup = ({} if backup is None else
-                        {"backup": backup, "backup_keep": backup_keep,
-                         "backup_storage_options": dict(backup_storage_options or {})})
+        # (backup_keep and backup_storage_options: the spellings before ckptcore.Backup, passed on
+        # for the manager to fold in with a DeprecationWarning)
+        self._backup = {"backup": backup, "lease": lease,
+                        **{k: v for k, v in (("backup_keep", backup_keep),
+                                             ("backup_storage_options", backup_storage_options))
+                           if v is not None}}
         self.monitor, self.save_best_only = monitor, bool(save_best_only)
         self.mode = mode if mode != "auto" else ("max" if "acc" in monitor else "min")
         self.best: float | None = None

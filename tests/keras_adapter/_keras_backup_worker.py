@@ -45,7 +45,7 @@ def main(local: str, backup: str, out: str) -> None:
     model.compile(keras.optimizers.Adam(0.01), "mse")
     cursor = ckptcore.DataCursor(SAMPLES, BATCH, seed=1)
     callback = ckptcore_keras.BackupAndRestore(local, cursor=cursor, save_freq=SAVE_FREQ, keep=2,
-                                               backup=backup, backup_storage_options=options)
+                                               backup=ckptcore.Backup(backup, storage_options=options))
     model.fit(ckptcore_keras.dataset(cursor, x, y), epochs=EPOCHS, verbose=0,
               callbacks=[callback, Ready()])
     np.savez(out, *[v.numpy() for v in model.variables + model.optimizer.variables])

@@ -37,7 +37,7 @@ def main(local: str, backup: str, out: str) -> None:
                                paddle.nn.ReLU(), paddle.nn.Linear(64, 4))
     sched = paddle.optimizer.lr.StepDecay(0.01, step_size=5, gamma=0.7)
     opt = paddle.optimizer.Adam(sched, parameters=net.parameters())
-    mgr = ckptcore.CheckpointManager(local, keep=2, backup=backup, backup_storage_options=opts)
+    mgr = ckptcore.CheckpointManager(local, keep=2, backup=ckptcore.Backup(backup, storage_options=opts))
     step = 0
     try:
         step = mgr.restore(model=net, optimizer=opt, seed=True).step

@@ -1,0 +1,119 @@
+"""Garbage collection of a deduplicated backup root's content-addressed objects.
+
+A deduplicated replica (``_replica``) stores each tensor's bytes once, as an object named by
+its content under ``.ckptcore.cas/``, shared by every step that holds those bytes.  An object
+may go only when no committed manifest names it and no upload in progress may still name it:
+
+* an uploader records an *intent* (:func:`intent`) while it writes objects, and a sweep keeps
+  every object written since the oldest live intent (with a minute of slack for clock skew);
+  an intent left by a killed uploader is fenced by the next lock holder's generation (or,
+  unlocked, expires after a day) and removed by the next sweep;
+* :func:`sweep` lists the objects *first*, then reads every committed manifest, so an object
+  committed in between is referenced by the time it is judged; an unreadable manifest stops the
+  sweep (what it names is unknown); a store that gives no modification time keeps everything.
+
+The caller holds the root's writer lock and passes it as ``fence``: a writer superseded
+meanwhile deletes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any, Iterator
+
+from . import _fence
+from ._read import read_manifest
+from ._replica import chunk_rel, list_chunks, references
+from ._steps import committed_steps
+from ._storage import Store
+from .errors import CheckpointError
+
+log = logging.getLogger("ckptcore")
+
+INTENT_DIR = ".ckptcore.intents"
+_INTENT_MAX_AGE = 24 * 3600.0  # an unlocked uploader's intent is honoured this long
+_INTENT_SLACK = 60.0  # seconds of clock skew between an uploader and the store
+
+
+@contextlib.contextmanager
+def intent(root: Store, generation: int | None, holder: str) -> Iterator[str]:
+    """Record, while the block runs, that chunks are being uploaded under ``root`` (a sweep keeps
+    every chunk written since, unless ``generation`` was fenced meanwhile: its replica can then
+    never be accepted).  Removed after; one left by a killed uploader is fenced by the next
+    holder's generation (or, unlocked, expires after a day) and removed by the next sweep."""
+    name = f"{INTENT_DIR}/{uuid.uuid4().hex}.json"
+    root.makedirs(INTENT_DIR)
+    root.write_bytes(name, json.dumps({"generation": generation, "holder": holder,
+                                       "started": time.time()}).encode())
+    try:
+        yield name
+    finally:
+        try:
+            root.delete(name)
+        except Exception as e:  # noqa: BLE001 - a leftover intent only delays the sweep
+            log.warning("backup: could not remove the upload intent %s (%s: %s)",
+                        root.join(name), type(e).__name__, e)
+
+
+def live_intents(root: Store, own: tuple[str, ...] = ()) -> tuple[float | None, list[str]]:
+    """The start of the oldest upload in progress under ``root`` that a sweep must honour (None:
+    none; the sweeper's ``own`` intents aside), and the stale intents (fenced generations,
+    expired) a sweep may remove."""
+    newest = max(_fence.generations(root), default=0)
+    oldest, stale = None, []
+    for e in root.listdir(INTENT_DIR):
+        rel = f"{INTENT_DIR}/{e.name}"
+        if rel in own:
+            continue
+        try:
+            body = json.loads(root.read(rel, max_bytes=1 << 16))
+            started, g = float(body["started"]), body.get("generation")
+        except (ValueError, KeyError, TypeError, OSError, CheckpointError):
+            started, g = (e.mtime or time.time()), None  # unreadable: honoured by its age
+        fenced = isinstance(g, int) and g < newest
+        if fenced or time.time() - started > _INTENT_MAX_AGE:
+            stale.append(rel)
+        else:
+            oldest = started if oldest is None else min(oldest, started)
+    return oldest, stale
+
+
+def sweep(root: Store, grace: float, fence: Any = None, own: tuple[str, ...] = ()) -> list[str]:
+    """Remove chunks under ``root`` that no committed manifest refers to, that are older than
+    ``grace`` seconds and that no upload in progress may name (``intent``); returns their URLs.
+    The caller holds ``root``'s writer lock (``fence``: checked before deleting)."""
+    chunks = list_chunks(root)  # first: a chunk listed here and referenced later is kept below
+    referenced: set[str] = set()
+    for _, name in committed_steps(root):
+        try:
+            referenced |= references(read_manifest(root.child(name)))
+        except CheckpointError as e:
+            log.warning("backup: not sweeping chunks under %s: the manifest of %s cannot be read "
+                        "(%s), so what it refers to is unknown", root.url, name, e)
+            return []
+    uploading, stale = live_intents(root, own)
+    cutoff = time.time() - grace
+    if uploading is not None:
+        log.info("backup: an upload to %s is in progress since %s: keeping every chunk written "
+                 "since", root.url, time.strftime("%H:%M:%S", time.localtime(uploading)))
+        cutoff = min(cutoff, uploading - _INTENT_SLACK)
+    doomed = [n for n, (_, mtime) in sorted(chunks.items())
+              if n not in referenced and mtime is not None and mtime <= cutoff]
+    # (a store that gives no time: a chunk's age is unknown, so it is kept)
+    if (doomed or stale) and fence is not None:
+        fence.before_delete()
+    removed = []
+    for name in doomed:
+        url = root.join(chunk_rel(name))
+        log.info("backup: removing chunk %s, which no committed replica refers to", url)
+        root.delete(chunk_rel(name))
+        removed.append(url)
+    for rel in stale:
+        log.info("backup: removing the stale upload intent %s (its uploader was superseded or "
+                 "is long gone)", root.join(rel))
+        root.delete(rel)
+    return removed

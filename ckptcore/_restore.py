@@ -1,0 +1,159 @@
+"""Restoring from a manager's tiers: which step, from which tier, and falling back.
+
+``CheckpointManager.restore()`` hands its tiers (local first, then each backup) to
+:class:`Restorer`.  Without a step it tries every committed step of every tier, newest first,
+a step's local copy before its replicas, and takes the first that loads:
+
+* a step that fails to decode or verify is skipped with a :class:`CheckpointFallbackWarning`
+  (its replica next, else an older step);
+* a :class:`~ckptcore.errors.GroupError` raises (a peer is gone: no other step loads without
+  it), and so does a :class:`~ckptcore.errors.StorageError` on the local tier (the store is out
+  of reach: an older step would be no better); on a backup tier it only means there is no
+  replica to fall back on (logged);
+* a listing whose every step was deleted while it was read (another writer's retention) is
+  made again, a few times.
+
+With a group, rank 0 lists the tiers and every rank tries the same candidates in the same
+order; every rank follows rank 0's verdict after a failure, so none falls back while another
+raises.  No storage is touched while ranks agree on a verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from . import _dist
+from ._storage import Store
+from ._tier import Tier
+from .errors import (CheckpointError, CheckpointFallbackWarning, CheckpointNotFoundError,
+                     CorruptCheckpointError, GroupError, LockedError, StorageError,
+                     UnsupportedCheckpointError)
+from .state import TrainingState
+
+log = logging.getLogger("ckptcore")
+_RELISTS = 3  # listings made again when every listed step vanished while read
+
+
+def is_damage(e: BaseException) -> bool:
+    """Whether a step that failed to load is damaged (bad, missing or malformed bytes), as opposed
+    to intact but unreadable here (a newer format), gone, or out of reach (network, lock)."""
+    return isinstance(e, CheckpointError) and not isinstance(
+        e, (UnsupportedCheckpointError, CheckpointNotFoundError, StorageError, LockedError))
+
+
+@dataclass
+class Restored:
+    """What :meth:`Restorer.newest` restored, and what it fell back over on the local tier."""
+
+    state: TrainingState
+    step: int
+    tier: int  # index into the tiers: 0 is local
+    damaged: set[int] = field(default_factory=set)  # local copies that failed their checks
+    passed: set[int] = field(default_factory=set)  # local copies that did not load at all
+
+
+class Restorer:
+    """The candidates of a restore over ``tiers`` (index 0 local); ``anchor``: the store a
+    group's collectives are keyed by (the manager's root)."""
+
+    def __init__(self, tiers: list[Tier], group: Any, anchor: Store) -> None:
+        self.tiers, self.group, self.anchor = tiers, group, anchor
+
+    def _everyone(self, work: Callable[[], Any]) -> Any:
+        """``work()`` here, or with a group rank 0's result on every rank."""
+        return work() if self.group is None else _dist.decide(self.anchor, self.group, work)
+
+    def where(self, step: int) -> list[int]:
+        """The tiers where ``step`` is committed, local first (asked of rank 0 with a group)."""
+        return [int(i) for i in self._everyone(
+            lambda: [i for i, t in enumerate(self.tiers) if t.has(step)])]
+
+    def _plan(self) -> list[list[Any]]:
+        """``[step, [tier, ...]]`` for every committed step of any tier, from one listing of
+        each (a backup out of reach: the others only, logged)."""
+        held: dict[int, list[int]] = {}
+        for i, tier in enumerate(self.tiers):
+            try:
+                steps = tier.steps(missing_ok=True)
+            except (CheckpointError, OSError) as e:
+                if i == 0:
+                    raise
+                log.warning("restore: the backup %s cannot be listed (%s); the other tiers only",
+                            tier.url, e)
+                continue
+            for s in steps:
+                held.setdefault(s, []).append(i)
+        return [[s, held[s]] for s in sorted(held)]
+
+    def newest(self, load: Callable[[Tier, int], TrainingState],
+               apply: Callable[[TrainingState], None]) -> Restored:
+        """Load the newest step that loads (see the module docstring) and ``apply`` it."""
+        for attempt in range(_RELISTS):
+            plan = {int(s): [int(i) for i in tiers] for s, tiers in self._everyone(self._plan)}
+            if not plan:
+                where = " or ".join(t.url for t in self.tiers)
+                raise CheckpointNotFoundError(f"{where}: no committed checkpoints")
+            found, last, gone = self._try(plan, load, apply)
+            if found is not None:
+                return found
+            if not gone or attempt + 1 == _RELISTS:
+                break
+            log.warning("restore: %d of the checkpoints listed under %s were deleted while they "
+                        "were read (another writer's retention); listing again", gone,
+                        self.tiers[0].url)
+        raise CorruptCheckpointError(f"{self.tiers[0].url}: none of the {len(plan)} checkpoints "
+                                     f"verifies; the last error was: {last}") from last
+
+    def _try(self, plan: Mapping[int, list[int]], load: Callable[[Tier, int], TrainingState],
+             apply: Callable[[TrainingState], None]
+             ) -> tuple[Restored | None, Exception | None, int]:
+        """One pass over ``plan``, newest first: what loaded, the last error, how many were gone."""
+        last: Exception | None = None
+        damaged: set[int] = set()
+        passed: set[int] = set()
+        gone = 0
+        for s in sorted(plan, reverse=True):
+            for n, i in enumerate(plan[s]):
+                try:
+                    state = load(self.tiers[i], s)
+                except Exception as e:  # noqa: BLE001 - judged by verdict
+                    if self.verdict(s, i, e, replica_next=len(plan[s]) > n + 1) == "raise":
+                        raise
+                    if i == 0:
+                        passed.add(s)
+                        if is_damage(e):
+                            damaged.add(s)
+                    gone += isinstance(e, CheckpointNotFoundError)
+                    last = e
+                    continue
+                apply(state)
+                return Restored(state, s, i, damaged, passed), last, gone
+        return None, last, gone
+
+    def verdict(self, step: int, tier: int, e: Exception, replica_next: bool) -> str:
+        """After a candidate failed to load: ``"raise"`` or ``"next"`` (warned and logged)."""
+        if isinstance(e, GroupError):
+            verdict = ["raise", "group"]  # a peer is gone: no other step loads without it
+        elif isinstance(e, StorageError):
+            verdict = ["next" if tier > 0 else "raise", "unreachable"]
+        else:  # any step that fails to decode or verify
+            verdict = ["next", "invalid"]
+        if self.group is not None:
+            mine = verdict
+            verdict = list(_dist.decide(self.anchor, self.group, lambda: mine))
+        if verdict[0] == "raise":
+            return "raise"
+        url = self.tiers[tier].step_url(step)
+        if verdict[1] == "unreachable":
+            log.warning("restore: the replica of step %d (%s) cannot be read (%s); the backup "
+                        "is out of reach", step, url, e)
+            return "next"
+        fallback = "its replica" if replica_next else "an older one"
+        warnings.warn(f"checkpoint step {step} ({url}) does not verify: {e}; falling back to "
+                      + fallback, CheckpointFallbackWarning, stacklevel=5)
+        log.warning("restore: checkpoint step %d (%s) does not load (%s: %s); falling back to %s",
+                    step, url, type(e).__name__, e, fallback)
+        return "next"

@@ -1,0 +1,56 @@
+"""The snapshot a save writes: the state captured now, copied when the save runs in the background.
+
+``CheckpointManager.save()`` returns before an async save is written, while the caller keeps
+training on its buffers; so a state whose arrays are borrowed views (a capture that did not
+copy, or a ``TrainingState`` the caller built) is copied first.  The copies land in staging
+buffers kept from the previous async save: reusing them avoids faulting in fresh pages on every
+save, which costs more than the copy itself, and they are free to reuse because at most one
+save is in flight.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import _codec, _knobs, api
+from .state import TrainingState
+
+
+class Staging:
+    """One manager's staging buffers (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def snapshot(self, step: int, state: TrainingState | None, metrics: Mapping[str, float] | None,
+                 objects: Mapping[str, Any], background: bool) -> TrainingState:
+        """The state to save as ``step``: ``state`` or the objects' capture, with ``metrics``
+        in its metadata; copied into the staging buffers when ``background`` and borrowed."""
+        state, borrowed = api.capture_state(state, dict(objects))
+        if borrowed and background:
+            state = self._copy(state)
+        metadata = dict(state.metadata)
+        if metrics is not None:
+            metadata["metrics"] = metrics
+        return dataclasses.replace(state, metadata=metadata, step=state.step or step)
+
+    def _copy(self, state: TrainingState) -> TrainingState:
+        enc = _codec.encode_state(state)
+
+        def copy_one(i: int) -> np.ndarray:
+            src, buf = enc.arrays[i], self._buffers.get(enc.names[i])
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = np.empty(src.shape, src.dtype)
+            np.copyto(buf, src)
+            return buf
+
+        with ThreadPoolExecutor(int(_knobs.get("threads"))) as pool:
+            copies = list(pool.map(copy_one, range(len(enc.arrays))))
+        self._buffers = dict(zip(enc.names, copies))
+        # deepcopy's memo maps id(original) -> copy, so the tree is rebuilt around these copies.
+        return copy.deepcopy(state, {id(a): c for a, c in zip(enc.arrays, copies)})
