@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import logging
 import threading
 import time
@@ -37,69 +36,16 @@ from ._manifest import MANIFEST_NAME
 from ._read import read_manifest
 from ._replica import CopyStats, check_structure, copy_checkpoint
 from ._steps import step_name
-from ._storage import Store, _bucket_missing, check_url, error_chain
+from ._retry import transient
+from ._storage import Store, _bucket_missing, check_url
 from ._tier import Tier
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, FencedError,
-                     LockedError, StorageError)
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StorageError
 from .options import Backup, Lease
 from .policies import as_policy
 
 log = logging.getLogger("ckptcore")
 _PAUSE_LIMIT = 60  # seconds a replication waits for one save before going on alongside it
 _REACH_SECONDS = 10.0  # how long the check at construction waits for the backup root to answer
-
-
-# Store answers worth another try (throttling, a server's own failure) and those that are not
-# (credentials, permissions, a missing bucket), as S3, GCS and Azure spell them.
-_TRANSIENT_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
-                              "Throttling", "ThrottlingException", "TooManyRequests",
-                              "RequestLimitExceeded", "ServerBusy", "OperationTimedOut",
-                              "500", "502", "503", "504"})
-_PERMANENT_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-                              "NoSuchBucket", "AllAccessDisabled", "InvalidBucketName",
-                              "AccountProblem", "AuthenticationFailed", "AuthorizationFailure",
-                              "ContainerNotFound", "403", "404"})
-_PERMANENT_CLASSES = frozenset({"NoCredentialsError", "PartialCredentialsError",
-                                "CredentialRetrievalError", "ClientAuthenticationError",
-                                "DefaultCredentialsError", "RefreshError"})
-# errno values of a network or a server failing for now (s3fs maps SlowDown and
-# ServiceUnavailable to EBUSY, InternalError to EREMOTEIO).
-_TRANSIENT_ERRNOS = frozenset(getattr(errno, n) for n in (
-    "EBUSY", "EAGAIN", "ETIMEDOUT", "ECONNRESET", "ECONNREFUSED", "ECONNABORTED", "EPIPE",
-    "EREMOTEIO", "ENETUNREACH", "EHOSTUNREACH", "ENETDOWN") if hasattr(errno, n))
-
-
-def _code(e: BaseException) -> str:
-    response = getattr(e, "response", None)
-    if isinstance(response, dict):
-        return str((response.get("Error") or {}).get("Code", ""))
-    return str(getattr(e, "error_code", "") or getattr(e, "code", "") or "")
-
-
-def transient(e: BaseException) -> bool:
-    """Whether a failed replication may succeed if tried again: the store or the network failing
-    for now (an outage, a reset connection, throttling, a server error) or another writer's
-    lock; not a missing bucket, missing or refused credentials, a permission, a damaged source
-    or a bug."""
-    chain = error_chain(e)
-    if any(type(x).__name__ in _PERMANENT_CLASSES or _code(x) in _PERMANENT_CODES
-           or isinstance(x, PermissionError) for x in chain) or _bucket_missing(e):
-        return False
-    if isinstance(e, FencedError):
-        return False  # another writer took this root over: for good
-    if isinstance(e, LockedError):
-        return True
-    if isinstance(e, CheckpointError) and not isinstance(e, StorageError):
-        return False  # damaged or incomplete source, schema, usage
-    if any(_code(x) in _TRANSIENT_CODES for x in chain):
-        return True
-    if isinstance(e, StorageError):
-        return True  # the store failing: what ckptcore's storage layer wraps is network trouble
-    if isinstance(e, (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)):
-        return False
-    if isinstance(e, (ConnectionError, TimeoutError)):
-        return True
-    return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
 
 
 class BackupTier:
@@ -481,3 +427,97 @@ class BackupTier:
                 except (CheckpointError, OSError) as e:  # its lease expires by itself
                     log.warning("backup: releasing the writer lock of %s failed (%s: %s); its "
                                 "lease expires by itself", self.root.url, type(e).__name__, e)
+
+
+class Backups:
+    """A manager's backup tiers, acted on together: each committed step goes to every one, and
+    what one of them fails is raised once every one was waited for."""
+
+    def __init__(self, local: Store, specs: list[Backup], *, lock: bool, lease: Lease) -> None:
+        self.tiers = [BackupTier(local, s, lock=lock, lease=lease) for s in specs]
+        for i, b in enumerate(self.tiers):
+            for other in self.tiers[:i]:
+                if b.root.same_place(other.root):
+                    raise ValueError(f"backup: {b.root.url!r} is given twice (as "
+                                     f"{other.root.url!r}); each backup must be another location")
+
+    def __iter__(self) -> Iterator[BackupTier]:
+        return iter(self.tiers)
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    def __getitem__(self, i: int) -> BackupTier:
+        return self.tiers[i]
+
+    def reachable_steps(self) -> set[int]:
+        """The steps committed in any backup that can be listed now (one out of reach: logged)."""
+        steps: set[int] = set()
+        for b in self.tiers:
+            try:
+                steps |= set(b.steps())
+            except (CheckpointError, OSError) as e:
+                log.warning("latest_step: the backup %s cannot be listed (%s); the other tiers "
+                            "only", b.root.url, e)
+        return steps
+
+    def check(self, local_steps: list[int]) -> None:
+        for b in self.tiers:
+            b.check_reachable(local_steps)
+
+    def resume(self, local_steps: list[int]) -> None:
+        for b in self.tiers:
+            b.resume(local_steps)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Replication waits at its next object while the block (a save) runs."""
+        for b in self.tiers:
+            b.pause()
+        try:
+            yield
+        finally:
+            for b in self.tiers:
+                b.proceed()
+
+    def enqueue(self, step: int) -> None:
+        for b in self.tiers:
+            b.enqueue(step)
+
+    def unreplicated(self, steps: list[int]) -> set[int]:
+        """Those of ``steps`` some backup with ``keep_unreplicated`` still lacks (logged)."""
+        held = set()
+        for s in steps:
+            for b in self.tiers:
+                if b.spec.keep_unreplicated and not b.replicated(s):
+                    log.info("retention: keeping checkpoint step %d under %s until its replica "
+                             "in %s is committed", s, b.local.url, b.root.url)
+                    held.add(s)
+        return held
+
+    def wait(self) -> None:
+        """Every tier's :meth:`BackupTier.wait`; the first error raised after all were waited."""
+        errors = []
+        for b in self.tiers:
+            try:
+                b.wait()
+            except BaseException as e:  # noqa: BLE001 - every backup waited for; first raised
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def closing(self) -> None:
+        for b in self.tiers:
+            b.closing()
+
+    def close(self) -> None:
+        """Stop every tier's thread and release its lock (after :meth:`wait`)."""
+        errors = []
+        for b in self.tiers:
+            try:
+                b.close()
+            except BaseException as e:  # noqa: BLE001 - every tier closed; first raised
+                errors.append(e)
+        if errors:
+            raise errors[0]
+

@@ -1,4 +1,9 @@
-"""SIGTERM, the preemption notice: one handler for the process, shared by every manager.
+"""The process around the managers: SIGTERM (the preemption notice) and interpreter exit.
+
+Exit: :func:`drain_at_exit` registers a manager to be closed when the interpreter exits, so a
+finished script never drops its last save or replication (a failure then is logged and warned).
+
+SIGTERM: one handler for the process, shared by every manager.
 
 The handler is installed by the first :class:`Watch` (a manager made with
 ``save_on_preemption``) and put back to what it replaced when the last one is released, by
@@ -14,10 +19,13 @@ nothing: there SIGTERM keeps its previous effect.
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours
 import logging
 import os
 import signal
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -126,3 +134,32 @@ def _restore_if_unwatched() -> None:
         except (ValueError, TypeError):  # interpreter shutting down: nothing left to protect
             return
         _previous = None
+
+
+_live: weakref.WeakSet[Any] = weakref.WeakSet()  # managers to close at exit
+
+
+def drain_at_exit(mgr: Any) -> None:
+    """Close ``mgr`` (waiting for its saves in flight) when the interpreter exits."""
+    _live.add(mgr)
+
+
+def _drain() -> None:
+    # Interpreter exit waits for saves in flight, so a finished script never drops its last save.
+    for mgr in list(_live):
+        try:
+            mgr.close()
+        except BaseException as e:  # noqa: BLE001 - nothing left to raise to at exit
+            what = "save or replication" if mgr.backups else "save"
+            log.error("closing %s at exit: a background %s failed: %r", mgr.root.url, what, e)
+            warnings.warn(f"ckptcore: a background {what} failed at exit ({mgr.root.url}): {e!r}")
+
+
+# A plain atexit hook runs too late: concurrent.futures refuses new thread pools once the
+# interpreter starts shutting down (before atexit hooks run), and a save uses pools to write
+# its shards.  threading's own exit hooks run first, in reverse order of registration, so this
+# one (registered after concurrent.futures.thread's) drains saves while pools still work.
+try:
+    threading._register_atexit(_drain)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # pragma: no cover - other interpreters
+    atexit.register(_drain)

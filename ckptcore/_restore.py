@@ -25,23 +25,16 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from . import _dist
+from . import _dist, api
+from ._manifest import MANIFEST_NAME
 from ._storage import Store
-from ._tier import Tier
+from ._tier import Tier, is_damage
 from .errors import (CheckpointError, CheckpointFallbackWarning, CheckpointNotFoundError,
-                     CorruptCheckpointError, GroupError, LockedError, StorageError,
-                     UnsupportedCheckpointError)
+                     CorruptCheckpointError, GroupError, StorageError)
 from .state import TrainingState
 
 log = logging.getLogger("ckptcore")
 _RELISTS = 3  # listings made again when every listed step vanished while read
-
-
-def is_damage(e: BaseException) -> bool:
-    """Whether a step that failed to load is damaged (bad, missing or malformed bytes), as opposed
-    to intact but unreadable here (a newer format), gone, or out of reach (network, lock)."""
-    return isinstance(e, CheckpointError) and not isinstance(
-        e, (UnsupportedCheckpointError, CheckpointNotFoundError, StorageError, LockedError))
 
 
 @dataclass
@@ -61,6 +54,59 @@ class Restorer:
 
     def __init__(self, tiers: list[Tier], group: Any, anchor: Store) -> None:
         self.tiers, self.group, self.anchor = tiers, group, anchor
+
+    def restore(self, step: int | None, *, keys: Any, like: Any, seed: bool,
+                objects: dict) -> tuple[TrainingState, Restored | None]:
+        """``CheckpointManager.restore``: ``step`` (never falls back) or the newest that loads,
+        restored into ``objects``, its replica seeded into the local tier when ``seed``.  With
+        no step, also what was fallen back over (the copy seeded from a replica: healed)."""
+        keys = api.check_keys(keys)  # a usage error, not a step to fall back over
+        if step is not None:
+            return self._restore_step(step, keys, like, seed, objects), None
+
+        def load(tier: Tier, s: int) -> TrainingState:
+            return api.load_state(tier.step_url(s), storage_options=tier.options, keys=keys,
+                                  like=like, group=self.group)
+
+        found = self.newest(load, lambda state: self._restore_into(state, objects))
+        if found.tier > 0:
+            log.info("restore: step %d restored from its replica %s", found.step,
+                     self.tiers[found.tier].step_url(found.step))
+            if seed:
+                self._seed(found.tier, found.step, replace=found.step in found.damaged)
+                found.damaged.discard(found.step)  # healed: the local copy is the replica's now
+        return found.state, found
+
+    def _restore_step(self, step: int, keys: Any, like: Any, seed: bool,
+                      objects: dict) -> TrainingState:
+        where = self.where(step)
+        local = self.tiers[0]
+        if not where and local.step_store(step).exists(MANIFEST_NAME):
+            raise CheckpointNotFoundError(
+                f"{local.step_url(step)}: step {step} was committed by a writer after its "
+                "lease was taken over, so no reader accepts it (gc() removes it)")
+        tier = self.tiers[where[0] if where else 0]  # nowhere: the local error names it
+        if self.group is None:  # streams: each tensor assigned once its own batch verified
+            state = api.load_state(tier.step_url(step), storage_options=tier.options, keys=keys,
+                                   like=like, **objects)
+        else:
+            state = api.load_state(tier.step_url(step), storage_options=tier.options, keys=keys,
+                                   like=like, group=self.group)
+            self._restore_into(state, objects)
+        if where and where[0] > 0 and seed:
+            self._seed(where[0], step)
+        return state
+
+    def _restore_into(self, state: TrainingState, objects: dict) -> None:
+        """Assign a loaded state to the objects; with a group, every rank succeeds or raises."""
+        if self.group is None:
+            api.restore_objects(state, objects)
+        elif objects:
+            _dist.agree(self.anchor, self.group, lambda: api.restore_objects(state, objects))
+
+    def _seed(self, tier: int, step: int, replace: bool = False) -> None:
+        """``seed=True``: copy the replica into the local tier (rank 0 with a group)."""
+        self._everyone(lambda: self.tiers[0].seed(self.tiers[tier], step, replace=replace))
 
     def _everyone(self, work: Callable[[], Any]) -> Any:
         """``work()`` here, or with a group rank 0's result on every rank."""
@@ -153,7 +199,7 @@ class Restorer:
             return "next"
         fallback = "its replica" if replica_next else "an older one"
         warnings.warn(f"checkpoint step {step} ({url}) does not verify: {e}; falling back to "
-                      + fallback, CheckpointFallbackWarning, stacklevel=5)
+                      + fallback, CheckpointFallbackWarning, stacklevel=6)
         log.warning("restore: checkpoint step %d (%s) does not load (%s: %s); falling back to %s",
                     step, url, type(e).__name__, e, fallback)
         return "next"

@@ -1,4 +1,6 @@
-"""The snapshot a save writes: the state captured now, copied when the save runs in the background.
+"""The snapshot a save writes, and the handle of a save (:class:`SaveHandle`).
+
+The snapshot: the state captured now, copied when the save runs in the background.
 
 ``CheckpointManager.save()`` returns before an async save is written, while the caller keeps
 training on its buffers; so a state whose arrays are borrowed views (a capture that did not
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
 import numpy as np
@@ -54,3 +56,60 @@ class Staging:
         self._buffers = dict(zip(enc.names, copies))
         # deepcopy's memo maps id(original) -> copy, so the tree is rebuilt around these copies.
         return copy.deepcopy(state, {id(a): c for a, c in zip(enc.arrays, copies)})
+
+
+class SaveHandle:
+    """The future of one save: ``result()`` blocks until it is committed and returns its info."""
+
+    def __init__(self, step: int, url: str, future: Future):
+        self.step, self.url, self._future = step, url, future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> api.CheckpointInfo:
+        return self._future.result(timeout)
+
+    wait = result
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, done={self.done()})"
+
+
+def completed(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class InFlight:
+    """The one background save a manager may have in flight: at most one at a time (a second
+    waits for the first), its failure raised once, by the next :meth:`wait`."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._future: Future | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptcore-save")
+        self._future = self._pool.submit(fn, *args)
+        return self._future
+
+    def wait(self) -> None:
+        """Block until the save in flight is done; raise its error (or one kept since)."""
+        fut, self._future = self._future, None
+        if fut is not None:
+            try:
+                fut.result()
+            except BaseException as e:  # surfaced once, here
+                self._error = e
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+

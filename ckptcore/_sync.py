@@ -63,97 +63,126 @@ def sync(src: str, dst: str, *, dedup: bool = True, keep: Any = None, dry_run: b
     docstring).  ``progress(step name, bytes done, bytes total)`` is called as bytes go."""
     so = dict(storage_options or {})
     dso = dict(so if dst_storage_options is None else dst_storage_options)
-    s_root, d_root = Store(check_url(src, "src"), so), Store(check_url(dst, "dst"), dso)
-    if not s_root.exists():
+    job = _Sync(Store(check_url(src, "src"), so), Store(check_url(dst, "dst"), dso), so, dso,
+                dedup=dedup, dry_run=dry_run, progress=progress)
+    if not job.src.exists():
         raise CheckpointNotFoundError(f"{src} does not exist (no such folder or bucket)")
-    report = SyncReport()
-    lock = None if dry_run else WriterLock(d_root)
+    lock = None if dry_run else WriterLock(job.dst)
     if lock is not None:
         lock.acquire()
+    job.lock = lock
     try:
-        have = {s: n for s, n in committed_steps(d_root)} if d_root.exists() else {}
-        known: dict[str, Any] = {}  # chunks of DST this sync uploaded or verified
-        listing = None
-        src_steps = committed_steps(s_root)
-        kept = None if keep is None else _kept(keep, src_steps, s_root, so, have, d_root, dso)
+        return job.run(keep)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class _Sync:
+    """One ``sync`` (see the module docstring), under DST's writer lock (``lock``)."""
+
+    def __init__(self, src: Store, dst: Store, so: Mapping[str, Any], dso: Mapping[str, Any], *,
+                 dedup: bool, dry_run: bool,
+                 progress: Callable[[str, int, int], None] | None) -> None:
+        self.src, self.dst, self.so, self.dso = src, dst, so, dso
+        self.dedup, self.dry_run, self.progress = dedup, dry_run, progress
+        self.lock: Any = None
+        self.report = SyncReport()
+        self.known: dict[str, Any] = {}  # objects of DST this sync uploaded or verified
+        self.listing: Any = None  # DST's objects, listed for the structure checks
+
+    def run(self, keep: Any) -> SyncReport:
+        report, src, dst = self.report, self.src, self.dst
+        have = {s: n for s, n in committed_steps(dst)} if dst.exists() else {}
+        src_steps = committed_steps(src)
+        kept = None if keep is None else _kept(keep, src_steps, src, self.so, have, dst,
+                                               self.dso)
         for step, name in src_steps:
             if kept is not None and step not in have and step not in kept:
                 # retention would delete it right after: not worth copying
                 log.info("sync: step %d not copied: the retention would not keep it", step)
                 report.skipped.append(step)
-                continue
-            if step in have:
-                try:
-                    # (the checkpoint's identity; its generation is each root's own)
-                    same = (inspect(s_root.child(name).url, storage_options=so).writer.get("id")
-                            == inspect(d_root.child(name).url,
-                                           storage_options=dso).writer.get("id"))
-                except CheckpointError:
-                    same = False
-                (report.present if same else report.conflicts).append(step)
-                if not same:
-                    log.warning("sync: step %d under %s is another checkpoint than under %s; "
-                                "left as it is", step, dst, src)
-                    continue
-                if listing is None:
-                    listing = list_chunk_objects(d_root)
-                try:
-                    _, problems = check_structure(d_root.child(name), listing=listing)
-                except CheckpointError as e:
-                    problems = [e]
-                if not problems:
-                    continue
-                log.warning("sync: step %d under %s is broken (%s); %s", step, dst, problems[0],
-                            "it would be copied again" if dry_run else "copying it again")
-                if dry_run:
-                    continue
-                try:
-                    copy_checkpoint(s_root.child(name), d_root.child(name), dedup=dedup,
-                                    known=known, overwrite=True, fence=lock)
-                except (CorruptCheckpointError, IncompleteCheckpointError) as e:
-                    log.error("sync: step %d under %s is still broken: %s", step, dst, e)
-                    report.broken.append(step)
-                    report.problems[step] = f"{type(e).__name__}: {e}"
-                else:
-                    log.warning("sync: step %d under %s healed from %s", step, dst, src)
-                    report.healed.append(step)
-                listing = None  # chunks were uploaded: list again for the next check
-                continue
-            report.copied.append(step)
-            if dry_run:
-                continue
-            total = inspect(s_root.child(name).url, storage_options=so).nbytes
-            done = [0]
-
-            def tick(n: int, name: str = name, total: int = total) -> None:
-                done[0] += n
-                if progress:
-                    progress(name, done[0], total)
-
-            try:
-                _, stats = copy_checkpoint(s_root.child(name), d_root.child(name), dedup=dedup,
-                                           known=known, progress=tick, fence=lock)
-            except (CorruptCheckpointError, IncompleteCheckpointError) as e:
-                # (a damaged source, or a copy that did not verify: uncommitted, not a step)
-                log.error("sync: step %d could not be copied to %s: %s", step, dst, e)
-                report.copied.remove(step)
-                report.broken.append(step)
-                report.problems[step] = f"{type(e).__name__}: {e}"
-                continue
-            if progress and done[0] < total:  # (chunks DST had were not sent: the step is done)
-                progress(name, total, total)
-            listing = None
-            report.read += stats.read
-            report.written += stats.written
+            elif step in have:
+                self._check_present(step, name)
+            else:
+                self._copy(step, name)
         if keep is not None:
-            target = Tier(d_root, dso, lock=lock, what="replica")
-            report.deleted = target.retain(as_policy(keep), dry_run=dry_run)
-        if report.deleted and dedup and not dry_run:
-            report.swept = sweep(d_root, float(_knobs.get("gc_grace")), fence=lock)
-    finally:
-        if lock is not None:
-            lock.release()
-    return report
+            target = Tier(dst, self.dso, lock=self.lock, what="replica")
+            report.deleted = target.retain(as_policy(keep), dry_run=self.dry_run)
+        if report.deleted and self.dedup and not self.dry_run:
+            report.swept = sweep(dst, float(_knobs.get("gc_grace")), fence=self.lock)
+        return report
+
+    def _check_present(self, step: int, name: str) -> None:
+        """A step DST holds: the same checkpoint (else a conflict, left alone), and whole (else
+        copied again over itself)."""
+        report, src, dst = self.report, self.src, self.dst
+        try:
+            # (the checkpoint's identity; its generation is each root's own)
+            same = (inspect(src.child(name).url, storage_options=self.so).writer.get("id")
+                    == inspect(dst.child(name).url, storage_options=self.dso).writer.get("id"))
+        except CheckpointError:
+            same = False
+        (report.present if same else report.conflicts).append(step)
+        if not same:
+            log.warning("sync: step %d under %s is another checkpoint than under %s; left as it "
+                        "is", step, dst.url, src.url)
+            return
+        if self.listing is None:
+            self.listing = list_chunk_objects(dst)
+        try:
+            _, problems = check_structure(dst.child(name), listing=self.listing)
+        except CheckpointError as e:
+            problems = [e]
+        if not problems:
+            return
+        log.warning("sync: step %d under %s is broken (%s); %s", step, dst.url, problems[0],
+                    "it would be copied again" if self.dry_run else "copying it again")
+        if self.dry_run:
+            return
+        try:
+            copy_checkpoint(src.child(name), dst.child(name), dedup=self.dedup, known=self.known,
+                            overwrite=True, fence=self.lock)
+        except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+            log.error("sync: step %d under %s is still broken: %s", step, dst.url, e)
+            report.broken.append(step)
+            report.problems[step] = f"{type(e).__name__}: {e}"
+        else:
+            log.warning("sync: step %d under %s healed from %s", step, dst.url, src.url)
+            report.healed.append(step)
+        self.listing = None  # objects were uploaded: list again for the next check
+
+    def _copy(self, step: int, name: str) -> None:
+        """A step DST lacks: copied (or, in a dry run, only reported)."""
+        report = self.report
+        report.copied.append(step)
+        if self.dry_run:
+            return
+        total = inspect(self.src.child(name).url, storage_options=self.so).nbytes
+        done = [0]
+        progress = self.progress
+
+        def tick(n: int) -> None:
+            done[0] += n
+            if progress:
+                progress(name, done[0], total)
+
+        try:
+            _, stats = copy_checkpoint(self.src.child(name), self.dst.child(name),
+                                       dedup=self.dedup, known=self.known, progress=tick,
+                                       fence=self.lock)
+        except (CorruptCheckpointError, IncompleteCheckpointError) as e:
+            # (a damaged source, or a copy that did not verify: uncommitted, not a step)
+            log.error("sync: step %d could not be copied to %s: %s", step, self.dst.url, e)
+            report.copied.remove(step)
+            report.broken.append(step)
+            report.problems[step] = f"{type(e).__name__}: {e}"
+            return
+        if progress and done[0] < total:  # (objects DST had were not sent: the step is done)
+            progress(name, total, total)
+        self.listing = None
+        report.read += stats.read
+        report.written += stats.written
 
 
 def _kept(keep: Any, src_steps: list, s_root: Store, so: Mapping[str, Any], have: Mapping[int, str],

@@ -21,15 +21,24 @@ import os
 from typing import Any, Callable, Iterable, Mapping
 
 from . import layout
-from .api import verify
+from .api import save_state, verify
 from ._manifest import MANIFEST_NAME
 from ._read import inspect
-from ._steps import committed_steps, is_committed, step_name
+from ._replica import copy_checkpoint
+from ._steps import STEP, committed_steps, fenced_steps, is_committed, step_name
 from ._storage import Store
-from .errors import CheckpointError, UnsafeCheckpointError
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, LockedError, StorageError,
+                     UnsafeCheckpointError, UnsupportedCheckpointError)
 from .policies import CheckpointEntry, RetentionPolicy, saved_metrics
 
 log = logging.getLogger("ckptcore")
+
+
+def is_damage(e: BaseException) -> bool:
+    """Whether a step that failed to load is damaged (bad, missing or malformed bytes), as opposed
+    to intact but unreadable here (a newer format), gone, or out of reach (network, lock)."""
+    return isinstance(e, CheckpointError) and not isinstance(
+        e, (UnsupportedCheckpointError, CheckpointNotFoundError, StorageError, LockedError))
 
 
 class Tier:
@@ -88,6 +97,36 @@ class Tier:
     def has(self, step: int) -> bool:
         """Whether ``step`` is committed here and readers accept it (asked now)."""
         return is_committed(self.root, step)
+
+    # -- committing ----------------------------------------------------------------------------
+    def commit(self, step: int, state: Any, *, overwrite: bool = False, group: Any = None,
+               decide: Callable[[Callable[[], Any]], Any] = lambda work: work()) -> Any:
+        """Save ``state`` as ``step`` (:func:`ckptcore.save_state` under this tier's lock) and
+        return its ``CheckpointInfo``.  A step in the way that no reader accepts (committed by a
+        writer after its lease was taken over) is removed first; ``decide(work)`` runs that
+        decision (with a group: on rank 0, every rank following, a group's save being one act).
+        A step in the way otherwise is a ``CheckpointExistsError`` saying what to do."""
+        def save() -> Any:
+            return save_state(self.step_url(step), state, storage_options=self.options,
+                              overwrite=overwrite, group=group, fence=self.lock)
+        try:
+            try:
+                return save()
+            except CheckpointExistsError:
+                if not decide(lambda: self.clear_fenced(step)):
+                    raise
+                return save()
+        except CheckpointExistsError as e:
+            if step not in self.steps():
+                raise CheckpointExistsError(
+                    f"{e}. The folder of step {step} under {self.url} holds the leftovers of an "
+                    f"interrupted save or deletion: mgr.gc() removes them once they are older "
+                    f"than its grace period, mgr.rewind({step}) at once") from e
+            raise CheckpointExistsError(
+                f"{e}. Step {step} was committed by another run or manager under {self.url}, and "
+                f"a manager replaces only the steps it saved itself: to resume from it, call "
+                f"mgr.restore() and save the steps after it; to discard it, call mgr.rewind({step}) "
+                "(deletes it and every newer checkpoint) and save again") from e
 
     # -- what retention knows of a step ---------------------------------------------------------
     def remember(self, step: int, created: float, metadata: Any) -> None:
@@ -162,6 +201,76 @@ class Tier:
             log.info("retention: deleting %s step %d under %s", self.what, s, self.root.url)
             self.delete(s)
         return doomed
+
+    def rewind(self, step: int) -> list[int]:
+        """Delete every committed step from ``step`` on, newest first (a crash midway leaves a
+        prefix of the run), and the manifest-less step folders from there on (an interrupted
+        deletion's leftovers, which would block saving those steps again); returns the steps."""
+        gone = [s for s in reversed(self.steps()) if s >= step]
+        for s in gone:
+            log.info("rewind(%d): deleting %s step %d (%s)", step, self.what, s, self.step_url(s))
+            self.delete(s)
+        self.root.fs.invalidate_cache()
+        for e in self.root.listdir():
+            m = STEP.fullmatch(e.name)
+            if m and not e.is_link and int(m.group(1)) >= step:
+                log.info("rewind(%d): removing leftover %s", step, self.root.child(e.name).url)
+                try:
+                    self.root.child(e.name).delete_tree()
+                except FileNotFoundError:
+                    pass  # an object store's folder vanishes with its last object
+        self.relist()
+        return gone
+
+    def clear_fenced(self, step: int) -> bool:
+        """Remove a checkpoint of ``step`` that no reader accepts (committed by a writer after
+        its lease was taken over), so a save can go there; whether there was one."""
+        if self.lock is None or step not in {s for s, _ in fenced_steps(self.root)}:
+            return False
+        log.warning("save(%d): removing %s, committed by a writer after its lease was taken "
+                    "over (no reader accepts it), to save the step there", step,
+                    self.step_url(step))
+        self.delete(step)
+        return True
+
+    def damage(self, step: int) -> list[BaseException] | None:
+        """Why ``step`` is damaged (its data fails a checksum or is missing, verified now), or
+        None when it is not: intact, gone, or merely unreadable here (a newer format)."""
+        try:
+            problems: list[BaseException] = list(self.verify(step))
+        except Exception as e:  # noqa: BLE001 - classified just below
+            problems = [e]
+        return problems if problems and all(is_damage(p) for p in problems) else None
+
+    def seed(self, source: Tier, step: int, *, replace: bool = False) -> None:
+        """Copy ``source``'s committed ``step`` here (``restore(seed=True)``), under this tier's
+        lock; ``replace``: the copy here was found damaged, and is replaced if it still fails
+        its checks (a read that failed once does not delete a copy that verifies now)."""
+        dst = self.step_store(step)
+        if dst.exists(MANIFEST_NAME):
+            if not replace:
+                log.info("restore: step %d is already under %s; not seeding it", step, self.url)
+                return
+            self._acquire()
+            try:
+                problems: list[Exception] = list(self.verify(step))
+            except CheckpointError as e:  # its manifest is unreadable: damaged too
+                problems = [e]
+            if not problems:
+                log.info("restore: the local copy of step %d under %s verifies now; keeping it",
+                         step, self.url)
+                return
+            log.warning("restore: replacing the damaged copy of step %d under %s (%s) with its "
+                        "replica from %s", step, self.url, problems[0], source.url)
+            self.delete(step)
+        self._acquire()
+        log.info("restore: seeding %s with step %d from %s", self.url, step, source.url)
+        copy_checkpoint(source.step_store(step), dst, dedup=False, fence=self.lock)
+        self.relist()
+
+    def _acquire(self) -> None:
+        if self.lock is not None:
+            self.lock.acquire()
 
     # -- checking and cleaning ------------------------------------------------------------------
     def verify(self, step: int) -> list[CheckpointError]:

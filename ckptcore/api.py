@@ -23,6 +23,7 @@ from ._manifest import (CHUNKED_VERSION, READ_VERSIONS, Manifest, ShardEntry, Te
 from ._read import CheckpointInfo, TensorInfo, info_of, inspect, read_manifest
 from ._storage import Store
 from .errors import CheckpointError, IncompleteCheckpointError, SchemaError
+from .group import ProcessGroup
 from .registry import adapter_for, get_adapter
 from .state import TrainingState
 
@@ -32,13 +33,16 @@ log = logging.getLogger("ckptcore")
 
 
 def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
+               model: Any = None, optimizer: Any = None, cursor: Any = None,
                storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
-               group: Any = None, fence: Any = None, **objects: Any) -> CheckpointInfo:
+               group: ProcessGroup | None = None, fence: Any = None,
+               **objects: Any) -> CheckpointInfo:
     """Save a training state as a checkpoint directory at ``url`` (any fsspec URL).
 
-    Pass either a :class:`TrainingState` or framework objects (``model=...,
-    optimizer=..., cursor=...``), which the matching adapter captures.  The
-    save is atomic: readers see the whole checkpoint or none of it.
+    Pass either a :class:`TrainingState` or framework objects (``model``, ``optimizer``,
+    ``cursor``, and whatever else the model's adapter captures, e.g. ``scheduler=``), which the
+    matching adapter captures.  The save is atomic: readers see the whole checkpoint or none
+    of it.
 
     Example:
         >>> import numpy as np, ckptcore
@@ -67,44 +71,21 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         FencedError: with ``fence``, another writer took the root over; a commit made after
             that is ignored by every reader.
     """
-    version = int(_knobs.get("format_version"))
-    if version not in READ_VERSIONS:
-        raise ValueError(f"the format_version knob is {version}; this ckptcore writes "
-                         f"{', '.join(map(str, READ_VERSIONS))}")
+    objects = _given(model=model, optimizer=optimizer, cursor=cursor, **objects)
     store = Store(os.fspath(url), dict(storage_options or {}))
+    version = _writer_version(None)
     try:
         state, _ = capture_state(state, objects)  # borrowed arrays: written before we return
         enc = _codec.encode_state(state)
         arrays = [_codec.to_little_endian(a) for a in enc.arrays]
+        version = _writer_version(enc, arrays)
     except Exception as e:
         if group is None:
             raise
         _dist.fail(store, group, e)  # the other ranks learn it at once, then this raises
         raise
     token = uuid.uuid4().hex[:16]
-    # Shard leaves need chunked tensors (format 3); a plain state keeps the knob's version.
-    if enc.chunks is not None or version >= CHUNKED_VERSION:
-        if version < 2:
-            raise ValueError("the format_version knob is 1, but the state holds ckptcore.Shard "
-                             "leaves, which need format version 3")
-        version = CHUNKED_VERSION
-        if enc.chunks is None:
-            enc.chunks = _codec.Chunking.whole(arrays)
-    count = enc.chunks.tensor[-1] + 1 if enc.chunks is not None and arrays else len(arrays)
-    writer = {"id": token, "host": socket.gethostname(), "pid": os.getpid()}
-    if fence is not None and fence.generation is not None:
-        writer["generation"] = int(fence.generation)  # readers ignore commits of a fenced one
-
-    def make_manifest(shards: Sequence[ShardEntry], tensors: TensorTable) -> Manifest:
-        return Manifest(
-            created=time.time(),
-            writer=writer,
-            library={"ckptcore": __version__, "numpy": np.__version__,
-                     "python": platform.python_version()},
-            framework={"name": state.framework,
-                       "versions": dict(state.metadata.get("versions") or {})},
-            alignment=int(_knobs.get("alignment")), shards=tuple(shards), tensors=tensors,
-            tree=enc.tree, version=version, referenced=tuple(range(count)))
+    make_manifest = _manifest_maker(state, enc, version, token, fence, len(arrays))
 
     def write(target: Store) -> Manifest:
         shards, table = _io.write_payload(target, arrays, enc.names, token, enc.dtypes,
@@ -131,6 +112,50 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     return info_of(store.url, manifest)
 
 
+def _given(**objects: Any) -> dict[str, Any]:
+    """The framework objects a call was given (``None``: not given)."""
+    return {k: v for k, v in objects.items() if v is not None}
+
+
+def _writer_version(enc: Any, arrays: Sequence[np.ndarray] = ()) -> int:
+    """The manifest version to write: the ``format_version`` knob's, or 3 (chunked tensors) for
+    a state with ``Shard`` leaves; ``ValueError`` for a knob this ckptcore cannot write."""
+    version = int(_knobs.get("format_version"))
+    if version not in READ_VERSIONS:
+        raise ValueError(f"the format_version knob is {version}; this ckptcore writes "
+                         f"{', '.join(map(str, READ_VERSIONS))}")
+    if enc is not None and (enc.chunks is not None or version >= CHUNKED_VERSION):
+        if version < 2:
+            raise ValueError("the format_version knob is 1, but the state holds ckptcore.Shard "
+                             "leaves, which need format version 3")
+        version = CHUNKED_VERSION
+        if enc.chunks is None:
+            enc.chunks = _codec.Chunking.whole(arrays)
+    return version
+
+
+def _manifest_maker(state: TrainingState, enc: Any, version: int, token: str, fence: Any,
+                    narrays: int) -> Any:
+    """``make(shards, table)``: the manifest of this save once its shards are written."""
+    count = enc.chunks.tensor[-1] + 1 if enc.chunks is not None and narrays else narrays
+    writer = {"id": token, "host": socket.gethostname(), "pid": os.getpid()}
+    if fence is not None and fence.generation is not None:
+        writer["generation"] = int(fence.generation)  # readers ignore commits of a fenced one
+
+    def make_manifest(shards: Sequence[ShardEntry], tensors: TensorTable) -> Manifest:
+        return Manifest(
+            created=time.time(),
+            writer=writer,
+            library={"ckptcore": __version__, "numpy": np.__version__,
+                     "python": platform.python_version()},
+            framework={"name": state.framework,
+                       "versions": dict(state.metadata.get("versions") or {})},
+            alignment=int(_knobs.get("alignment")), shards=tuple(shards), tensors=tensors,
+            tree=enc.tree, version=version, referenced=tuple(range(count)))
+
+    return make_manifest
+
+
 def check_keys(keys: Iterable[str] | str | None) -> list[str] | None:
     """``keys=`` of a load or restore as a list of sections (None: all); ``ValueError`` naming
     an unknown one (a usage error, raised before anything is read)."""
@@ -155,11 +180,20 @@ def _select(tree: dict, keys: Iterable[str] | None) -> dict:
     return {k: v for k, v in tree.items() if k in wanted}
 
 
-def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[str] | None = None,
+def load_state(url: str | os.PathLike, *, model: Any = None, optimizer: Any = None,
+               cursor: Any = None, verify: bool = True, keys: Iterable[str] | None = None,
                storage_options: Mapping[str, Any] | None = None,
-               like: TrainingState | None = None, group: Any = None,
+               like: TrainingState | None = None, group: ProcessGroup | None = None,
+               strict: bool | None = None, rng: bool | None = None,
+               name_map: Mapping[str, str | None] | None = None, approximate: bool = False,
                **objects: Any) -> TrainingState:
     """Load the checkpoint at ``url``; with framework objects, restore into them too.
+
+    ``model``, ``optimizer``, ``cursor`` and whatever else the model's adapter restores (e.g.
+    ``scheduler=``) are the objects.  ``strict`` (raise on a missing or unexpected name; the
+    adapter's default, True, when None) and ``rng`` (restore the saved RNG states; default
+    True) go to the adapter's ``restore``; ``name_map`` and ``approximate`` to the conversion
+    of a state saved by another framework (:func:`convert`).
 
     Sharded tensors (saved from ``ckptcore.Shard`` leaves) come back whole when their chunks
     cover them.  ``like`` (a :class:`TrainingState` whose leaves are ``Shard``s, ``Chunks`` or
@@ -192,11 +226,29 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
         IncompleteCheckpointError: a shard is missing or truncated.
         SchemaError: the manifest is malformed or of an unsupported version.
     """
+    objects = _given(model=model, optimizer=optimizer, cursor=cursor, strict=strict, rng=rng,
+                     name_map=name_map, **objects)
+    if approximate:
+        objects["approximate"] = True
+    store = Store(os.fspath(url), dict(storage_options or {}))
     if group is not None:
-        store = Store(os.fspath(url), dict(storage_options or {}))
         return _dist.agree(store, group, lambda: load_state(
             url, verify=verify, keys=keys, storage_options=storage_options, like=like, **objects))
-    store = Store(os.fspath(url), dict(storage_options or {}))
+    manifest, tree, state, reading = _open(store, keys, like, verify)
+    if reading is None:  # chunked tensors: read and verified already
+        restore_objects(state, objects)
+        return state
+    try:
+        return _assign(manifest, tree, reading, objects, verify)
+    finally:
+        reading.close()
+
+
+def _open(store: Store, keys: Iterable[str] | None, like: TrainingState | None, verify: bool
+          ) -> tuple[Manifest, dict, TrainingState | None, _io.Reading | None]:
+    """The manifest and the selected tree, and either the decoded state (chunked tensors: read
+    and verified already) or the :class:`_io.Reading` of its tensors, started.  A checkpoint
+    overwritten between its manifest and its shards is read again."""
     for attempt in range(_READ_ATTEMPTS):
         manifest = read_manifest(store)
         tree = _select(manifest.tree, keys)
@@ -206,12 +258,9 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
             if like is not None or manifest.tensors.chunked:
                 from . import _chunks
 
-                state = _codec.decode_state(_chunks.load_tree(store, manifest, tree, like,
-                                                              verify=verify))
-                reading = None
-            else:
-                reading = _io.Reading(store, manifest, wanted, verify=verify)
-            break
+                return manifest, tree, _codec.decode_state(
+                    _chunks.load_tree(store, manifest, tree, like, verify=verify)), None
+            return manifest, tree, None, _io.Reading(store, manifest, wanted, verify=verify)
         except (IncompleteCheckpointError, FileNotFoundError):
             # An overwrite may have replaced the checkpoint between our reading its manifest and
             # its shards: then read the new one; otherwise the shards really are missing.
@@ -219,28 +268,29 @@ def load_state(url: str | os.PathLike, *, verify: bool = True, keys: Iterable[st
                 raise
             log.info("load_state: %s was overwritten while it was read; reading the new one "
                      "(attempt %d of %d)", store.url, attempt + 2, _READ_ATTEMPTS)
-    if reading is None:  # chunked tensors: read and verified already
+    raise AssertionError("unreachable")  # the last attempt returned or raised
+
+
+def _assign(manifest: Manifest, tree: dict, reading: _io.Reading, objects: dict,
+            verify: bool) -> TrainingState:
+    """The state of ``reading``'s tensors, restored into ``objects``; streaming (each tensor
+    assigned once its own batch verified) when the objects are of the saving framework."""
+    stream = verify and _streams(manifest, objects)
+    arrays = reading.arrays if stream else reading.result()
+    tree = _codec.substitute(tree, lambda r: arrays[r.index][()] if r.scalar else arrays[r.index])
+    state = _codec.decode_state(tree)
+    if not stream:
         restore_objects(state, objects)
         return state
-    try:
-        stream = verify and _streams(manifest, objects)
-        arrays = reading.arrays if stream else reading.result()
-        tree = _codec.substitute(tree, lambda r: arrays[r.index][()] if r.scalar else arrays[r.index])
-        state = _codec.decode_state(tree)
-        if stream:
-            # Tensors are assigned as soon as their own batch is verified, while later batches
-            # are still being read (RestorePlan.apply waits on this gate before each put).
-            with restore_gate(_Gate(reading, arrays)):
-                try:
-                    restore_objects(state, objects)
-                except Exception:
-                    reading.result()  # damage, if any, is the error to report, not its symptom
-                    raise
-            reading.result()  # what no put took (RNG states, extra...) is verified before we return
-        else:
+    # Tensors are assigned as soon as their own batch is verified, while later batches are still
+    # being read (RestorePlan.apply waits on this gate before each put).
+    with restore_gate(_Gate(reading, arrays)):
+        try:
             restore_objects(state, objects)
-    finally:
-        reading.close()
+        except Exception:
+            reading.result()  # damage, if any, is the error to report, not its symptom
+            raise
+    reading.result()  # what no put took (RNG states, extra...) is verified before we return
     return state
 
 

@@ -362,7 +362,7 @@ def test_what_is_worth_retrying():
     from botocore.exceptions import ClientError, NoCredentialsError
     from s3fs.errors import translate_boto_error
 
-    from ckptcore._backup import transient
+    from ckptcore._retry import transient
 
     store = Store("s3://bucket/x", {"anon": True})
 

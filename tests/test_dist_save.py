@@ -182,7 +182,7 @@ def test_a_manager_with_a_group_saves_every_step_once_and_keeps_its_retention(ba
     mgr = ckptcore.CheckpointManager(root, storage_options=opts, lock=False,
                                      save_on_preemption=False)
     assert _same(mgr.restore(), states[40])
-    assert len(_bytes_per_rank(backend, "run", mgr._name(40))) == 3
+    assert len(_bytes_per_rank(backend, "run", ckptcore.layout.step_name(40))) == 3
 
 
 def test_a_refusal_only_rank_0_can_make_reaches_every_rank_at_once(tmp_path):

@@ -295,7 +295,7 @@ def test_backup_dir_and_delete_checkpoint(tmp_path):
 
 def test_lock_and_storage_options_reach_the_manager(tmp_path):
     cb = ckptcore_keras.BackupAndRestore(tmp_path, lock=False, storage_options={"auto_mkdir": True})
-    assert cb.manager._lock is None and cb.manager._options == {"auto_mkdir": True}
+    assert cb.manager._lock is None and cb.manager.local.options == {"auto_mkdir": True}
     cb.manager.close()
 
 
