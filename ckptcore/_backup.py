@@ -37,7 +37,7 @@ from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
 from ._replica import (CopyStats, check_structure, chunk_rel, copy_checkpoint, list_chunks,
                        references)
-from ._storage import Store, _bucket_missing, check_url, error_chain
+from ._storage import Store, bucket_missing, check_url, error_chain
 from .errors import CheckpointError, CheckpointExistsError, FencedError, LockedError, StorageError
 from .policies import CheckpointEntry, as_policy
 
@@ -141,7 +141,7 @@ def retain(root: Store, policy: Any, options: Mapping[str, Any], *,
     (``layout.structure_problem``).  ``dry_run``: only say which.  ``fence``: the writer lock,
     checked before each deletion."""
     from . import api
-    from .manager import _saved_metrics
+    from .manager import saved_metrics
 
     steps = [s for s, _ in layout.committed_steps(root)] if root.exists() else []
     if len(steps) < 2:
@@ -152,7 +152,7 @@ def retain(root: Store, policy: Any, options: Mapping[str, Any], *,
             info = api.inspect(root.child(layout.step_name(s)).url, storage_options=options)
         except CheckpointError:
             continue  # unreadable: kept (a policy cannot judge it)
-        entries.append(CheckpointEntry(s, info.created, _saved_metrics(s, info.metadata)))
+        entries.append(CheckpointEntry(s, info.created, saved_metrics(s, info.metadata)))
     keep = set(as_policy(policy).keep(entries)) | {steps[-1]}
     keep |= set(steps) - {e.step for e in entries}
     gone = [s for s in steps[:-1] if s not in keep]
@@ -209,7 +209,7 @@ def transient(e: BaseException) -> bool:
     or a bug."""
     chain = error_chain(e)
     if any(type(x).__name__ in _PERMANENT_CLASSES or _code(x) in _PERMANENT_CODES
-           or isinstance(x, PermissionError) for x in chain) or _bucket_missing(e):
+           or isinstance(x, PermissionError) for x in chain) or bucket_missing(e):
         return False
     if isinstance(e, FencedError):
         return False  # another writer took this root over: for good

@@ -45,7 +45,7 @@ import weakref
 from typing import Any
 
 from . import _fence, _knobs
-from ._storage import Store, _kind
+from ._storage import Store, file_kind
 from .adapter import warn_and_log
 from .errors import FencedError, LockedError, UnsafeCheckpointError
 
@@ -142,8 +142,8 @@ def check_lease_times(lease_seconds: float | None, heartbeat_seconds: float | No
     """The lease and heartbeat periods (the knobs' defaults for None; with only the lease given,
     the heartbeat is at most a third of it); ``ValueError`` unless
     ``0 < heartbeat_seconds < lease_seconds`` (a lease must be renewed before it expires)."""
-    lease = float(_knobs.get("lease_seconds") if lease_seconds is None else lease_seconds)
-    beat = float(_knobs.get("heartbeat_seconds") if heartbeat_seconds is None else heartbeat_seconds)
+    lease = float(_knobs.lease_seconds() if lease_seconds is None else lease_seconds)
+    beat = float(_knobs.heartbeat_seconds() if heartbeat_seconds is None else heartbeat_seconds)
     if heartbeat_seconds is None and lease_seconds is not None and lease > 0:
         beat = min(beat, lease / 3)  # only the lease given: renew it three times per period
     if not lease > 0 or not beat > 0 or not beat < lease:  # also NaN
@@ -379,7 +379,7 @@ class WriterLock:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # a FIFO or device opens; it is no lock file either
-                raise self._not_a_file(path, _kind(st.st_mode))
+                raise self._not_a_file(path, file_kind(st.st_mode))
             key = (st.st_dev, st.st_ino)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -432,7 +432,7 @@ class WriterLock:
         message = (f"{self.store.url}: taking over the writer lock of {holder}: {why}; "
                    "its last committed checkpoint stands, an unfinished save is a leftover for gc()")
         # Logged too, but not printed twice on a console without logging set up (warn_and_log).
-        warn_and_log(message, LockTakeoverWarning, stacklevel=_caller_level())
+        warn_and_log(message, LockTakeoverWarning, stacklevel=caller_level())
 
     # -- object stores: a lease -----------------------------------------------------------------
     def _lease(self) -> bytes:
@@ -597,7 +597,7 @@ class WriterLock:
                 self.store.delete(LOCK_NAME)
 
 
-def _caller_level() -> int:
+def caller_level() -> int:
     """The ``stacklevel`` of the first frame outside ckptcore, as seen from our caller: the line
     of the user's save() (or gc()), however deep the lock was taken."""
     package = os.path.dirname(os.path.abspath(__file__))

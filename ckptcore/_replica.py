@@ -61,7 +61,7 @@ import numpy as np
 
 from ._commit import commit
 from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, encoded_tree
-from ._storage import CAS_DIR, CAS_PREFIX, Store, _as_time, _mtime_of, fsync_dir
+from ._storage import CAS_DIR, CAS_PREFIX, Store, as_time, mtime_of, fsync_dir
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("ckptcore")
@@ -176,7 +176,7 @@ def list_chunk_objects(root: Store) -> dict[str, Listed]:
             continue
         size = info.get("size")
         add(full[len(path):].lstrip("/"), size if isinstance(size, (int, float)) else 0,
-            _as_time(_mtime_of(info)), _store_md5(info))
+            as_time(mtime_of(info)), _store_md5(info))
     return out
 
 
@@ -246,7 +246,7 @@ def _read_shard(src: Store, shard: ShardEntry) -> bytes:
     return data
 
 
-def _write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
+def write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
     """Write content-addressed objects (``{cas name: bytes}``) under ``root``, each appearing
     whole or not at all: one PUT each on object stores (several at once), a temporary file
     renamed into place locally."""
@@ -464,7 +464,7 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
         if gate is not None:
             gate()
         md5s = _upload_md5s(root, data)
-        _write_objects(root, {name: data})
+        write_objects(root, {name: data})
         placed[name] = (copy, md5s)
         with counting:
             stats.written += len(data)

@@ -66,12 +66,12 @@ _DIR_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOL
               | getattr(os, "O_CLOEXEC", 0))
 
 
-def _tick(op: str, path: str) -> None:
+def tick(op: str, path: str) -> None:
     if _op_hook is not None:
         _op_hook(op, path)
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     """What a non-regular file is, for messages."""
     for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
                        (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
@@ -110,7 +110,7 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeCheckpointError(
-                f"{path}: is {_kind(st.st_mode)}, not a regular file; a checkpoint holds only "
+                f"{path}: is {file_kind(st.st_mode)}, not a regular file; a checkpoint holds only "
                 "regular files (remove it, or restore the file from a good copy)")
     except BaseException:
         os.close(fd)
@@ -132,7 +132,7 @@ def error_chain(e: BaseException | None) -> list[BaseException]:
     return out
 
 
-def _bucket_missing(e: BaseException) -> bool:
+def bucket_missing(e: BaseException) -> bool:
     """Whether ``e`` (or what it chains) is an object store's "no such bucket" answer."""
     for x in error_chain(e):
         response = getattr(x, "response", None)
@@ -220,7 +220,7 @@ class Store:
         except CheckpointError:
             raise
         except FileNotFoundError as e:
-            if not _bucket_missing(e):
+            if not bucket_missing(e):
                 raise
             msg = (f"{self._url(rel)}: the bucket {self._bucket()!r} does not exist "
                    f"({op} failed); create it first, or check the URL")
@@ -290,7 +290,7 @@ class Store:
             try:
                 self.fs.info(path)
             except FileNotFoundError as e:
-                if _bucket_missing(e):
+                if bucket_missing(e):
                     raise
                 self._saw_bucket(bucket)
                 return False
@@ -376,8 +376,8 @@ class Store:
             with self._remote("read", rels if len(requests) > 1 else requests[0][0]):
                 return _remote.read_ranges(
                     self.fs, [(self.join(rel), ranges) for rel, ranges in requests],
-                    part_size=int(_knobs.get("remote_part_size")),
-                    concurrency=int(_knobs.get("remote_concurrency")))
+                    part_size=_knobs.remote_part_size(),
+                    concurrency=_knobs.remote_concurrency())
         out = []
         for rel, ranges in requests:
             if not ranges:
@@ -401,17 +401,17 @@ class Store:
         costs extra requests, and the service a copy of the object to complete it) and a save's
         many shards travel at once.  A tensor larger than a part still gets a shard of its own,
         uploaded in concurrent parts."""
-        bound = int(_knobs.get("shard_size"))
+        bound = _knobs.shard_size()
         if not self.local and _remote.multipart_capable(self.fs):
-            return max(1, min(bound, int(_knobs.get("remote_part_size"))))
+            return max(1, min(bound, _knobs.remote_part_size()))
         return bound
 
     @property
     def writers(self) -> int:
         """How many shards to write at once: the ``threads`` knob (the disk's queue depth);
         object stores at least ``remote_concurrency`` (their writers wait on the network)."""
-        threads = int(_knobs.get("threads"))
-        return threads if self.local else max(threads, int(_knobs.get("remote_concurrency")))
+        threads = _knobs.threads()
+        return threads if self.local else max(threads, _knobs.remote_concurrency())
 
     def listdir(self, rel: str = "") -> list[Entry]:
         """Entries directly below ``rel``; empty when it does not exist."""
@@ -440,9 +440,9 @@ class Store:
         out = []
         for info in infos:
             name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-            mtime = _mtime_of(info)
+            mtime = mtime_of(info)
             size = info.get("size")
-            out.append(Entry(name, info.get("type") == "directory", _as_time(mtime),
+            out.append(Entry(name, info.get("type") == "directory", as_time(mtime),
                              size=int(size) if isinstance(size, (int, float)) else None))
         return out
 
@@ -467,9 +467,9 @@ class Store:
             return []
         out = []
         for full, info in infos.items():
-            mtime = _mtime_of(info)
+            mtime = mtime_of(info)
             size = info.get("size")
-            out.append(Entry(full[len(path):].lstrip("/"), False, _as_time(mtime),
+            out.append(Entry(full[len(path):].lstrip("/"), False, as_time(mtime),
                              size=int(size) if isinstance(size, (int, float)) else None))
         return out
 
@@ -481,7 +481,7 @@ class Store:
     def open_write(self, rel: str):
         """A binary file for streaming writes (local: ``fsync_close`` makes it durable and raises
         any write, flush, fsync or close error; remote: its ``close`` uploads and raises)."""
-        _tick("open_write", self.join(rel))
+        tick("open_write", self.join(rel))
         if self.local:
             return open(self.join(rel), "wb", buffering=1 << 20)
         with self._remote("write", rel, write=True):
@@ -496,8 +496,8 @@ class Store:
         memory of a save's uploads."""
         with self._pool_lock:
             if self._pool is None:
-                self._pool = _remote.PartPool(int(_knobs.get("remote_concurrency")),
-                                              max(1, int(_knobs.get("remote_part_size"))))
+                self._pool = _remote.PartPool(_knobs.remote_concurrency(),
+                                              max(1, _knobs.remote_part_size()))
             return self._pool
 
     def write_bytes(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
@@ -505,7 +505,7 @@ class Store:
         the file).  ``create_only`` raises ``FileExistsError`` if it exists (atomically where
         ``atomic_create`` holds)."""
         path = self.join(rel)
-        _tick("write_bytes", path)
+        tick("write_bytes", path)
         if self.local:
             f = open(path, "xb" if create_only else "wb")
             try:
@@ -513,15 +513,15 @@ class Store:
                 f.flush()
                 os.fsync(f.fileno())
             except OSError as e:
-                _close_quietly(f, path)
-                raise _named(e, "write or fsync", path) from e
+                close_quietly(f, path)
+                raise named_error(e, "write or fsync", path) from e
             except BaseException:
-                _close_quietly(f, path)
+                close_quietly(f, path)
                 raise
             try:
                 f.close()
             except OSError as e:
-                raise _named(e, "close", path) from e
+                raise named_error(e, "close", path) from e
             return
         with self._remote("write", rel, write=True):
             if create_only:
@@ -534,7 +534,7 @@ class Store:
         and nothing is deleted through a link (a store whose folder is a link raises
         :class:`UnsafeCheckpointError`)."""
         path = self.join(rel)
-        _tick("delete", path)
+        tick("delete", path)
         if not self.local:
             try:
                 with self._remote("delete", rel):
@@ -576,7 +576,7 @@ class Store:
         (a link at ``rel`` is removed itself and logged; links inside are removed as links); a
         file that cannot be removed is logged and left for ``gc()``."""
         path = self.join(rel)
-        _tick("delete_tree", path)
+        tick("delete_tree", path)
         if not self.local:
             try:
                 with self._remote("delete", rel):
@@ -592,7 +592,7 @@ class Store:
             return
         if not stat.S_ISDIR(st.st_mode):
             # rmtree refuses a link and, with ignore_errors, would silently leave it.
-            log.warning("%s: is %s, not a folder; removing it itself%s", path, _kind(st.st_mode),
+            log.warning("%s: is %s, not a folder; removing it itself%s", path, file_kind(st.st_mode),
                         " (its target is untouched)" if stat.S_ISLNK(st.st_mode) else "")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -639,14 +639,14 @@ class _RemoteWriter:
         self.close()
 
 
-def _named(e: OSError, op: str, path: str) -> OSError:
+def named_error(e: OSError, op: str, path: str) -> OSError:
     """``e`` with ``path`` and ``op`` in its message (an fsync's EIO names no file by itself)."""
     if isinstance(e, CheckpointError) or e.errno is None or e.filename is not None:
         return e
     return OSError(e.errno, f"{e.strerror} ({op})", path)
 
 
-def _close_quietly(f: Any, path: str) -> None:
+def close_quietly(f: Any, path: str) -> None:
     """Close ``f`` after an error that is being raised; a second error is logged, not raised."""
     try:
         f.close()
@@ -672,15 +672,15 @@ def fsync_close(f: Any) -> None:
         f.flush()
         os.fsync(fd)
     except OSError as e:
-        _close_quietly(f, path)
-        raise _named(e, "flush or fsync", path) from e
+        close_quietly(f, path)
+        raise named_error(e, "flush or fsync", path) from e
     except BaseException:
-        _close_quietly(f, path)
+        close_quietly(f, path)
         raise
     try:
         f.close()
     except OSError as e:
-        raise _named(e, "close", path) from e
+        raise named_error(e, "close", path) from e
 
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -720,23 +720,23 @@ def fsync_dir(path: str) -> None:
     try:
         os.fsync(fd)
     except OSError as e:
-        raise _named(e, "fsync of the folder", path) from e
+        raise named_error(e, "fsync of the folder", path) from e
     finally:
         os.close(fd)
 
 
-def _mtime_of(info: dict) -> float | None:
+def mtime_of(info: dict) -> float | None:
     """When an object was last written, from a listing entry: s3fs says ``LastModified``,
     gcsfs ``mtime``/``updated``, adlfs ``last_modified`` (without it every Azure object looked
     infinitely old to gc's grace period)."""
     for key in ("LastModified", "mtime", "last_modified", "updated", "created", "creation_time"):
-        value = _as_time(info.get(key))
+        value = as_time(info.get(key))
         if value is not None:
             return value
     return None
 
 
-def _as_time(value: Any) -> float | None:
+def as_time(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, (int, float)):

@@ -160,7 +160,7 @@ def _kept(keep: Any, src_steps: list, s_root: Store, so: Mapping[str, Any], have
     the policy over SRC's steps and those DST already holds, plus the newest and any whose
     manifest cannot be read (as ``_backup.retain`` keeps them)."""
     from . import api
-    from .manager import _saved_metrics
+    from .manager import saved_metrics
     from .policies import CheckpointEntry, as_policy
 
     where = {step: (d_root, name, dso) for step, name in have.items()}
@@ -173,7 +173,7 @@ def _kept(keep: Any, src_steps: list, s_root: Store, so: Mapping[str, Any], have
         except CheckpointError:
             unreadable.add(step)
             continue
-        entries.append(CheckpointEntry(step, info.created, _saved_metrics(step, info.metadata)))
+        entries.append(CheckpointEntry(step, info.created, saved_metrics(step, info.metadata)))
     kept = set(as_policy(keep).keep(entries)) | unreadable
     return kept | ({max(where)} if where else set())
 

@@ -42,9 +42,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import _backup, _codec, _dist, _knobs, api, layout
-from ._lock import LockTakeoverWarning, WriterLock, _caller_level
+from ._lock import LockTakeoverWarning, WriterLock, caller_level
 from ._manifest import MANIFEST_NAME
-from ._storage import Store, _bucket_missing, check_url
+from ._storage import Store, bucket_missing, check_url
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, FencedError, GroupError,
                      LockedError, StepOrderError, StorageError, UnsafeCheckpointError,
@@ -86,7 +86,7 @@ def check_metrics(metrics: Any) -> dict[str, float] | None:
     return out
 
 
-def _saved_metrics(step: int, metadata: Any) -> dict[str, float] | None:
+def saved_metrics(step: int, metadata: Any) -> dict[str, float] | None:
     """The metrics a checkpoint carries, for retention; None (logged) when they are unusable.
 
     A user may have put anything under ``state.metadata["metrics"]``: a policy must not fail on
@@ -266,7 +266,7 @@ class CheckpointManager:
         them once it is created."""
         assert self.backup is not None
         error = self.backup.reach()
-        if error is None or _bucket_missing(error):
+        if error is None or bucket_missing(error):
             return
         url = self.backup.root.url
         if local_steps and _backup.transient(error):
@@ -413,7 +413,7 @@ class CheckpointManager:
         if problems and all(_is_damage(p) for p in problems):
             warnings.warn(f"replacing checkpoint step {step} ({url}), which does not verify "
                           f"({problems[0]}); restore() fell back over it",
-                          CheckpointFallbackWarning, stacklevel=_caller_level())
+                          CheckpointFallbackWarning, stacklevel=caller_level())
             log.warning("replacing damaged checkpoint step %d (%s): %s", step, url, problems[0])
             self._listed = None
             self._delete(step)
@@ -480,7 +480,7 @@ class CheckpointManager:
                 self.backup.proceed()
         self._saved.add(step)
         self._entries[step] = CheckpointEntry(step, info.created,
-                                              _saved_metrics(step, state.metadata))
+                                              saved_metrics(step, state.metadata))
         try:
             if self._lock is not None:
                 self._lock.refresh()
@@ -533,7 +533,7 @@ class CheckpointManager:
             except CheckpointError:
                 return None
             self._entries[step] = CheckpointEntry(step, info.created,
-                                                  _saved_metrics(step, info.metadata))
+                                                  saved_metrics(step, info.metadata))
         return self._entries[step]
 
     def _apply_retention(self) -> None:

@@ -81,7 +81,7 @@ def _exchange(sharding: Sharding, mine: dict) -> list[dict]:
     from ._group import process_group
 
     group = process_group(sharding.group)
-    timeout = float(_knobs.get("group_timeout"))
+    timeout = _knobs.group_timeout()
     packed = msgpack.packb(mine, use_bin_type=True)
     gathered = group.gather(packed, timeout=timeout)
     merged = msgpack.packb(gathered, use_bin_type=True) if group.rank == 0 else None
