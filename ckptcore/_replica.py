@@ -167,7 +167,7 @@ def list_chunk_objects(root: Store) -> dict[str, Listed]:
     path = root.join(CAS_DIR)
     root.fs.invalidate_cache(path)  # another writer's uploads and deletions since
     try:
-        with root._remote("list", CAS_DIR):
+        with root.translate_errors("list", CAS_DIR):
             infos = root.fs.find(path, detail=True, withdirs=False)
     except FileNotFoundError:
         return out
@@ -263,7 +263,7 @@ def write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
         return
     for name in objects:  # (object stores have no folders to make; the call is cheap)
         root.makedirs(os.path.dirname(chunk_rel(name)))
-    with root._remote("write", CAS_DIR, write=True):
+    with root.translate_errors("write", CAS_DIR, write=True):
         root.fs.pipe({root.join(chunk_rel(n)): bytes(d) for n, d in objects.items()})
 
 
