@@ -6,15 +6,12 @@ version's table check uses."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import _codec
 from .errors import SchemaError
-
-if TYPE_CHECKING:
-    from ._manifest import TensorTable
 
 _SIZE_MAX = 2 ** 63 - 1  # numpy's limit on an array's size in bytes
 
@@ -23,7 +20,8 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def check_chunks(table: TensorTable, source: str, *, starts: np.ndarray | None = None,
+# table: a _manifest.TensorTable, not imported here (_manifest imports this module)
+def check_chunks(table: Any, source: str, *, starts: np.ndarray | None = None,
                  itemsize: np.ndarray | None = None, parsed: list[np.dtype] | None = None) -> None:
     """The rules tying a chunked table's rows into logical tensors: every logical tensor
     0..L-1 has a row; its rows share name, dtype, rank and global shape, and distinct tensors

@@ -1,4 +1,6 @@
-"""Every tunable in one place: defaults, environment overrides, and a context manager for tests."""
+"""Every tunable in one place: defaults, environment overrides, a typed accessor per knob
+(``threads()``, ``gc_grace()``, ...; ``get(name)`` is the untyped lookup they share) and a context
+manager for tests (``override``)."""
 
 from __future__ import annotations
 

@@ -19,12 +19,13 @@ from . import _codec, _dist, _io, _knobs
 from .adapter import restore_gate, warn_unapplied
 from ._version import __version__
 from ._commit import commit
+from ._convert import convert_for, convert_state_for, restore_converted  # noqa: F401 (convert_for: api's name)
 from ._manifest import (CHUNKED_VERSION, FORMAT_VERSION, MANIFEST_NAME, READ_VERSIONS, Manifest,
                         ShardEntry, TensorTable, check_chunks)
 from ._storage import Store
 from .errors import (CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError,
                      SchemaError)
-from .registry import adapter_for, get_adapter
+from .registry import adapter_for
 from .state import TrainingState
 
 __all__ = ["save_state", "load_state", "inspect", "verify", "convert", "CheckpointInfo", "TensorInfo"]
@@ -491,9 +492,7 @@ def restore_objects(state: TrainingState, objects: Mapping[str, Any]) -> None:
     if not objects:
         return
     if "model" in objects:
-        adapter = adapter_for(objects["model"])
-        state = convert_for(state, adapter.name, objects, **options)
-        adapter.restore(state, **objects)
+        state = restore_converted(adapter_for(objects["model"]), state, objects, **options)
         _warn_cursor_unapplied(state, objects)
     elif set(objects) == {"cursor"}:
         objects["cursor"].load_state_dict(state.data)
@@ -519,25 +518,6 @@ def _caller_level() -> int:
     while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ckptcore"):
         frame, level = frame.f_back, level + 1
     return level
-
-
-# Keywords of a restore that are not target objects: conversion never needs them (the cursor's
-# position is carried over from the state as it is, and the RNG is reseeded by the migration).
-_NOT_TARGETS = frozenset({"model", "optimizer", "cursor", "strict", "rng"})
-
-
-def convert_for(state: TrainingState, framework: str, objects: Mapping[str, Any], *,
-                name_map: Mapping[str, str | None] | None = None, approximate: bool = False) -> TrainingState:
-    """``state`` itself when it is ``framework``'s (or neutral), else converted for the target
-    ``objects`` (``model=``, ``optimizer=`` and every framework-specific one, e.g. ``scheduler=``).
-    The one place a restore converts between frameworks: adapters' own ``restore`` functions
-    call it first."""
-    if state.framework in (None, framework):
-        return state
-    log.info("restore: the state was saved by %s; converting it for %s", state.framework, framework)
-    targets = {k: v for k, v in objects.items() if k not in _NOT_TARGETS}
-    return convert(state, framework, objects["model"], objects.get("optimizer"),
-                   name_map=name_map, approximate=approximate, **targets)
 
 
 def convert(state: TrainingState | str | os.PathLike, to: str, model: Any, optimizer: Any = None, *,
@@ -571,25 +551,10 @@ def convert(state: TrainingState | str | os.PathLike, to: str, model: Any, optim
         AdapterNotFoundError: no adapter for ``to`` is installed.
         TypeError: ``model`` is not the target adapter's, or an object the adapter does not take.
     """
-    from .migrate import convert_state
-
     if not isinstance(state, TrainingState):
         state = load_state(state, storage_options=storage_options)
-    if state.framework == to:
-        return state
-    adapter = get_adapter(to)
-    if not adapter.handles(model):
-        raise TypeError(f"convert(to={to!r}) needs a {to} model as the target; got "
-                        f"{type(model).__module__}.{type(model).__qualname__}")
-    reserved = sorted(_NOT_TARGETS & set(objects))
-    if reserved:
-        raise TypeError(f"convert() does not take {reserved} as target objects")
-    targets: dict[str, Any] = {"model": model, "rng": False}
-    if optimizer is not None:
-        targets["optimizer"] = optimizer
-    targets.update((k, v) for k, v in objects.items() if v is not None)
-    template = adapter.capture(**targets)
-    return convert_state(state, template, name_map=name_map, approximate=approximate)
+    return convert_state_for(state, to, model, optimizer, name_map=name_map,
+                             approximate=approximate, **objects)
 
 
 def inspect(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
