@@ -37,7 +37,7 @@ from ._read import read_manifest
 from ._replica import CopyStats, check_structure, copy_checkpoint
 from ._steps import step_name
 from ._retry import transient
-from ._storage import Store, _bucket_missing, check_url
+from ._storage import Store, bucket_missing, check_url
 from ._tier import Tier
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StorageError
 from .options import Backup, Lease
@@ -125,7 +125,7 @@ class BackupTier:
         by ``wait()``/``close()``: saves go on locally meanwhile, and a later start replicates
         them once it is created."""
         error = self.reach()
-        if error is None or _bucket_missing(error):
+        if error is None or bucket_missing(error):
             return
         url = self.root.url
         if local_steps and transient(error):
@@ -221,7 +221,7 @@ class BackupTier:
         between them, and why it gets fewer ("" when it does not): the full schedule for a new
         step; one try while the backup is known to be down, for a step retried after it came
         back, and once close() started (at most two then: the run is ending)."""
-        retries, delay = _knobs.get("backup_retries"), _knobs.get("backup_retry_seconds")
+        retries, delay = _knobs.backup_retries(), _knobs.backup_retry_seconds()
         if int(retries) != retries or retries < 0 or not delay >= 0:
             raise ValueError(f"the knobs backup_retries={retries!r} (a whole number >= 0) and "
                              f"backup_retry_seconds={delay!r} (>= 0) do not make a schedule")
@@ -375,7 +375,7 @@ class BackupTier:
             if self._committed is not None:
                 self._committed -= set(gone)
         if gone and self.dedup:
-            for url in sweep(self.root, float(_knobs.get("gc_grace")), fence=self._lock,
+            for url in sweep(self.root, _knobs.gc_grace(), fence=self._lock,
                              own=self._intents):
                 if self._known is not None:
                     self._known.pop("cas:" + url.rsplit("/", 1)[-1], None)

@@ -6,15 +6,12 @@ version's table check uses."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import _codec
 from .errors import SchemaError
-
-if TYPE_CHECKING:
-    from ._manifest import TensorTable
 
 _SIZE_MAX = 2 ** 63 - 1  # numpy's limit on an array's size in bytes
 
@@ -23,7 +20,8 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def check_chunks(table: TensorTable, source: str, *, starts: np.ndarray | None = None,
+# table: a _manifest.TensorTable, not imported here (_manifest imports this module)
+def check_chunks(table: Any, source: str, *, starts: np.ndarray | None = None,
                  itemsize: np.ndarray | None = None, parsed: list[np.dtype] | None = None) -> None:
     """The rules tying a chunked table's rows into logical tensors: every logical tensor
     0..L-1 has a row; its rows share name, dtype, rank and global shape, and distinct tensors
@@ -45,7 +43,7 @@ def check_chunks(table: TensorTable, source: str, *, starts: np.ndarray | None =
     def fail(mask: np.ndarray, what: Any) -> None:
         if mask.any():
             i = _first(mask)
-            raise SchemaError(f"{source}: tensor {_codec._short(names[i])}: {what(i)}")
+            raise SchemaError(f"{source}: tensor {_codec.short_repr(names[i])}: {what(i)}")
 
     def dims_of(col: np.ndarray, i: int) -> list[int]:
         return col[starts[i]:starts[i] + ndim[i]].tolist()
@@ -70,8 +68,8 @@ def check_chunks(table: TensorTable, source: str, *, starts: np.ndarray | None =
     bad = np.flatnonzero(named != named[f]) if n else []
     if len(bad):
         i = int(bad[0])
-        raise SchemaError(f"{source}: tensor {_codec._short(names[int(f[i])])}: a chunk is named "
-                          f"{_codec._short(names[i])}; the chunks of a tensor share its name")
+        raise SchemaError(f"{source}: tensor {_codec.short_repr(names[int(f[i])])}: a chunk is named "
+                          f"{_codec.short_repr(names[i])}; the chunks of a tensor share its name")
     if len({names[k] for k in firsts.tolist()}) != count:
         raise SchemaError(f"{source}: tensor names are not unique")
     fail(code != code[f], lambda i: f"chunks of dtypes {parsed[code[f[i]]]} and {parsed[code[i]]}")
@@ -87,7 +85,7 @@ def check_chunks(table: TensorTable, source: str, *, starts: np.ndarray | None =
         outside[rows] |= (st > g) | (sh > g - np.minimum(st, g))
     fail(differ, lambda i: f"global shape {dims_of(gdims, i)} of one chunk, "
          f"{dims_of(gdims, int(f[i]))} of another")
-    _, _, over = _counts(ndim, gdims, starts, itemsize)
+    _, _, over = element_counts(ndim, gdims, starts, itemsize)
     fail(over, lambda i: f"global shape {dims_of(gdims, i)} of {parsed[code[i]]} is too large "
          "for any array")
     fail(outside, lambda i: f"chunk of shape {dims_of(dims, i)} at {dims_of(start, i)} lies "
@@ -102,16 +100,16 @@ def check_chunks(table: TensorTable, source: str, *, starts: np.ndarray | None =
         try:
             pair = _overlap(lo, hi)
         except _TooIrregular as e:
-            raise SchemaError(f"{source}: tensor {_codec._short(names[int(rows[0])])}: its "
+            raise SchemaError(f"{source}: tensor {_codec.short_repr(names[int(rows[0])])}: its "
                               f"{len(rows)} chunks are cut too irregularly to be checked for "
                               f"overlaps ({e} candidate pairs, at most {_MAX_PAIRS}); writers "
                               "cut along one dimension or in a grid") from None
         if pair is not None:
             a, b = (int(rows[j]) for j in pair)
-            raise SchemaError(f"{source}: tensor {_codec._short(names[a])}: chunks at "
+            raise SchemaError(f"{source}: tensor {_codec.short_repr(names[a])}: chunks at "
                               f"{dims_of(start, a)} (shape {dims_of(dims, a)}) and "
                               f"{dims_of(start, b)} (shape {dims_of(dims, b)}) overlap")
-    table._firsts = firsts
+    table.firsts_cache = firsts
 
 
 _PAIRS = 1 << 22  # candidate pairs checked at once by _overlap
@@ -166,7 +164,7 @@ def _overlap(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
     return None
 
 
-def _counts(ndim: np.ndarray, dims: np.ndarray, starts: np.ndarray, itemsize: np.ndarray
+def element_counts(ndim: np.ndarray, dims: np.ndarray, starts: np.ndarray, itemsize: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row of ``dims`` (``ndim[i]`` values from ``starts[i]``): the product of the non-zero
     dimensions, whether any dimension is 0, and whether that product times the itemsize

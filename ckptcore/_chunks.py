@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _codec, _io, _knobs
 from ._manifest import Manifest, TensorTable
-from ._storage import Store, _named, open_regular
+from ._storage import Store, named_error, open_regular
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, SchemaError
 from .sharding import Chunks, Shard
 from .state import TrainingState
@@ -154,7 +154,7 @@ def _fetch(store: Store, manifest: Manifest, reads: Sequence[Read]) -> list[memo
         for s, js in by_shard.items():
             wanted = sum(reads[j].end - reads[j].start for j in js)
             if 2 * wanted >= shards[s].size:  # most of it: mapped (no copy; arrays are views)
-                whole = _io._map_local(store, shards[s])
+                whole = _io.map_local(store, shards[s])
                 for j in js:
                     r = reads[j]
                     out[j] = whole[offset[r.row] + r.start: offset[r.row] + r.end]
@@ -165,7 +165,7 @@ def _fetch(store: Store, manifest: Manifest, reads: Sequence[Read]) -> list[memo
                     out[j] = buf
         return out
     for s in by_shard:
-        _io._check_size(store, shards[s])
+        _io.check_size(store, shards[s])
     order = sorted(by_shard)
     # Neighbouring reads of a shard (gaps up to 1 MiB, as for whole tensors) share one ranged
     # request: a state of many small tensors must not cost a request each.
@@ -210,7 +210,7 @@ def _pread(store: Store, shard: Any, ranges: list[tuple[int, int]]) -> list[memo
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"{path}: shard file is missing") from e
     try:
-        _io._compare_size(store, shard, st.st_size)
+        _io.compare_size(store, shard, st.st_size)
         out = []
         for a, b in ranges:
             buf = bytearray(b - a)
@@ -224,7 +224,7 @@ def _pread(store: Store, shard: Any, ranges: list[tuple[int, int]]) -> list[memo
             out.append(view)
         return out
     except OSError as e:
-        raise _named(e, "read", path) from e
+        raise named_error(e, "read", path) from e
     finally:
         os.close(fd)
 
@@ -237,7 +237,7 @@ def check(store: Store, manifest: Manifest, read: Read, data: memoryview) -> Non
     if read.whole:
         expected, actual = table.column("checksum")[row], crc32c.crc32c(data)
         if actual != expected:
-            raise _io._corrupt(store, shard, table.names[row], expected, actual)
+            raise _io.corrupt_error(store, shard, table.names[row], expected, actual)
         return
     blocks, size = table.blocks(row), table.crc_block
     assert blocks is not None and read.start % size == 0
@@ -258,7 +258,7 @@ def _check_all(store: Store, manifest: Manifest, reads: Sequence[Read],
     """:func:`check` every read, on the ``threads`` knob's threads when there is enough to do
     (``crc32c`` releases the GIL); the first damage, in read order, is raised."""
     total = sum(r.end - r.start for r in reads)
-    threads = max(1, int(_knobs.get("threads")))
+    threads = max(1, _knobs.threads())
     if threads == 1 or len(reads) < 2 or total < (8 << 20):
         for r, d in zip(reads, data):
             check(store, manifest, r, d)

@@ -70,7 +70,7 @@ def _dtype_name(dtype: np.dtype, where: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _parse_known(name: str) -> np.dtype | None:
+def parse_known(name: str) -> np.dtype | None:
     """The dtype of a valid name, cached (a manifest repeats a few names thousands of times)."""
     try:
         return parse_dtype(name)
@@ -97,8 +97,8 @@ def parse_dtype(name: object, *, where: str = "tensor") -> np.dtype:
         raise UnsupportedCheckpointError(f"{where}: dtype {name!r} is not available here ({e}); "
                                          "upgrade ml_dtypes") from e
     except (TypeError, ValueError, OverflowError) as e:
-        raise SchemaError(f"{where}: dtype {_short(name)} is not valid ({e})") from e
-    raise SchemaError(f"{where}: unknown dtype {_short(name)}")
+        raise SchemaError(f"{where}: dtype {short_repr(name)} is not valid ({e})") from e
+    raise SchemaError(f"{where}: unknown dtype {short_repr(name)}")
 
 
 def to_little_endian(arr: np.ndarray) -> np.ndarray:
@@ -314,7 +314,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
         except Exception as e:
             raise SchemaError(f"bad tensor reference payload ({type(e).__name__})") from e
         if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
-            raise SchemaError(f"bad tensor reference {_short(idx)}")
+            raise SchemaError(f"bad tensor reference {short_repr(idx)}")
     return TensorRef(idx, code == EXT_SCALAR)
 
 
@@ -408,7 +408,7 @@ def _repr_limited() -> Any:
 _REPR = _repr_limited()
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     """A repr cut to about 80 characters without building a huge one first (a hostile manifest
     may hold a 100 MB string where a name belongs)."""
     return _REPR.repr(value)[:80]
@@ -504,7 +504,7 @@ def _count_field(d: dict, key: str, where: str, *, default: int | None = None) -
     elif isinstance(value, (float, np.floating)) and math.isfinite(value) and float(value).is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise SchemaError(f"{where}.{key}: expected an integer, got {_short(value)}")
+        raise SchemaError(f"{where}.{key}: expected an integer, got {short_repr(value)}")
     if not _INT_MIN <= value <= _UINT_MAX:
         raise SchemaError(f"{where}.{key}: {value} is out of range")
     return value
@@ -525,7 +525,7 @@ def _tensors(d: dict, where: str) -> dict[str, np.ndarray]:
         if type(v) is np.ndarray or (refs and type(v) is TensorRef and not v.scalar):
             continue
         if not isinstance(v, (np.ndarray, Shard, Chunks)):
-            raise SchemaError(f"{where}[{_short(k)}] is a {type(v).__name__}, not a tensor")
+            raise SchemaError(f"{where}[{short_repr(k)}] is a {type(v).__name__}, not a tensor")
     return d
 
 
@@ -539,8 +539,8 @@ def _optimizer(o: dict) -> OptimizerState:
     slots = _map(o, "slots", "optimizer")
     for param, per in slots.items():
         if not isinstance(per, dict):
-            raise SchemaError(f"optimizer.slots[{_short(param)}]: expected a map of slot tensors")
-        _tensors(per, f"optimizer.slots[{_short(param)}]")
+            raise SchemaError(f"optimizer.slots[{short_repr(param)}]: expected a map of slot tensors")
+        _tensors(per, f"optimizer.slots[{short_repr(param)}]")
     return OptimizerState(kind=_text(o, "kind", "optimizer"),
                           step=_count_field(o, "step", "optimizer"),
                           hyperparams=_map(o, "hyperparams", "optimizer"), slots=slots,
@@ -558,7 +558,7 @@ def _schedule(s: dict) -> ScheduleState:
 
 
 def _param_info(name: Any, d: Any) -> ParamInfo:
-    where = f"params[{_short(name)}]"
+    where = f"params[{short_repr(name)}]"
     if not isinstance(d, dict):
         raise SchemaError(f"{where}: expected a map")
     return ParamInfo(index=_count_field(d, "index", where), layer=_text(d, "layer", where),

@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 from . import _knobs
 from ._manifest import MANIFEST_NAME, Manifest, safe_shard_name
-from ._storage import CAS_PREFIX, Store, _tick, fsync_dir
+from ._storage import CAS_PREFIX, Store, tick, fsync_dir
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError,
                      SchemaError, StorageError)
 
@@ -90,7 +90,7 @@ def publishable(target: Store, manifest: Manifest) -> bytes:
     (``cas:`` chunks of a deduplicated replica live outside the folder; ``_replica`` checks them.)
     """
     data = manifest.to_bytes()
-    limit = int(_knobs.get("max_manifest_bytes"))
+    limit = _knobs.max_manifest_bytes()
     if len(data) > limit:
         raise SchemaError(f"{target.url}: the manifest would be {len(data)} bytes, over the "
                           f"{limit}-byte limit every reader applies (max_manifest_bytes): nothing "
@@ -121,7 +121,7 @@ def _commit_rename(store: Store, write, *, token: str, overwrite: bool, fence: A
         fsync_dir(tmp.path)
         if fence is not None:
             fence.before_commit()
-        _tick("rename", store.path)
+        tick("rename", store.path)
         if overwrite and os.path.lexists(store.path):
             _swap_into_place(tmp.path, store.path)
             swapped = True
@@ -217,7 +217,7 @@ def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: 
         data = publishable(store, manifest)
         if fence is not None:
             fence.before_commit()
-        _tick("publish", store.join(MANIFEST_NAME))
+        tick("publish", store.join(MANIFEST_NAME))
         store.write_bytes(MANIFEST_NAME, data, create_only=not overwrite)
     except FileExistsError as e:
         log.info("%s: another writer committed first; removing this attempt's shards", store.url)

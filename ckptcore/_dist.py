@@ -157,7 +157,7 @@ def _shards(entries: Any, rank: int, token: str, source: str) -> list[ShardEntry
                              "(path, size, checksum) triple; nothing committed")
         path, size, crc = entry
         if not (safe_shard_name(path) and own.fullmatch(path)):
-            raise GroupError(f"{source}: rank {rank} reports shard {_codec._short(path)}, not a "
+            raise GroupError(f"{source}: rank {rank} reports shard {_codec.short_repr(path)}, not a "
                              f"shard it wrote in this save (r{rank:05d}-{token}); nothing "
                              "committed")
         if path in seen:
@@ -165,7 +165,7 @@ def _shards(entries: Any, rank: int, token: str, source: str) -> list[ShardEntry
                              "committed")
         if not (type(size) is int and size >= 0 and type(crc) is int and 0 <= crc <= 0xFFFFFFFF):
             raise GroupError(f"{source}: rank {rank}'s reply is malformed: shard {path!r} has "
-                             f"size {_codec._short(size)} and checksum {_codec._short(crc)}; "
+                             f"size {_codec.short_repr(size)} and checksum {_codec.short_repr(crc)}; "
                              "nothing committed")
         seen.add(path)
         shards.append(ShardEntry(path=path, size=size, checksum=crc))
@@ -292,7 +292,7 @@ def fail(store: Store, group: Any, error: BaseException) -> None:
     """This rank could not even prepare its part (its state failed to capture or encode): take
     part in the save's collectives all the same, so that the others fail at once instead of
     timing out, then raise ``error``."""
-    timeout = float(_knobs.get("group_timeout"))
+    timeout = _knobs.group_timeout()
     message = {"type": type(error).__name__, "message": f"rank {group.rank}: {error}"}
     if group.rank == 0:
         group.broadcast(_pack({"kind": "abort", "error": message}), timeout=timeout)
@@ -309,7 +309,7 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
          token: str, overwrite: bool, fence: Any = None) -> Manifest | None:
     """Run one distributed save on this rank (see the module docstring).  Returns the committed
     manifest on rank 0, None on the others; raises on every rank if nothing was committed."""
-    timeout = float(_knobs.get("group_timeout"))
+    timeout = _knobs.group_timeout()
     rank, size = int(group.rank), int(group.size)
     owner = plan(enc, arrays, size)
     digest = _digest(enc, arrays)
@@ -353,7 +353,7 @@ def _committed(store: Store, token: str) -> bool:
     what a rank that missed the outcome asks the store."""
     try:
         manifest = Manifest.from_bytes(
-            store.read(MANIFEST_NAME, max_bytes=int(_knobs.get("max_manifest_bytes"))),
+            store.read(MANIFEST_NAME, max_bytes=_knobs.max_manifest_bytes()),
             source=store.join(MANIFEST_NAME))
     except Exception:  # noqa: BLE001 - no manifest, another one, or the store failing: not ours
         return False
@@ -464,7 +464,7 @@ def settle(store: Store, group: Any) -> None:
     """After a committed save: wait until every rank has read what was committed.  The save is
     committed whatever happens here, so a peer lost now is logged, not raised."""
     try:
-        group.barrier(timeout=float(_knobs.get("group_timeout")))
+        group.barrier(timeout=_knobs.group_timeout())
     except GroupError as e:
         log.warning("%s: committed, but a rank did not confirm reading the manifest (%s)",
                     store.url, e)
@@ -613,7 +613,7 @@ def agree(store: Store, group: Any, fn: Callable[[], Any]) -> Any:
     raise alike: if any rank failed, the others raise its error (its class where it is
     ckptcore's own, naming the rank), so no rank trains on while another could not restore
     (and then hangs in the next collective)."""
-    timeout = float(_knobs.get("group_timeout"))
+    timeout = _knobs.group_timeout()
     failure: BaseException | None = None
     value = None
     try:
@@ -642,7 +642,7 @@ def decide(store: Store, group: Any, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` (a check only rank 0 can make: its writer lock, the manager's step order) on
     rank 0 and hand its result, or its error, to every rank, so that a refusal reaches the
     others at once instead of leaving them to time out in the save that never starts."""
-    timeout = float(_knobs.get("group_timeout"))
+    timeout = _knobs.group_timeout()
     if group.rank != 0:
         msg = _unpack(group.broadcast(None, timeout=timeout), "save")
         if msg["kind"] != "ok":

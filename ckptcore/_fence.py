@@ -107,7 +107,7 @@ def manifest_generation(ckpt: Store) -> int | None:
     """The generation a committed manifest records; None for none (or unreadable: such a step
     is judged as damage by whoever loads it, not hidden here)."""
     try:
-        data = ckpt.read(MANIFEST_NAME, max_bytes=int(_knobs.get("max_manifest_bytes")))
+        data = ckpt.read(MANIFEST_NAME, max_bytes=_knobs.max_manifest_bytes())
         outer = _codec.unpack_plain(data, MANIFEST_NAME)  # the reader's own bounded decoders
         g = _codec.unpack_raw(outer["body"])["writer"].get("generation")
     except Exception:  # noqa: BLE001 - damaged or foreign: not ours to judge here

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _codec, _knobs
 from ._manifest import CRC_BLOCK, Manifest, ShardEntry, TensorEntry, TensorTable
-from ._storage import Store, _close_quietly, _named, fsync_close, open_regular, start_writeback
+from ._storage import Store, close_quietly, named_error, fsync_close, open_regular, start_writeback
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 # Callback for progress display (the CLI sets it): called with a number of bytes done.
@@ -109,8 +109,8 @@ class _Written:
 def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
                layout: list[tuple[int, int]], block: int = 0) -> _Written:
     f = store.open_write(path)
-    chunk = max(1, int(_knobs.get("write_chunk")))
-    kick = int(_knobs.get("writeback_bytes")) if store.local else 0
+    chunk = max(1, _knobs.write_chunk())
+    kick = _knobs.writeback_bytes() if store.local else 0
     if block:  # the write pieces must not straddle checksum blocks
         chunk = min(chunk, block)
     try:
@@ -166,10 +166,10 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
             shard_crc = crc32c_combine(shard_crc, crc, n) if n >= _COMBINE_MIN else crc32(buf, shard_crc)
             out.append((idx, offset, crc))
     except OSError as e:  # a failed write (ENOSPC, EIO): the save fails, naming the shard
-        _close_quietly(f, store.join(path))
-        raise _named(e, "write", store.join(path)) from e
+        close_quietly(f, store.join(path))
+        raise named_error(e, "write", store.join(path)) from e
     except BaseException:
-        _close_quietly(f, store.join(path))
+        close_quietly(f, store.join(path))
         raise
     fsync_close(f)  # raises a failed flush, fsync or close; the file is closed either way
     return _Written(ShardEntry(path=path, size=pos, checksum=shard_crc), out, blocks)
@@ -185,7 +185,7 @@ def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[st
     chunked (version-3) one: the arrays' logical tensors, global shapes and starts, and the
     CRC-32C of every ``CRC_BLOCK`` bytes of each array longer than that, so that a load can
     read and verify part of a chunk (docs/FORMAT.md, section 5)."""
-    alignment = int(_knobs.get("alignment"))
+    alignment = _knobs.alignment()
     sizes = [a.nbytes for a in arrays]
     layout = plan_shards(sizes, store.shard_size, alignment)
     paths = [f"shard-{i:05d}-{token}.bin" for i in range(len(layout))]
@@ -218,15 +218,15 @@ def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[st
 
 
 # ------------------------------------------------------------------------------------- reading
-def _check_size(store: Store, shard: ShardEntry) -> None:
+def check_size(store: Store, shard: ShardEntry) -> None:
     """Compare a remote shard's real size with the manifest before allocating anything for it
-    (local shards: ``_map_local`` checks the descriptor it maps)."""
+    (local shards: ``map_local`` checks the descriptor it maps)."""
     try:
         real = store.size(shard.path)
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"{store.join(shard.path)}: shard file is missing"
                                         f"{_of(store, shard)}") from e
-    _compare_size(store, shard, real)
+    compare_size(store, shard, real)
 
 
 def _of(store: Store, shard: ShardEntry) -> str:
@@ -234,7 +234,7 @@ def _of(store: Store, shard: ShardEntry) -> str:
     return f" (chunk {shard.path} of {store.url})" if shard.path.startswith("cas:") else ""
 
 
-def _compare_size(store: Store, shard: ShardEntry, real: int) -> None:
+def compare_size(store: Store, shard: ShardEntry, real: int) -> None:
     if real < shard.size:
         raise IncompleteCheckpointError(
             f"{store.join(shard.path)}: shard is truncated ({real} of {shard.size} bytes)"
@@ -245,7 +245,7 @@ def _compare_size(store: Store, shard: ShardEntry, real: int) -> None:
             file=store.join(shard.path))
 
 
-def _map_local(store: Store, shard: ShardEntry) -> memoryview:
+def map_local(store: Store, shard: ShardEntry) -> memoryview:
     """Map a local shard: one open (never through a link: ``UnsafeCheckpointError`` for a link,
     FIFO, directory, ...), its size checked on that descriptor, then mapped from it."""
     path = store.join(shard.path)
@@ -254,7 +254,7 @@ def _map_local(store: Store, shard: ShardEntry) -> memoryview:
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"{path}: shard file is missing{_of(store, shard)}") from e
     try:
-        _compare_size(store, shard, st.st_size)
+        compare_size(store, shard, st.st_size)
         if shard.size == 0:
             return memoryview(b"")
         # ACCESS_COPY: private pages, so arrays are writable and writes never reach the file.
@@ -323,7 +323,7 @@ def _fetch_remote(store: Store, shard: ShardEntry, entries: Sequence[TensorEntry
     return views
 
 
-def _corrupt(store: Store, shard: ShardEntry, name: str, expected: int, actual: int
+def corrupt_error(store: Store, shard: ShardEntry, name: str, expected: int, actual: int
              ) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{store.join(shard.path)}: tensor {name!r} is corrupt (crc32c expected "
@@ -390,7 +390,7 @@ class Reading:
         """A local shard: mapped whole, its tensors located by offset."""
         table = self.manifest.tensors
         offset, length = table.column("offset"), table.column("length")
-        whole = _map_local(self.store, self.manifest.shards[s])
+        whole = map_local(self.store, self.manifest.shards[s])
         return [(i, s, whole, offset[i], length[i]) for i in idxs]
 
     def _locate_remote(self, by_shard: dict[int, list[int]]
@@ -404,7 +404,7 @@ class Reading:
 
         def check(s: int) -> Exception | None:
             try:
-                _check_size(store, shards[s])
+                check_size(store, shards[s])
             except (IncompleteCheckpointError, CorruptCheckpointError) as e:
                 return e
             return None
@@ -437,7 +437,7 @@ class Reading:
     def _start(self, checks: list[tuple[int, int, memoryview, int, int]]) -> None:
         # One pool task per ~4 MiB of tensors, not per tensor: for 10,000 small tensors the
         # futures alone would cost more than checksumming them.
-        limit = max(1, int(_knobs.get("verify_batch")))
+        limit = max(1, _knobs.verify_batch())
         batches: list[list] = [[]]
         size = 0
         batch_of = self._batch_of
@@ -460,7 +460,7 @@ class Reading:
             self._futures = [done]
             return
         ctx = contextvars.copy_context()
-        self._pool = ThreadPoolExecutor(max(1, min(int(_knobs.get("threads")), len(batches))),
+        self._pool = ThreadPoolExecutor(max(1, min(_knobs.threads(), len(batches))),
                                         thread_name_prefix="ckptcore-verify")
         self._futures = [self._pool.submit(ctx.copy().run, self._verify_batch, b) for b in batches]
 
@@ -475,7 +475,7 @@ class Reading:
             if report:
                 report(n)
             if actual != expected[i]:
-                bad[i] = _corrupt(self.store, shards[s], table.names[i], expected[i], actual)
+                bad[i] = corrupt_error(self.store, shards[s], table.names[i], expected[i], actual)
         return bad
 
     def wait_for(self, i: int) -> None:
@@ -511,9 +511,9 @@ def verify_shards(store: Store, manifest: Manifest, errors: list) -> None:
     for shard in manifest.shards:
         try:
             if store.local:
-                data = _map_local(store, shard)
+                data = map_local(store, shard)
             else:
-                _check_size(store, shard)
+                check_size(store, shard)
                 data = memoryview(store.read(shard.path))
         except (IncompleteCheckpointError, CorruptCheckpointError) as e:
             errors.append(e)

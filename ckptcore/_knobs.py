@@ -1,4 +1,6 @@
-"""Every tunable in one place: defaults, environment overrides, and a context manager for tests."""
+"""Every tunable in one place: defaults, environment overrides, a typed accessor per knob
+(``threads()``, ``gc_grace()``, ...; ``get(name)`` is the untyped lookup they share) and a context
+manager for tests (``override``)."""
 
 from __future__ import annotations
 
@@ -71,12 +73,104 @@ _overrides: dict[str, float] = {}
 
 
 def get(name: str) -> int | float:
+    """The value of the knob ``name`` (an override, else its environment variable, else the
+    default), untyped; prefer the typed accessors below (``threads()``, ``gc_grace()``, ...)."""
     if name in _overrides:
         return _overrides[name]
     env = os.environ.get(_ENV[name])
     if env is not None:
         return _parse(name, env)
     return _DEFAULTS[name]
+
+
+def _int(name: str) -> int:
+    return int(get(name))
+
+
+def _float(name: str) -> float:
+    return float(get(name))
+
+
+# -- typed accessors: one per knob, in the order of _DEFAULTS --------------------------------------
+def shard_size() -> int:
+    """Bytes a shard file holds at most (a larger tensor gets a shard of its own)."""
+    return _int("shard_size")
+
+
+def alignment() -> int:
+    """Byte alignment of each tensor within its shard."""
+    return _int("alignment")
+
+
+def threads() -> int:
+    """Shard writers and checksum threads at once."""
+    return _int("threads")
+
+
+def write_chunk() -> int:
+    """Bytes a tensor is checksummed and written in at a time."""
+    return _int("write_chunk")
+
+
+def writeback_bytes() -> int:
+    """Local writes start the kernel's writeback every this many bytes (0: never)."""
+    return _int("writeback_bytes")
+
+
+def max_manifest_bytes() -> int:
+    """A manifest larger than this is refused before being read."""
+    return _int("max_manifest_bytes")
+
+
+def gc_grace() -> float:
+    """Seconds a manifest-less leftover must sit before gc may remove it."""
+    return _float("gc_grace")
+
+
+def lease_seconds() -> float:
+    """Seconds after which an object-store writer lease not renewed is expired."""
+    return _float("lease_seconds")
+
+
+def heartbeat_seconds() -> float:
+    """Seconds between a live writer's lease renewals."""
+    return _float("heartbeat_seconds")
+
+
+def format_version() -> int:
+    """The manifest format version writers produce."""
+    return _int("format_version")
+
+
+def verify_batch() -> int:
+    """Bytes of tensors a verified load checksums per pool task."""
+    return _int("verify_batch")
+
+
+def remote_part_size() -> int:
+    """Bytes of an object-store upload part or ranged-read piece."""
+    return _int("remote_part_size")
+
+
+def remote_concurrency() -> int:
+    """Object-store parts or pieces of one save or load in flight at once."""
+    return _int("remote_concurrency")
+
+
+def group_timeout() -> float:
+    """Seconds a distributed save or load waits for each collective."""
+    return _float("group_timeout")
+
+
+def backup_retries() -> int | float:
+    """Extra tries of a failed backup replication.  Not cast: the backup tier refuses a value
+    that is not a whole number >= 0 with an error naming it."""
+    return get("backup_retries")
+
+
+def backup_retry_seconds() -> float:
+    """Seconds before the first retry of a failed backup replication (doubling after)."""
+    return _float("backup_retry_seconds")
 
 
 def _parse(name: str, text: str) -> int | float:
@@ -98,10 +192,20 @@ def _parse(name: str, text: str) -> int | float:
 
 @contextlib.contextmanager
 def override(**values: float) -> Iterator[None]:
-    """Temporarily change knobs, e.g. ``with override(shard_size=1024): ...``."""
+    """Temporarily change knobs, e.g. ``with override(shard_size=1024): ...``.
+
+    An unknown name is a ``KeyError``; a value that is not a real number (a bool, a string,
+    NaN or infinity) a ``TypeError``/``ValueError`` naming the knob.  Range checks are left to
+    the code that uses the knob (it names the knob in its error).
+    """
     unknown = set(values) - set(_DEFAULTS)
     if unknown:
         raise KeyError(f"unknown knob(s): {sorted(unknown)}")
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"knob {name} must be a number, got {type(value).__name__}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"knob {name}={value!r} is not a finite number")
     saved = dict(_overrides)
     _overrides.update(values)
     try:

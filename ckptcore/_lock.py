@@ -37,7 +37,6 @@ import logging
 import os
 import socket
 import stat
-import sys
 import threading
 import time
 import uuid
@@ -45,9 +44,9 @@ import weakref
 from typing import Any
 
 from . import _fence, _knobs
-from ._storage import Store, _kind
+from ._storage import Store, file_kind
 from .errors import (FencedError, LockedError, LockTakeoverWarning, UnsafeCheckpointError,
-                     warn_and_log)
+                     caller_level, warn_and_log)
 
 __all__ = ["WriterLock", "LockTakeoverWarning", "LOCK_NAME"]
 
@@ -138,8 +137,8 @@ def check_lease_times(lease_seconds: float | None, heartbeat_seconds: float | No
     """The lease and heartbeat periods (the knobs' defaults for None; with only the lease given,
     the heartbeat is at most a third of it); ``ValueError`` unless
     ``0 < heartbeat_seconds < lease_seconds`` (a lease must be renewed before it expires)."""
-    lease = float(_knobs.get("lease_seconds") if lease_seconds is None else lease_seconds)
-    beat = float(_knobs.get("heartbeat_seconds") if heartbeat_seconds is None else heartbeat_seconds)
+    lease = float(_knobs.lease_seconds() if lease_seconds is None else lease_seconds)
+    beat = float(_knobs.heartbeat_seconds() if heartbeat_seconds is None else heartbeat_seconds)
     if heartbeat_seconds is None and lease_seconds is not None and lease > 0:
         beat = min(beat, lease / 3)  # only the lease given: renew it three times per period
     if not lease > 0 or not beat > 0 or not beat < lease:  # also NaN
@@ -375,7 +374,7 @@ class WriterLock:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # a FIFO or device opens; it is no lock file either
-                raise self._not_a_file(path, _kind(st.st_mode))
+                raise self._not_a_file(path, file_kind(st.st_mode))
             key = (st.st_dev, st.st_ino)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -428,7 +427,7 @@ class WriterLock:
         message = (f"{self.store.url}: taking over the writer lock of {holder}: {why}; "
                    "its last committed checkpoint stands, an unfinished save is a leftover for gc()")
         # Logged too, but not printed twice on a console without logging set up (warn_and_log).
-        warn_and_log(message, LockTakeoverWarning, stacklevel=_caller_level())
+        warn_and_log(message, LockTakeoverWarning, stacklevel=caller_level())
 
     # -- object stores: a lease -----------------------------------------------------------------
     def _lease(self) -> bytes:
@@ -591,16 +590,6 @@ class WriterLock:
             lease = self._read_lease()
             if lease is not None and lease.get("holder") == self.holder:  # never remove another's
                 self.store.delete(LOCK_NAME)
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside ckptcore, as seen from our caller: the line
-    of the user's save() (or gc()), however deep the lock was taken."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
 
 
 def _float(value: Any) -> float:

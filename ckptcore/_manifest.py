@@ -24,7 +24,7 @@ import crc32c
 import numpy as np
 
 from . import _codec
-from ._chunkrules import _counts, check_chunks
+from ._chunkrules import element_counts, check_chunks
 from .errors import (CheckpointError, CorruptCheckpointError, SchemaError, UnsafeCheckpointError,
                      UnsupportedCheckpointError)
 
@@ -108,7 +108,7 @@ class TensorTable(Sequence[TensorEntry]):
 
     __slots__ = ("names", "dtypes", "dtype", "ndim", "dims", "shard", "offset", "length",
                  "checksum", "tensor", "gdims", "start", "block_crc", "crc_block",
-                 "_starts", "_shapes", "_lists", "_rows", "_block_pos", "_firsts")
+                 "_starts", "_shapes", "_lists", "_rows", "_block_pos", "firsts_cache")
 
     def __init__(self, *, names: list[str], dtypes: list[str], dtype: np.ndarray, ndim: np.ndarray,
                  dims: np.ndarray, shard: np.ndarray, offset: np.ndarray, length: np.ndarray,
@@ -125,7 +125,7 @@ class TensorTable(Sequence[TensorEntry]):
         self._lists: dict[str, list] = {}
         self._rows: list[list[int]] | None = None
         self._block_pos: np.ndarray | None = None
-        self._firsts: np.ndarray | None = None
+        self.firsts_cache: np.ndarray | None = None
 
     @classmethod
     def from_columns(cls, names: list[str], dtype_names: Sequence[str],
@@ -200,12 +200,12 @@ class TensorTable(Sequence[TensorEntry]):
 
     def firsts(self) -> np.ndarray:
         """The first row of each logical tensor (cached; set when a chunked table is checked)."""
-        if self._firsts is None:
+        if self.firsts_cache is None:
             if self.tensor is None:
-                self._firsts = np.arange(len(self))
+                self.firsts_cache = np.arange(len(self))
             else:
-                self._firsts = np.array([r[0] for r in self.rows_of()], np.intp)
-        return self._firsts
+                self.firsts_cache = np.array([r[0] for r in self.rows_of()], np.intp)
+        return self.firsts_cache
 
     def logical_name(self, k: int) -> str:
         return self.names[int(self.firsts()[k])]
@@ -391,7 +391,7 @@ class Manifest:
         version = outer.get("version")
         if type(version) is not int or version not in READ_VERSIONS:  # not True, not 1.0
             raise UnsupportedCheckpointError(
-                f"{source}: unsupported format version {_codec._short(version)} (this ckptcore "
+                f"{source}: unsupported format version {_codec.short_repr(version)} (this ckptcore "
                 f"reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade ckptcore")
         body, crc = outer.get("body"), outer.get("body_crc32c")
         # body: a view into ``data`` (see _codec.unpack_plain), or bytes from msgpack
@@ -449,14 +449,14 @@ def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
         raise SchemaError(f"{source}: body is not a map")
     if b.get("checksum") != CHECKSUM:
         raise UnsupportedCheckpointError(
-            f"{source}: unsupported checksum algorithm {_codec._short(b.get('checksum'))}")
+            f"{source}: unsupported checksum algorithm {_codec.short_repr(b.get('checksum'))}")
     shards = []
     seen: set[str] = set()
     for i, s in enumerate(_req(b, "shards", list, source)):
         where = f"{source}: shard {i}"
         path = _req(s, "path", str, where)
         if not safe_shard_name(path):
-            raise UnsafeCheckpointError(f"{where}: shard path {_codec._short(path)} is not a plain "
+            raise UnsafeCheckpointError(f"{where}: shard path {_codec.short_repr(path)} is not a plain "
                                         "file name inside the checkpoint directory; refusing to read it")
         if path in seen:
             raise SchemaError(f"{where}: shard path {path!r} is listed twice")
@@ -529,7 +529,7 @@ def _table_v2(t: dict, shards: list[ShardEntry], source: str, *, chunked: bool =
         if not isinstance(d, str):
             raise SchemaError(f"{where}: dtype {j} is a {type(d).__name__}, not a string")
         # (a long name is never valid; it must not sit in the cache: a hostile one is 48 MB)
-        known = _codec._parse_known(d) if len(d) <= 64 else None
+        known = _codec.parse_known(d) if len(d) <= 64 else None
         parsed.append(known if known is not None
                       else _codec.parse_dtype(d, where=f"{where}: dtype {j}"))
     code, ndim, dims = cols["dtype"], cols["ndim"], cols["shape"]
@@ -538,7 +538,7 @@ def _table_v2(t: dict, shards: list[ShardEntry], source: str, *, chunked: bool =
     def fail(mask: np.ndarray, what: str) -> None:
         if mask.any():
             i = _first(mask)
-            raise SchemaError(f"{source}: tensor {_codec._short(names[i])}: {what(i)}")
+            raise SchemaError(f"{source}: tensor {_codec.short_repr(names[i])}: {what(i)}")
 
     fail(code >= len(parsed), lambda i: f"dtype index {int(code[i])}, but only {len(parsed)} "
          "dtypes are listed")
@@ -549,7 +549,7 @@ def _table_v2(t: dict, shards: list[ShardEntry], source: str, *, chunked: bool =
                           f"up to {total}")
     itemsize = np.array([d.itemsize for d in parsed] or [0], np.uint64)[code if n else []]
     starts = np.cumsum(ndim, dtype=np.int64) - ndim
-    nonzero, empty, over = _counts(ndim, dims, starts, itemsize)
+    nonzero, empty, over = element_counts(ndim, dims, starts, itemsize)
     fail(over, lambda i: f"shape {list(dims[starts[i]:starts[i] + ndim[i]].tolist())} of "
          f"{parsed[code[i]]} is too large for any array")
     expected = np.where(empty, np.uint64(0), nonzero) * itemsize
@@ -736,7 +736,7 @@ def _tensor(t: Any, i: int, shards: list[ShardEntry], source: str) -> TensorEntr
                 and 0 <= shard < len(shards) and offset >= 0 and 0 <= crc <= 0xFFFFFFFF
                 and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
             # (a long name is never valid; it must not sit in the cache: a hostile one is 48 MB)
-            dtype = _codec._parse_known(dt) if len(dt) <= 64 else None
+            dtype = _codec.parse_known(dt) if len(dt) <= 64 else None
             if dtype is not None and offset + length <= shards[shard].size:
                 count = math.prod(shape)
                 nonzero = count if count else math.prod(d for d in shape if d)
@@ -749,13 +749,13 @@ def _tensor(t: Any, i: int, shards: list[ShardEntry], source: str) -> TensorEntr
 def _tensor_checked(t: Any, i: int, shards: list[ShardEntry], source: str) -> TensorEntry:
     where = f"{source}: tensor {i}"
     name = _req(t, "name", str, where)
-    where = f"{source}: tensor {_codec._short(name)}"
+    where = f"{source}: tensor {_codec.short_repr(name)}"
     dtype = _codec.parse_dtype(_req(t, "dtype", str, where), where=where)
     shape = _req(t, "shape", list, where)
     if len(shape) > MAX_NDIM:
         raise SchemaError(f"{where}: {len(shape)} dimensions (at most {MAX_NDIM})")
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise SchemaError(f"{where}: bad shape {_codec._short(shape)}")
+        raise SchemaError(f"{where}: bad shape {_codec.short_repr(shape)}")
     if math.prod(d for d in shape if d) * max(dtype.itemsize, 1) > _SIZE_MAX:  # Python ints
         raise SchemaError(f"{where}: shape {shape} of {dtype} is too large for any array")
     shard, offset, length = (_nonneg(t, k, where) for k in ("shard", "offset", "length"))

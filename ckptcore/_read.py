@@ -133,7 +133,7 @@ def read_manifest(store: Store) -> Manifest:
 def read_manifest_bytes(store: Store) -> tuple[Manifest, bytes]:
     """:func:`read_manifest` and the bytes it was parsed from (a copy writes them back)."""
     try:
-        data = store.read(MANIFEST_NAME, max_bytes=int(_knobs.get("max_manifest_bytes")))
+        data = store.read(MANIFEST_NAME, max_bytes=_knobs.max_manifest_bytes())
     except CheckpointError:
         raise
     except (FileNotFoundError, NotADirectoryError) as e:

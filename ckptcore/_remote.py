@@ -8,7 +8,7 @@ the writer waits, and one ranged GET of a shard is one connection.  Here:
   is handed to s3fs's event loop as an ``upload_part`` and the caller goes on checksumming and
   filling the next part while it travels.  An object that fits in one part is a single PUT (no
   multipart round trips).  Any failure aborts the multipart upload, so no part is left behind
-  (and says so in the log); errors are mapped by ``Store._remote`` like every other operation.
+  (and says so in the log); errors are mapped by ``Store.translate_errors`` like every other operation.
 * :func:`read_ranges`: each requested range is split into part-sized pieces fetched
   concurrently (any async fsspec filesystem: S3, GCS, Azure, HTTP) straight into one
   preallocated ``bytearray`` per range.
@@ -192,7 +192,7 @@ class PartWriter:
         self._drop_buffer()
         if self._upload_id is None:
             return
-        url = self._store._url(self._rel)
+        url = self._store.url_of(self._rel)
         try:
             self._call("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
                        UploadId=self._upload_id)
@@ -219,11 +219,11 @@ class PartWriter:
     def _guard(self) -> Iterator[None]:
         """Map errors as every store operation does; on any failure, abort the upload."""
         try:
-            with self._store._remote("write", self._rel, write=True):
+            with self._store.translate_errors("write", self._rel, write=True):
                 yield
         except BaseException as e:
             self.abort(f"{type(e).__name__}: {e}")
-            url = self._store._url(self._rel)
+            url = self._store.url_of(self._rel)
             if isinstance(e, OSError) and not isinstance(e, CheckpointError) and url not in str(e):
                 named = _with_url(e, url)  # s3fs's messages name no object
                 if named is not e:

@@ -62,7 +62,7 @@ import numpy as np
 from ._commit import commit
 from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, encoded_tree
 from ._read import read_manifest, read_manifest_bytes
-from ._storage import CAS_DIR, CAS_PREFIX, Store, _as_time, _mtime_of, fsync_dir
+from ._storage import CAS_DIR, CAS_PREFIX, Store, as_time, mtime_of, fsync_dir
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("ckptcore")
@@ -168,7 +168,7 @@ def list_chunk_objects(root: Store) -> dict[str, Listed]:
     path = root.join(CAS_DIR)
     root.fs.invalidate_cache(path)  # another writer's uploads and deletions since
     try:
-        with root._remote("list", CAS_DIR):
+        with root.translate_errors("list", CAS_DIR):
             infos = root.fs.find(path, detail=True, withdirs=False)
     except FileNotFoundError:
         return out
@@ -177,7 +177,7 @@ def list_chunk_objects(root: Store) -> dict[str, Listed]:
             continue
         size = info.get("size")
         add(full[len(path):].lstrip("/"), size if isinstance(size, (int, float)) else 0,
-            _as_time(_mtime_of(info)), _store_md5(info))
+            as_time(mtime_of(info)), _store_md5(info))
     return out
 
 
@@ -247,7 +247,7 @@ def _read_shard(src: Store, shard: ShardEntry) -> bytes:
     return data
 
 
-def _write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
+def write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
     """Write content-addressed objects (``{cas name: bytes}``) under ``root``, each appearing
     whole or not at all: one PUT each on object stores (several at once), a temporary file
     renamed into place locally."""
@@ -264,7 +264,7 @@ def _write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
         return
     for name in objects:  # (object stores have no folders to make; the call is cheap)
         root.makedirs(os.path.dirname(chunk_rel(name)))
-    with root._remote("write", CAS_DIR, write=True):
+    with root.translate_errors("write", CAS_DIR, write=True):
         root.fs.pipe({root.join(chunk_rel(n)): bytes(d) for n, d in objects.items()})
 
 
@@ -459,7 +459,7 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
         if gate is not None:
             gate()
         md5s = _upload_md5s(root, data)
-        _write_objects(root, {name: data})
+        write_objects(root, {name: data})
         placed[name] = (copy, md5s)
         with counting:
             stats.written += len(data)

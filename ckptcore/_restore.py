@@ -30,7 +30,7 @@ from ._manifest import MANIFEST_NAME
 from ._storage import Store
 from ._tier import Tier, is_damage
 from .errors import (CheckpointError, CheckpointFallbackWarning, CheckpointNotFoundError,
-                     CorruptCheckpointError, GroupError, StorageError)
+                     CorruptCheckpointError, GroupError, StorageError, caller_level)
 from .state import TrainingState
 
 log = logging.getLogger("ckptcore")
@@ -199,7 +199,7 @@ class Restorer:
             return "next"
         fallback = "its replica" if replica_next else "an older one"
         warnings.warn(f"checkpoint step {step} ({url}) does not verify: {e}; falling back to "
-                      + fallback, CheckpointFallbackWarning, stacklevel=6)
+                      + fallback, CheckpointFallbackWarning, stacklevel=caller_level())
         log.warning("restore: checkpoint step %d (%s) does not load (%s: %s); falling back to %s",
                     step, url, type(e).__name__, e, fallback)
         return "next"

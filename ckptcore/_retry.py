@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import errno
 
-from ._storage import _bucket_missing, error_chain
+from ._storage import bucket_missing, error_chain
 from .errors import CheckpointError, FencedError, LockedError, StorageError
 
 # Store answers worth another try (throttling, a server's own failure) and those that are not
@@ -48,7 +48,7 @@ def transient(e: BaseException) -> bool:
     or a bug."""
     chain = error_chain(e)
     if any(type(x).__name__ in _PERMANENT_CLASSES or _code(x) in _PERMANENT_CODES
-           or isinstance(x, PermissionError) for x in chain) or _bucket_missing(e):
+           or isinstance(x, PermissionError) for x in chain) or bucket_missing(e):
         return False
     if isinstance(e, FencedError):
         return False  # another writer took this root over: for good

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import layout
 from ._manifest import MANIFEST_NAME, Manifest
-from ._replica import (Listed, _write_objects, check_structure, chunk_matches, chunk_rel,
+from ._replica import (Listed, write_objects, check_structure, chunk_matches, chunk_rel,
                        list_chunk_objects)
 from ._storage import CAS_PREFIX, Store, check_url
 from .errors import CheckpointError, CheckpointNotFoundError
@@ -223,7 +223,7 @@ class _Scrub:
                     data, how = self._rebuild(src, name, users, copies), "the tensors of the step"
                 if data is None:
                     continue
-                _write_objects(self.root, {name: data})
+                write_objects(self.root, {name: data})
                 back = self.root.read(chunk_rel(name))
                 self.bytes_read += len(back)
                 if back != data:

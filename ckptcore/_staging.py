@@ -51,7 +51,7 @@ class Staging:
             np.copyto(buf, src)
             return buf
 
-        with ThreadPoolExecutor(int(_knobs.get("threads"))) as pool:
+        with ThreadPoolExecutor(_knobs.threads()) as pool:
             copies = list(pool.map(copy_one, range(len(enc.arrays))))
         self._buffers = dict(zip(enc.names, copies))
         # deepcopy's memo maps id(original) -> copy, so the tree is rebuilt around these copies.

@@ -110,7 +110,7 @@ class _Sync:
             target = Tier(dst, self.dso, lock=self.lock, what="replica")
             report.deleted = target.retain(as_policy(keep), dry_run=self.dry_run)
         if report.deleted and self.dedup and not self.dry_run:
-            report.swept = sweep(dst, float(_knobs.get("gc_grace")), fence=self.lock)
+            report.swept = sweep(dst, _knobs.gc_grace(), fence=self.lock)
         return report
 
     def _check_present(self, step: int, name: str) -> None:

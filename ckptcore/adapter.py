@@ -23,6 +23,22 @@ Restoring goes in two phases, so a failed restore leaves every target untouched:
                         put=lambda t=target, v=value: write_into(t, v))
     plan.unexpected_from(state.model, discovered)      # saved names nothing took
     return plan.apply(strict)                          # raises, or writes everything and reports
+
+This module is the whole service-provider interface: an adapter imports from ``ckptcore`` and
+``ckptcore.adapter`` only, never a private ``ckptcore._...`` module (tests/test_boundaries.py
+checks).  Besides the contract and the planning above it offers:
+
+* :func:`convert_for` -- what an adapter's ``restore`` calls first: the state itself when it is
+  the framework's (or neutral) or was already converted by the restore in progress, else the
+  state converted for the target objects.  A restore through the core converts once, before it
+  calls the adapter (``ckptcore._convert.restore_converted``), and this call passes it through.
+* :func:`check_url` -- a URL or path argument checked (non-empty, not a chained fsspec URL).
+* :func:`open_regular` -- a local file opened for reading without following links (native
+  checkpoint readers share the core's containment).
+* :func:`parse_dtype` -- the NumPy dtype a stored dtype name denotes (``SchemaError`` if unknown).
+* ``knobs`` -- the tunables, read through typed accessors: ``knobs.group_timeout()`` (seconds a
+  collective may wait), ``knobs.threads()``, ``knobs.shard_size()``, ... (one per knob, each
+  with its ``CKPTCORE_<NAME>`` environment override).
 """
 
 from __future__ import annotations
@@ -31,67 +47,28 @@ import contextlib
 import contextvars
 import importlib
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from ._storage import check_url, open_regular  # for adapters: URL arguments, native files
+from . import _knobs as knobs
+from ._codec import parse_dtype
+from ._contract import Adapter, DemoProgram, FileFormat
+from ._convert import convert_for
+from ._localfs import open_regular
+from ._storage import check_url
 from .errors import RestoreError, UnappliedStateWarning, warn_and_log
-from .state import RestoreReport, TrainingState
+from .state import RestoreReport
 
 __all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified",
            "mismatch_message", "warn_unapplied", "warn_and_log", "CALLBACK_KEEP", "open_regular",
-           "check_url", "convert_for"]
+           "check_url", "convert_for", "parse_dtype", "knobs"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
 # every adapter, so switching frameworks does not change how much disk a run uses.
 CALLBACK_KEEP = 3
 
 _log = logging.getLogger("ckptcore")
-
-
-@runtime_checkable
-class Adapter(Protocol):
-    """What the registry expects of an adapter object (``ADAPTER`` in the adapter package).
-
-    ``capture`` and ``restore`` take the framework objects as keywords: ``model`` always, then
-    ``optimizer``, ``cursor`` (a :class:`~ckptcore.DataCursor` or anything with ``state_dict`` /
-    ``load_state_dict``) and any framework-specific ones (``scheduler``, ``scaler``...).  An object
-    passed that the adapter does not know is a ``TypeError``, never silently ignored.
-    """
-
-    name: str
-    """The framework's short name, also ``TrainingState.framework`` of its captures."""
-
-    capture_views: bool
-    """Whether ``capture(copy=False)`` returns views of live buffers (a synchronous save may write
-    them as they are; an asynchronous save copies them first)."""
-
-    def handles(self, obj: object) -> bool:
-        """Whether ``obj`` (a model) belongs to this framework.  Must not import the framework."""
-
-    def capture(self, *, model: Any, optimizer: Any = None, cursor: Any = None, rng: bool = True,
-                copy: bool = True, **objects: Any) -> TrainingState:
-        """Snapshot the objects.  ``rng=False`` leaves ``state.rng`` empty; ``copy=False`` may
-        return views of live buffers (see :attr:`capture_views`)."""
-
-    def restore(self, state: TrainingState, *, model: Any, optimizer: Any = None, cursor: Any = None,
-                strict: bool = True, rng: bool = True, **objects: Any) -> RestoreReport:
-        """Put ``state`` back (through a :class:`RestorePlan`).  ``rng=False`` leaves every RNG
-        as it is.  A state of another framework is converted first (``ckptcore.convert``)."""
-
-    @property
-    def dialect(self) -> Any:
-        """The framework's migration dialect (see :mod:`ckptcore.migrate`): its optimizers,
-        schedules, RNG and ``extra`` section in neutral terms."""
-
-    @property
-    def formats(self) -> Sequence[FileFormat]:
-        """The framework's native checkpoint files that ``ckpt import``/``ckpt export`` handle."""
-
-    def demo(self, *, seed: int, features: int, classes: int) -> DemoProgram:
-        """A tiny model for ``ckpt demo``, built deterministically from ``seed``."""
 
 
 class PackageAdapter:
@@ -123,50 +100,6 @@ class PackageAdapter:
 
     def __repr__(self) -> str:
         return f"<{type(self).__module__}.ADAPTER>"
-
-
-@dataclass(frozen=True)
-class FileFormat:
-    """A framework's native checkpoint files, as the command line sees them.
-
-    Attributes:
-        name: The ``--to``/``--from`` choice, e.g. ``"tf-checkpoint"``, ``"pdparams"``.
-        framework: The adapter's name.
-        description: One line for ``--help``.
-        detect: Whether a path given to ``ckpt import`` is of this format (no framework import).
-        read: ``read(src, model=None, optimizer=None, **options) -> TrainingState``; ``model`` and
-            ``optimizer`` come from ``--model MODULE:FACTORY`` when given.
-        write: ``write(state, dst, model=None, optimizer=None, **options) -> str`` (what it wrote).
-        needs_model: Whether ``write`` needs live objects (``--model``) to name or shape the files.
-        options: Extra command-line options, ``{name: help}``, passed to ``read``/``write`` as
-            keywords (``None`` when not given on the command line).
-    """
-
-    name: str
-    framework: str
-    description: str
-    detect: Callable[[str], bool]
-    read: Callable[..., TrainingState] | None = None
-    write: Callable[..., Any] | None = None
-    needs_model: bool = False
-    options: Mapping[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.read is None and self.write is None:
-            raise ValueError(f"file format {self.name!r} neither reads nor writes")
-
-
-@dataclass(frozen=True)
-class DemoProgram:
-    """What ``ckpt demo`` trains: the objects it saves and restores, and one training step.
-
-    ``objects`` go to ``CheckpointManager.save``/``restore`` as keywords (``model=...``, ...);
-    ``train_step(x, y)`` trains one batch of float32 features and int64 labels.
-    """
-
-    description: str
-    objects: Mapping[str, Any]
-    train_step: Callable[[np.ndarray, np.ndarray], None]
 
 
 def qualified(section: str, *parts: str) -> str:
@@ -348,13 +281,3 @@ def check_fits(name: str, value: Any, shape: Iterable[int] | None, dtype: Any) -
         got, want = np.asarray(value).dtype if not hasattr(value, "dtype") else value.dtype, np.dtype(dtype)
         if got != want:
             raise RestoreError(f"{name}: the checkpoint holds {got}, the target is {want}")
-
-
-
-def convert_for(state: TrainingState, framework: str, objects: Mapping[str, Any], **kw: Any
-                ) -> TrainingState:
-    """``state`` itself when it is ``framework``'s (or neutral), else converted for ``objects``:
-    what an adapter's ``restore`` calls first (``ckptcore.api.convert_for``; imported on use,
-    since ``api`` imports this module)."""
-    from . import api
-    return api.convert_for(state, framework, objects, **kw)

@@ -7,7 +7,6 @@ import logging
 import os
 import platform
 import socket
-import sys
 import time
 import uuid
 from typing import Any, Iterable, Mapping, Sequence
@@ -18,13 +17,14 @@ from . import _codec, _dist, _io, _knobs
 from .adapter import restore_gate, warn_unapplied
 from ._version import __version__
 from ._commit import commit
+from ._convert import convert_for, convert_state_for, restore_converted  # noqa: F401 (convert_for: api's name)
 from ._manifest import (CHUNKED_VERSION, READ_VERSIONS, Manifest, ShardEntry, TensorTable,
                         check_chunks)
 from ._read import CheckpointInfo, TensorInfo, info_of, inspect, read_manifest
 from ._storage import Store
-from .errors import CheckpointError, IncompleteCheckpointError, SchemaError
+from .errors import CheckpointError, IncompleteCheckpointError, SchemaError, caller_level
 from .group import ProcessGroup
-from .registry import adapter_for, get_adapter
+from .registry import adapter_for
 from .state import TrainingState
 
 __all__ = ["save_state", "load_state", "inspect", "verify", "convert", "CheckpointInfo", "TensorInfo"]
@@ -120,7 +120,7 @@ def _given(**objects: Any) -> dict[str, Any]:
 def _writer_version(enc: Any, arrays: Sequence[np.ndarray] = ()) -> int:
     """The manifest version to write: the ``format_version`` knob's, or 3 (chunked tensors) for
     a state with ``Shard`` leaves; ``ValueError`` for a knob this ckptcore cannot write."""
-    version = int(_knobs.get("format_version"))
+    version = _knobs.format_version()
     if version not in READ_VERSIONS:
         raise ValueError(f"the format_version knob is {version}; this ckptcore writes "
                          f"{', '.join(map(str, READ_VERSIONS))}")
@@ -150,7 +150,7 @@ def _manifest_maker(state: TrainingState, enc: Any, version: int, token: str, fe
                      "python": platform.python_version()},
             framework={"name": state.framework,
                        "versions": dict(state.metadata.get("versions") or {})},
-            alignment=int(_knobs.get("alignment")), shards=tuple(shards), tensors=tensors,
+            alignment=_knobs.alignment(), shards=tuple(shards), tensors=tensors,
             tree=enc.tree, version=version, referenced=tuple(range(count)))
 
     return make_manifest
@@ -393,9 +393,7 @@ def restore_objects(state: TrainingState, objects: Mapping[str, Any]) -> None:
     if not objects:
         return
     if "model" in objects:
-        adapter = adapter_for(objects["model"])
-        state = convert_for(state, adapter.name, objects, **options)
-        adapter.restore(state, **objects)
+        state = restore_converted(adapter_for(objects["model"]), state, objects, **options)
         _warn_cursor_unapplied(state, objects)
     elif set(objects) == {"cursor"}:
         objects["cursor"].load_state_dict(state.data)
@@ -410,36 +408,7 @@ def _warn_cursor_unapplied(state: TrainingState, objects: Mapping[str, Any]) -> 
     accumulation, schedule.  ``keys=[...]`` without ``"data"`` loads no position: no warning."""
     if state.data and objects.get("cursor") is None:
         warn_unapplied({"data": "pass cursor=... (a DataCursor, or anything with load_state_dict) "
-                                "to continue at the saved sample"}, stacklevel=_caller_level())
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` (for a warning raised by this module's caller's :func:`warn_unapplied`)
-    of the first frame outside ckptcore and its adapters: the user's ``load_state``/``restore``
-    line or their framework's ``fit``, whichever path the restore took."""
-    frame, level = sys._getframe(1), 2  # level 2 from warn_unapplied is our caller's frame
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ckptcore"):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-# Keywords of a restore that are not target objects: conversion never needs them (the cursor's
-# position is carried over from the state as it is, and the RNG is reseeded by the migration).
-_NOT_TARGETS = frozenset({"model", "optimizer", "cursor", "strict", "rng"})
-
-
-def convert_for(state: TrainingState, framework: str, objects: Mapping[str, Any], *,
-                name_map: Mapping[str, str | None] | None = None, approximate: bool = False) -> TrainingState:
-    """``state`` itself when it is ``framework``'s (or neutral), else converted for the target
-    ``objects`` (``model=``, ``optimizer=`` and every framework-specific one, e.g. ``scheduler=``).
-    The one place a restore converts between frameworks: adapters' own ``restore`` functions
-    call it first."""
-    if state.framework in (None, framework):
-        return state
-    log.info("restore: the state was saved by %s; converting it for %s", state.framework, framework)
-    targets = {k: v for k, v in objects.items() if k not in _NOT_TARGETS}
-    return convert(state, framework, objects["model"], objects.get("optimizer"),
-                   name_map=name_map, approximate=approximate, **targets)
+                                "to continue at the saved sample"}, stacklevel=caller_level() + 1)
 
 
 def convert(state: TrainingState | str | os.PathLike, to: str, model: Any, optimizer: Any = None, *,
@@ -473,25 +442,10 @@ def convert(state: TrainingState | str | os.PathLike, to: str, model: Any, optim
         AdapterNotFoundError: no adapter for ``to`` is installed.
         TypeError: ``model`` is not the target adapter's, or an object the adapter does not take.
     """
-    from .migrate import convert_state
-
     if not isinstance(state, TrainingState):
         state = load_state(state, storage_options=storage_options)
-    if state.framework == to:
-        return state
-    adapter = get_adapter(to)
-    if not adapter.handles(model):
-        raise TypeError(f"convert(to={to!r}) needs a {to} model as the target; got "
-                        f"{type(model).__module__}.{type(model).__qualname__}")
-    reserved = sorted(_NOT_TARGETS & set(objects))
-    if reserved:
-        raise TypeError(f"convert() does not take {reserved} as target objects")
-    targets: dict[str, Any] = {"model": model, "rng": False}
-    if optimizer is not None:
-        targets["optimizer"] = optimizer
-    targets.update((k, v) for k, v in objects.items() if v is not None)
-    template = adapter.capture(**targets)
-    return convert_state(state, template, name_map=name_map, approximate=approximate)
+    return convert_state_for(state, to, model, optimizer, name_map=name_map,
+                             approximate=approximate, **objects)
 
 
 def verify(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None

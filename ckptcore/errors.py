@@ -9,6 +9,7 @@ around bad input) the class derives from that builtin too, so existing
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 
 __all__ = [
@@ -168,3 +169,15 @@ def warn_and_log(message: str, category: type[Warning], *, stacklevel: int,
     """
     logger.log(logging.WARNING if logger.hasHandlers() else logging.DEBUG, "%s", message)
     warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def caller_level() -> int:
+    """The ``stacklevel`` that makes a warning issued in the function calling this one point at
+    the first frame outside ckptcore and its adapters: the user's ``save``/``restore``/``gc``
+    line, or their framework's ``fit``, however deep in the library the warning arose.  (A
+    helper that warns on its caller's behalf, like ``warn_unapplied``, takes one more.)"""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ckptcore"):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+

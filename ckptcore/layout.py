@@ -81,7 +81,7 @@ def list_checkpoints(root: str | os.PathLike, *, storage_options: Mapping[str, A
 
 def check_grace(grace: float | None) -> float:
     """``grace`` in seconds (the configured default for None); ``ValueError`` below 0 or NaN."""
-    grace = float(_knobs.get("gc_grace")) if grace is None else float(grace)
+    grace = _knobs.gc_grace() if grace is None else float(grace)
     if not grace >= 0:  # also NaN: a negative grace would take saves still being written
         raise ValueError(f"gc grace must be >= 0 seconds, got {grace}")
     return grace

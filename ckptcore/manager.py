@@ -20,13 +20,13 @@ from typing import Any, Mapping, Sequence
 
 from . import _dist, _preempt, api, layout
 from ._backup import Backups, BackupTier
-from ._lock import WriterLock, _caller_level
+from ._lock import WriterLock
 from ._restore import Restorer
 from ._staging import InFlight, SaveHandle, Staging, completed
 from ._steps import step_name
 from ._storage import Store, check_url
 from ._tier import Tier
-from .errors import CheckpointFallbackWarning, FencedError, StepOrderError
+from .errors import CheckpointFallbackWarning, FencedError, StepOrderError, caller_level
 from .group import ProcessGroup
 from .options import Backup, Lease, resolve
 from .policies import as_policy, check_metrics
@@ -218,7 +218,7 @@ class CheckpointManager:
             url = self.step_url(step)
             warnings.warn(f"replacing checkpoint step {step} ({url}), which does not verify "
                           f"({problems[0]}); restore() fell back over it",
-                          CheckpointFallbackWarning, stacklevel=_caller_level())
+                          CheckpointFallbackWarning, stacklevel=caller_level())
             log.warning("replacing damaged checkpoint step %d (%s): %s", step, url, problems[0])
             self.local.relist()
             self.local.delete(step)
@@ -261,11 +261,12 @@ class CheckpointManager:
             self._on_coordinator(self._wait_backups)
 
     def _wait_backups(self) -> None:
-        self.backups.wait()
-        if self._saved and self._coordinator:
-            # steps local retention kept for want of a replica may go now
-            self._acquire()
-            self._apply_retention()
+        try:
+            self.backups.wait()
+        finally:  # (also after a backup failed: the others' steps kept for it may go now)
+            if self._saved and self._coordinator:
+                self._acquire()
+                self._apply_retention()
 
     def delete(self, step: int) -> None:
         """Remove checkpoint ``step`` (manifest first, then its data).  With a group, every rank

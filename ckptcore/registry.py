@@ -17,7 +17,7 @@ import logging
 import threading
 from importlib.metadata import entry_points
 
-from .adapter import Adapter
+from ._contract import Adapter
 from .errors import AdapterNotFoundError
 
 __all__ = ["Adapter", "adapter_for", "get_adapter", "available_adapters", "install_hint"]

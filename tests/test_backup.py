@@ -357,7 +357,7 @@ def test_steps_given_up_in_a_long_outage_go_up_once_the_bucket_answers(tmp_path,
 
 def test_what_is_worth_retrying():
     """Errors as the storage layer hands them over (s3fs's translation of botocore's answers, then
-    Store._remote's): outages, resets and throttling are tried again; a missing bucket, missing
+    Store.translate_errors's): outages, resets and throttling are tried again; a missing bucket, missing
     or refused credentials, a damaged source and bugs are not."""
     from botocore.exceptions import ClientError, NoCredentialsError
     from s3fs.errors import translate_boto_error
@@ -368,7 +368,7 @@ def test_what_is_worth_retrying():
 
     def through_store(error: BaseException) -> BaseException:
         try:
-            with store._remote("put", "a", write=True):
+            with store.translate_errors("put", "a", write=True):
                 raise error
         except BaseException as e:  # noqa: BLE001 - what the tier sees
             return e

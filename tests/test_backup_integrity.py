@@ -156,13 +156,13 @@ def test_a_replica_that_does_not_verify_is_not_replicated_and_the_local_copy_sta
     from ckptcore import _replica
 
     backup, opts = store.url("backup"), store.storage_options
-    real = _replica._write_objects
+    real = _replica.write_objects
 
     def bad_store(root, objects):  # a store that corrupts what it is sent
         real(root, {n: (bytes(d[:-1]) + b"?" if len(d) > 1 << 20 else d)
                     for n, d in objects.items()})
 
-    monkeypatch.setattr(_replica, "_write_objects", bad_store)
+    monkeypatch.setattr(_replica, "write_objects", bad_store)
     mgr = CheckpointManager(str(tmp_path / "local"), keep=1, backup=ckptcore.Backup(backup,
                             storage_options=opts))
     with caplog.at_level(logging.WARNING, logger="ckptcore"):
@@ -172,7 +172,7 @@ def test_a_replica_that_does_not_verify_is_not_replicated_and_the_local_copy_sta
             mgr.wait()
     assert "cas:" in str(e.value) and "uncommitting" in caplog.text
     assert not mgr.backup.replicated(1) and mgr.backup.steps() == []
-    monkeypatch.setattr(_replica, "_write_objects", real)
+    monkeypatch.setattr(_replica, "write_objects", real)
     mgr.save(2, _state(2))
     mgr.wait()
     assert mgr.backup.last.healed  # the damaged chunk left behind is found and replaced

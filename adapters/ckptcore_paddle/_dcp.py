@@ -49,8 +49,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ckptcore import _codec
-from ckptcore.adapter import open_regular
+from ckptcore.adapter import open_regular, parse_dtype
 from ckptcore.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                              IncompleteCheckpointError, SchemaError, StorageError,
                              UnsupportedCheckpointError)
@@ -252,7 +251,7 @@ def _plan(key: str, parts: list, storage: dict, source: str) -> _Plan:
     dtype, each inside it, none repeated, no two from one file, as many values as the tensor has
     (an overlap that makes up for a hole in that count is found while assembling)."""
     where = f"{source}: tensor {key!r}"
-    dtype = _codec.parse_dtype(parts[0][2], where=where)
+    dtype = parse_dtype(parts[0][2], where=where)
     gshape = parts[0][3] or tuple(max(o[d] + s[d] for o, s, _, _ in parts)
                                   for d in range(len(parts[0][0])))
     seen: dict[tuple[int, ...], tuple[int, ...]] = {}

@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ckptcore import _knobs
+from ckptcore.adapter import knobs
 from ckptcore.errors import CaptureError, RestoreError
 from ckptcore.sharding import Shard
 from ckptcore.state import OptimizerState
@@ -81,7 +81,7 @@ def _exchange(sharding: Sharding, mine: dict) -> list[dict]:
     from ._group import process_group
 
     group = process_group(sharding.group)
-    timeout = float(_knobs.get("group_timeout"))
+    timeout = knobs.group_timeout()
     packed = msgpack.packb(mine, use_bin_type=True)
     gathered = group.gather(packed, timeout=timeout)
     merged = msgpack.packb(gathered, use_bin_type=True) if group.rank == 0 else None
