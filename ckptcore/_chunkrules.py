@@ -50,6 +50,28 @@ def check_chunks(table: Any, source: str, *, starts: np.ndarray | None = None,
 
     fail(tensor >= n, lambda i: f"a chunk of logical tensor {int(tensor[i])}, but the table has "
          f"only {n} rows")
+    order, heads, firsts = _logical_tensors(tensor, n, source)
+    f = firsts[tensor] if n else np.zeros(0, np.intp)
+    _check_names(names, firsts, f, source)
+    fail(code != code[f], lambda i: f"chunks of dtypes {parsed[code[f[i]]]} and {parsed[code[i]]}")
+    fail(ndim != ndim[f], lambda i: f"chunks of {int(ndim[f[i]])} and {int(ndim[i])} dimensions")
+    differ, outside = _global_bounds(table, starts, f)
+    fail(differ, lambda i: f"global shape {dims_of(gdims, i)} of one chunk, "
+         f"{dims_of(gdims, int(f[i]))} of another")
+    _, _, over = element_counts(ndim, gdims, starts, itemsize)
+    fail(over, lambda i: f"global shape {dims_of(gdims, i)} of {parsed[code[i]]} is too large "
+         "for any array")
+    fail(outside, lambda i: f"chunk of shape {dims_of(dims, i)} at {dims_of(start, i)} lies "
+         f"outside the global shape {dims_of(gdims, i)}")
+    _check_overlaps(table, source, order, heads, starts, dims_of)
+    table.firsts_cache = firsts
+
+
+def _logical_tensors(tensor: np.ndarray, n: int, source: str
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``n`` rows grouped by logical tensor (``tensor`` below ``n``, checked before):
+    ``order`` sorts the rows by it, ``heads`` are where each tensor's run starts in that order,
+    ``firsts`` each tensor's first row.  A logical tensor without a row is a ``SchemaError``."""
     order = np.argsort(tensor, kind="stable")
     sorted_t = tensor[order]
     heads = np.flatnonzero(np.r_[True, sorted_t[1:] != sorted_t[:-1]]) if n else np.zeros(0, int)
@@ -59,8 +81,12 @@ def check_chunks(table: Any, source: str, *, starts: np.ndarray | None = None,
         present[sorted_t] = True
         raise SchemaError(f"{source}: tensor table: logical tensor {_first(~present)} has no "
                           "chunks")
-    firsts = order[heads]  # the first row of each logical tensor
-    f = firsts[tensor] if n else np.zeros(0, np.intp)
+    return order, heads, order[heads]
+
+
+def _check_names(names: list[str], firsts: np.ndarray, f: np.ndarray, source: str) -> None:
+    """Every row is named as its tensor's first row ``f``, and the tensors' names differ."""
+    n = len(names)
     # (an object array compares the strings in one C loop: a Python loop over two million rows
     # was a third of a 1,000-rank merge, bench_scale_sim.py)
     named = np.empty(n, object)
@@ -70,10 +96,16 @@ def check_chunks(table: Any, source: str, *, starts: np.ndarray | None = None,
         i = int(bad[0])
         raise SchemaError(f"{source}: tensor {_codec.short_repr(names[int(f[i])])}: a chunk is named "
                           f"{_codec.short_repr(names[i])}; the chunks of a tensor share its name")
-    if len({names[k] for k in firsts.tolist()}) != count:
+    if len({names[k] for k in firsts.tolist()}) != len(firsts):
         raise SchemaError(f"{source}: tensor names are not unique")
-    fail(code != code[f], lambda i: f"chunks of dtypes {parsed[code[f[i]]]} and {parsed[code[i]]}")
-    fail(ndim != ndim[f], lambda i: f"chunks of {int(ndim[f[i]])} and {int(ndim[i])} dimensions")
+
+
+def _global_bounds(table: Any, starts: np.ndarray, f: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: whether its global shape differs from its tensor's first row ``f``, and whether
+    the chunk reaches outside its global shape (one pass per dimension, over the rows that
+    have it)."""
+    n, ndim, dims, gdims, start = len(table), table.ndim, table.dims, table.gdims, table.start
     gstart = starts[f]
     differ = np.zeros(n, bool)
     outside = np.zeros(n, bool)
@@ -83,13 +115,14 @@ def check_chunks(table: Any, source: str, *, starts: np.ndarray | None = None,
         differ[rows] |= g != gdims[gstart[rows] + k]
         st, sh = start[starts[rows] + k], dims[starts[rows] + k]
         outside[rows] |= (st > g) | (sh > g - np.minimum(st, g))
-    fail(differ, lambda i: f"global shape {dims_of(gdims, i)} of one chunk, "
-         f"{dims_of(gdims, int(f[i]))} of another")
-    _, _, over = element_counts(ndim, gdims, starts, itemsize)
-    fail(over, lambda i: f"global shape {dims_of(gdims, i)} of {parsed[code[i]]} is too large "
-         "for any array")
-    fail(outside, lambda i: f"chunk of shape {dims_of(dims, i)} at {dims_of(start, i)} lies "
-         f"outside the global shape {dims_of(gdims, i)}")
+    return differ, outside
+
+
+def _check_overlaps(table: Any, source: str, order: np.ndarray, heads: np.ndarray,
+                    starts: np.ndarray, dims_of: Any) -> None:
+    """No two non-empty chunks of one logical tensor overlap (tensors of one chunk are skipped;
+    ``order``/``heads`` from ``_logical_tensors``)."""
+    n, ndim, dims, start, names = len(table), table.ndim, table.dims, table.start, table.names
     many = np.flatnonzero(np.diff(np.r_[heads, n]) > 1) if n else []
     for h in many:
         rows = order[heads[h]:(heads[h + 1] if h + 1 < len(heads) else n)]
@@ -109,7 +142,6 @@ def check_chunks(table: Any, source: str, *, starts: np.ndarray | None = None,
             raise SchemaError(f"{source}: tensor {_codec.short_repr(names[a])}: chunks at "
                               f"{dims_of(start, a)} (shape {dims_of(dims, a)}) and "
                               f"{dims_of(start, b)} (shape {dims_of(dims, b)}) overlap")
-    table.firsts_cache = firsts
 
 
 _PAIRS = 1 << 22  # candidate pairs checked at once by _overlap

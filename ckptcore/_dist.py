@@ -428,19 +428,7 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
     try:
         manifest = commit(store, write, token=token, overwrite=overwrite, fence=fence)
     except _Mismatch as e:
-        group.broadcast(_pack({"kind": "mismatch"}), timeout=timeout)
-        theirs = [_unpack(r, "save") for r in group.gather(b"", timeout=timeout)[1:]]
-        first = e.ranks[0]
-        try:
-            how = _first_difference(enc, arrays, theirs[first - 1])
-        except Exception as x:  # noqa: BLE001 - a peer's malformed answer: say so, still refuse
-            how = f"its description of it cannot be read: {type(x).__name__}"
-        err = SchemaError(f"{store.url}: rank {first} saves another state than rank 0 "
-                          f"({how}); a save with a "
-                          "group needs the same replicated state on every rank; nothing committed")
-        group.broadcast(_pack({"kind": "error", "error": {"type": "SchemaError",
-                                                          "message": str(err)}}), timeout=timeout)
-        raise err from None
+        raise _refuse_mismatch(store, group, enc, arrays, e.ranks[0], timeout) from None
     except BaseException as e:
         message = {"type": type(e).__name__, "message": str(e)}
         try:
@@ -458,6 +446,25 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
         log.warning("%s: committed, but the outcome could not be told to every rank (%s: %s); "
                     "a rank lost after its reply is only logged", store.url, type(e).__name__, e)
     return manifest
+
+
+def _refuse_mismatch(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
+                     first: int, timeout: float) -> SchemaError:
+    """Rank ``first`` saves another state than rank 0: ask every rank for its structure (the
+    happy path sends only digests), tell them all the save is refused, and return the error
+    naming the first difference."""
+    group.broadcast(_pack({"kind": "mismatch"}), timeout=timeout)
+    theirs = [_unpack(r, "save") for r in group.gather(b"", timeout=timeout)[1:]]
+    try:
+        how = _first_difference(enc, arrays, theirs[first - 1])
+    except Exception as x:  # noqa: BLE001 - a peer's malformed answer: say so, still refuse
+        how = f"its description of it cannot be read: {type(x).__name__}"
+    err = SchemaError(f"{store.url}: rank {first} saves another state than rank 0 "
+                      f"({how}); a save with a "
+                      "group needs the same replicated state on every rank; nothing committed")
+    group.broadcast(_pack({"kind": "error", "error": {"type": "SchemaError",
+                                                      "message": str(err)}}), timeout=timeout)
+    return err
 
 
 def settle(store: Store, group: Any) -> None:

@@ -15,7 +15,7 @@ import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import crc32c
 import numpy as np
@@ -137,29 +137,12 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
                 if report:
                     report(n)
             else:
-                crc = 0
                 # (with ``block``, each block's own CRC, combined into the array's)
                 own: list[int] | None = None
                 if block and n > block:
                     own = blocks[idx] = []
-                bcrc, bfill = 0, 0
-                for part in _chunks(buf, chunk):
-                    # Checksum a piece, then write it while it is still in the CPU cache.
-                    if own is None:
-                        crc = crc32(part, crc)
-                    else:
-                        bcrc, bfill = crc32(part, bcrc), bfill + len(part)
-                        if bfill == block or pos + len(part) - offset == n:
-                            own.append(bcrc)
-                            crc = bcrc if len(own) == 1 else crc32c_combine(crc, bcrc, bfill)
-                            bcrc, bfill = 0, 0
-                    write(part)
-                    pos += len(part)
-                    if kick and pos - kicked >= kick:
-                        start_writeback(f, kicked, pos - kicked)
-                        kicked = pos
-                    if report:
-                        report(len(part))
+                crc, pos, kicked = _write_pieces(f, buf, n, offset, pos, kicked, chunk, block,
+                                                 own, kick, report)
             if kick and pos - kicked >= kick:
                 start_writeback(f, kicked, pos - kicked)
                 kicked = pos
@@ -173,6 +156,36 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
         raise
     fsync_close(f)  # raises a failed flush, fsync or close; the file is closed either way
     return _Written(ShardEntry(path=path, size=pos, checksum=shard_crc), out, blocks)
+
+
+def _write_pieces(f: Any, buf: np.ndarray, n: int, offset: int, pos: int, kicked: int,
+                  chunk: int, block: int, own: list[int] | None, kick: int,
+                  report: Callable[[int], None] | None) -> tuple[int, int, int]:
+    """``_write_one``'s path for an array of more than one write piece (``chunk`` bytes), apart
+    from the small tensors' loop so that loop stays short; called once per large array, so the
+    call costs nothing next to its bytes.  With ``own``, each ``block``'s CRC is appended to it
+    and combined into the array's.  Returns the array's CRC and the new ``pos`` and ``kicked``."""
+    write, crc32 = f.write, crc32c.crc32c
+    crc = 0
+    bcrc, bfill = 0, 0
+    for part in _chunks(buf, chunk):
+        # Checksum a piece, then write it while it is still in the CPU cache.
+        if own is None:
+            crc = crc32(part, crc)
+        else:
+            bcrc, bfill = crc32(part, bcrc), bfill + len(part)
+            if bfill == block or pos + len(part) - offset == n:
+                own.append(bcrc)
+                crc = bcrc if len(own) == 1 else crc32c_combine(crc, bcrc, bfill)
+                bcrc, bfill = 0, 0
+        write(part)
+        pos += len(part)
+        if kick and pos - kicked >= kick:
+            start_writeback(f, kicked, pos - kicked)
+            kicked = pos
+        if report:
+            report(len(part))
+    return crc, pos, kicked
 
 
 def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[str],

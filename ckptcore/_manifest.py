@@ -506,24 +506,8 @@ def _table_v2(t: dict, shards: list[ShardEntry], source: str, *, chunked: bool =
     names = _req(t, "names", list, where)
     dtypes = _req(t, "dtypes", list, where)
     n = len(names)
-    cols: dict[str, np.ndarray] = {}
-    for key, code in COLUMNS.items():
-        raw = _req(t, key, bytes, where)  # msgpack bin; a str or list here is the wrong type
-        width = np.dtype(code).itemsize
-        if key != "shape" and len(raw) != n * width:
-            raise SchemaError(f"{where}: column {key!r} holds {len(raw)} bytes; {n} tensors need "
-                              f"{n * width}")
-        if len(raw) % width:
-            raise SchemaError(f"{where}: column {key!r} holds {len(raw)} bytes, not a whole "
-                              f"number of {width}-byte values")
-        cols[key] = np.frombuffer(raw, code)
-    bad = [] if all(map(str.__instancecheck__, names)) else \
-        [i for i, x in enumerate(names) if type(x) is not str]
-    if bad:
-        raise SchemaError(f"{source}: tensor {bad[0]}: field 'name' has the wrong type "
-                          f"({type(names[bad[0]]).__name__})")
-    if not chunked and len(set(names)) != n:  # readers key tensors by name
-        raise SchemaError(f"{source}: tensor names are not unique")
+    cols = _v2_columns(t, n, where)
+    _check_v2_names(names, source, unique=not chunked)
     parsed = []
     for j, d in enumerate(dtypes):
         if not isinstance(d, str):
@@ -566,6 +550,36 @@ def _table_v2(t: dict, shards: list[ShardEntry], source: str, *, chunked: bool =
     if chunked:
         _chunk_columns(t, table, starts, itemsize, parsed, source, partial)
     return table
+
+
+def _v2_columns(t: dict, n: int, where: str) -> dict[str, np.ndarray]:
+    """The version-2 columns of ``t`` as arrays over the msgpack bytes (no copy), each checked
+    to hold ``n`` values (``shape``: a whole number of them; its total is checked against
+    ``ndim`` later)."""
+    cols: dict[str, np.ndarray] = {}
+    for key, code in COLUMNS.items():
+        raw = _req(t, key, bytes, where)  # msgpack bin; a str or list here is the wrong type
+        width = np.dtype(code).itemsize
+        if key != "shape" and len(raw) != n * width:
+            raise SchemaError(f"{where}: column {key!r} holds {len(raw)} bytes; {n} tensors need "
+                              f"{n * width}")
+        if len(raw) % width:
+            raise SchemaError(f"{where}: column {key!r} holds {len(raw)} bytes, not a whole "
+                              f"number of {width}-byte values")
+        cols[key] = np.frombuffer(raw, code)
+    return cols
+
+
+def _check_v2_names(names: list, source: str, *, unique: bool) -> None:
+    """Every name is a str and, if ``unique`` (an unchunked table: readers key tensors by name),
+    no two are the same."""
+    bad = [] if all(map(str.__instancecheck__, names)) else \
+        [i for i, x in enumerate(names) if type(x) is not str]
+    if bad:
+        raise SchemaError(f"{source}: tensor {bad[0]}: field 'name' has the wrong type "
+                          f"({type(names[bad[0]]).__name__})")
+    if unique and len(set(names)) != len(names):  # readers key tensors by name
+        raise SchemaError(f"{source}: tensor names are not unique")
 
 
 def _chunk_columns(t: dict, table: TensorTable, starts: np.ndarray, itemsize: np.ndarray,

@@ -388,6 +388,29 @@ def _buffer(n: int) -> memoryview:
 _STREAM_ATTEMPTS = 3  # a body cut off mid-transfer is fetched again (the request itself is s3fs's)
 
 
+async def _fetch_piece(fs: Any, streaming: bool, path: str, first: int, dest: memoryview) -> int:
+    """One piece of ``read_ranges``: bytes from ``first`` into ``dest``, streamed from S3 when
+    ``streaming`` (a body cut off mid-transfer is fetched again), else through ``_cat_file`` and
+    one copy; the number of bytes the store had."""
+    if streaming:
+        for attempt in range(_STREAM_ATTEMPTS):
+            try:
+                return await _s3_read_into(fs, path, first, dest)
+            except _BrokenBody as broken:  # (s3fs's own answers, already retried, go up)
+                e = broken.__cause__
+                if attempt + 1 == _STREAM_ATTEMPTS:
+                    raise StorageError(
+                        f"{path}: reading bytes {first}-{first + len(dest)} broke off "
+                        f"{_STREAM_ATTEMPTS} times; last: {type(e).__name__}: {e}") from e
+                log.warning("ckptcore: %s: read of bytes %d-%d broke off (%s: %s); "
+                            "fetching it again", path, first, first + len(dest),
+                            type(e).__name__, e)
+    data = await fs._cat_file(path, start=first, end=first + len(dest))
+    n = min(len(data), len(dest))
+    dest[:n] = memoryview(data)[:n]
+    return n
+
+
 def read_ranges(fs: Any, requests: list[tuple[str, list[tuple[int, int]]]], *, part_size: int,
                 concurrency: int) -> list[list[memoryview]]:
     """For each ``(path, ranges)``, bytes ``[start, end)`` of each range as one writable
@@ -408,30 +431,11 @@ def read_ranges(fs: Any, requests: list[tuple[str, list[tuple[int, int]]]], *, p
     got: dict[tuple[int, int, int], int] = {}
     streaming = multipart_capable(fs)
 
-    async def fetch_one(path: str, first: int, dest: memoryview) -> int:
-        if streaming:
-            for attempt in range(_STREAM_ATTEMPTS):
-                try:
-                    return await _s3_read_into(fs, path, first, dest)
-                except _BrokenBody as broken:  # (s3fs's own answers, already retried, go up)
-                    e = broken.__cause__
-                    if attempt + 1 == _STREAM_ATTEMPTS:
-                        raise StorageError(
-                            f"{path}: reading bytes {first}-{first + len(dest)} broke off "
-                            f"{_STREAM_ATTEMPTS} times; last: {type(e).__name__}: {e}") from e
-                    log.warning("ckptcore: %s: read of bytes %d-%d broke off (%s: %s); "
-                                "fetching it again", path, first, first + len(dest),
-                                type(e).__name__, e)
-        data = await fs._cat_file(path, start=first, end=first + len(dest))
-        n = min(len(data), len(dest))
-        dest[:n] = memoryview(data)[:n]
-        return n
-
     async def fetch(sem: asyncio.Semaphore, k: int, i: int, lo: int, hi: int) -> None:
         path, start = requests[k][0], requests[k][1][i][0]
         async with sem:
             try:
-                n = await fetch_one(path, start + lo, out[k][i][lo:hi])
+                n = await _fetch_piece(fs, streaming, path, start + lo, out[k][i][lo:hi])
             except OSError as e:
                 if not _invalid_range(e):
                     raise

@@ -435,123 +435,151 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
     in table order, a pack closed at ``PACK_SIZE``: the small tensors of frozen layers (next to
     each other in the table) then fill packs that do not change from step to step.  ``gate()``
     is called between objects: the backup tier pauses there while its manager saves."""
-    table = manifest.tensors
-    n = len(table)
-    shard_col, offset_col = table.shard.astype(np.int64), table.offset.astype(np.int64)
-    length_col = table.length.astype(np.int64)
-    by_shard: dict[int, list[int]] = {}
-    for row in range(n):
-        by_shard.setdefault(int(shard_col[row]), []).append(row)
-    new_shards: list[ShardEntry] = []
-    index: dict[str, int] = {}
-    row_shard = np.zeros(n, np.uint32)
-    row_offset = np.zeros(n, np.uint64)
-    hasher = ThreadPoolExecutor(2, thread_name_prefix="ckptcore-hash")
-    uploader = ThreadPoolExecutor(max(1, root.writers), thread_name_prefix="ckptcore-upload")
-    pending: list[Any] = []
-    pack = bytearray()
-    pack_rows: list[tuple[int, int]] = []
-    listing = {} if listing is None else listing
-    placed = {} if placed is None else placed
-    counting = threading.Lock()  # stats are counted on the upload threads too
+    job = _DedupCopy(src, root, manifest, known, stats, gate,
+                     {} if listing is None else listing, {} if placed is None else placed)
+    job.run(progress, pack_below)
+    new_table = manifest.tensors.with_locations(job.row_shard, job.row_offset)
+    return dataclasses.replace(manifest, shards=tuple(job.new_shards), tensors=new_table)
 
-    def upload(name: str, data: Any, copy: int) -> None:
-        if gate is not None:
-            gate()
-        md5s = _upload_md5s(root, data)
-        write_objects(root, {name: data})
-        placed[name] = (copy, md5s)
-        with counting:
-            stats.written += len(data)
-            stats.objects += 1
 
-    def reuse_or_heal(name: str, data: Any, copy: int, entry: Listed | None) -> None:
+class _DedupCopy:
+    """One deduplicated copy (``_write_dedup``): the objects named so far, where each row of the
+    table now lives, the open pack and the uploads in flight.  A class rather than closures so
+    that each step of the pipeline reads on its own; ``_upload`` and ``_reuse_or_heal`` run on
+    the upload threads (hence ``counting``), the rest on the caller's thread."""
+
+    def __init__(self, src: Store, root: Store, manifest: Manifest, known: dict,
+                 stats: CopyStats, gate: Callable[[], None] | None,
+                 listing: dict[str, Listed],
+                 placed: dict[str, tuple[int, tuple[str, ...]]]) -> None:
+        self.src, self.root, self.manifest, self.known = src, root, manifest, known
+        self.stats, self.gate, self.listing, self.placed = stats, gate, listing, placed
+        table = manifest.tensors
+        n = len(table)
+        self.shard_col = table.shard.astype(np.int64)
+        self.offset_col = table.offset.astype(np.int64)
+        self.length_col = table.length.astype(np.int64)
+        self.new_shards: list[ShardEntry] = []
+        self.index: dict[str, int] = {}
+        self.row_shard = np.zeros(n, np.uint32)
+        self.row_offset = np.zeros(n, np.uint64)
+        self.pending: list[Any] = []
+        self.pack = bytearray()
+        self.pack_rows: list[tuple[int, int]] = []
+        self.counting = threading.Lock()  # stats are counted on the upload threads too
+
+    def run(self, progress: Callable[[int], None] | None, pack_below: int) -> None:
+        """Every source shard in turn, then the last pack; returns once every object is in
+        place (before the manifest can name it), or cancels the uploads not started and raises."""
+        by_shard: dict[int, list[int]] = {}
+        for row in range(len(self.manifest.tensors)):
+            by_shard.setdefault(int(self.shard_col[row]), []).append(row)
+        hasher = ThreadPoolExecutor(2, thread_name_prefix="ckptcore-hash")
+        self.uploader = ThreadPoolExecutor(max(1, self.root.writers),
+                                           thread_name_prefix="ckptcore-upload")
+        try:
+            for s, rows in sorted(by_shard.items()):
+                if self.gate is not None:
+                    self.gate()
+                size = self._copy_shard(s, rows, hasher, pack_below)
+                if progress:
+                    progress(size)
+            self._close_pack()
+            for fut in self.pending:  # every object in place before the manifest can name it
+                fut.result()
+        except BaseException:
+            for fut in self.pending:
+                fut.cancel()
+            raise
+        finally:
+            self.uploader.shutdown(wait=True)
+            hasher.shutdown()
+
+    def _copy_shard(self, s: int, rows: list[int], hasher: ThreadPoolExecutor,
+                    pack_below: int) -> int:
+        """Source shard ``s``, read whole: its large tensors hashed on ``hasher`` and placed,
+        its small ones packed, in table order.  Returns the shard's size."""
+        data = memoryview(_read_shard(self.src, self.manifest.shards[s]))  # slices: views, no copy
+        self.stats.read += len(data)
+        offset_col, length_col = self.offset_col, self.length_col
+        views = [data[int(offset_col[r]):int(offset_col[r] + length_col[r])] for r in rows]
+        big = [(r, v) for r, v in zip(rows, views) if len(v) >= pack_below]
+        hashing = iter([hasher.submit(content_name, v) for _, v in big])
+        checksums = self.manifest.tensors.checksum
+        for r, v in zip(rows, views):  # in table order: a duplicate's copy number is fixed
+            if len(v) >= pack_below:
+                self._place(next(hashing).result(), v, int(checksums[r]), [(r, 0)])
+                continue
+            self.pack_rows.append((r, len(self.pack)))
+            self.pack += v
+            self.pack += bytes((-len(self.pack)) % _ALIGN)
+            if len(self.pack) >= PACK_SIZE:
+                self._close_pack()
+        return len(data)
+
+    def _close_pack(self) -> None:
+        if self.pack_rows:
+            end = max(off + int(self.length_col[r]) for r, off in self.pack_rows)
+            body = bytes(self.pack[:end])
+            self._place(content_name(body), body, _crc.crc32c(body), self.pack_rows)
+        self.pack, self.pack_rows = bytearray(), []
+
+    def _place(self, name: str, data: Any, checksum: int, rows: list[tuple[int, int]]) -> None:
+        """Name ``data`` (its hash ``name``; a further copy in this step gets a salted one),
+        list it as a shard, point ``rows`` (row, offset) at it, upload it unless known."""
+        copy = 0
+        while name in self.index:  # the same bytes again in this step: the next copy's name
+            copy += 1
+            name = content_name(data, copy)
+        self.index[name] = len(self.new_shards)
+        self.new_shards.append(ShardEntry(path=name, size=len(data), checksum=checksum))
+        for r, off in rows:
+            self.row_shard[r], self.row_offset[r] = self.index[name], off
+        self.placed[name] = (copy, ())
+        entry, record = self.listing.get(name), self.known.get(name)
+        if entry is not None and entry.size == len(data) and record == (entry.size, entry.tag):
+            with self.counting:
+                self.stats.reused += 1  # verified by this writer, unchanged since
+            return
+        if entry is None and record is None:  # new here
+            self.pending.append(self.uploader.submit(self._upload, name, data, copy))
+            return
+        self.pending.append(self.uploader.submit(self._reuse_or_heal, name, data, copy, entry))
+
+    def _upload(self, name: str, data: Any, copy: int) -> None:
+        if self.gate is not None:
+            self.gate()
+        md5s = _upload_md5s(self.root, data)
+        write_objects(self.root, {name: data})
+        self.placed[name] = (copy, md5s)
+        with self.counting:
+            self.stats.written += len(data)
+            self.stats.objects += 1
+
+    def _reuse_or_heal(self, name: str, data: Any, copy: int, entry: Listed | None) -> None:
         """A chunk this writer has not verified (or that changed since): reuse it if it holds
         ``data``, else upload ``data`` again."""
-        if gate is not None:
-            gate()
+        if self.gate is not None:
+            self.gate()
         mine = CopyStats()
-        good = entry is not None and verify_object(root, name, data, entry, mine)
-        with counting:
-            stats.checked += mine.checked
-            stats.read_back += mine.read_back
+        good = entry is not None and verify_object(self.root, name, data, entry, mine)
+        with self.counting:
+            self.stats.checked += mine.checked
+            self.stats.read_back += mine.read_back
         if good:
-            known[name] = (entry.size, entry.tag)
-            with counting:
-                stats.reused += 1
+            self.known[name] = (entry.size, entry.tag)
+            with self.counting:
+                self.stats.reused += 1
             return
         why = ("missing (this writer uploaded or verified it before)" if entry is None else
                f"damaged ({entry.size} bytes where {len(data)} belong)"
                if entry.size != len(data) else "damaged (its bytes differ from the local copy)")
         log.warning("copy: chunk %s under %s is %s; uploading it again from %s (this heals every "
-                    "replica naming it)", name, root.url, why, src.url)
-        with counting:
-            stats.healed.append(name)
-        known.pop(name, None)
-        upload(name, data, copy)
-
-    def place(name: str, data: Any, checksum: int, rows: list[tuple[int, int]]) -> None:
-        """Name ``data`` (its hash ``name``; a further copy in this step gets a salted one),
-        list it as a shard, point ``rows`` (row, offset) at it, upload it unless known."""
-        copy = 0
-        while name in index:  # the same bytes again in this step: the next copy's name
-            copy += 1
-            name = content_name(data, copy)
-        index[name] = len(new_shards)
-        new_shards.append(ShardEntry(path=name, size=len(data), checksum=checksum))
-        for r, off in rows:
-            row_shard[r], row_offset[r] = index[name], off
-        placed[name] = (copy, ())
-        entry, record = listing.get(name), known.get(name)
-        if entry is not None and entry.size == len(data) and record == (entry.size, entry.tag):
-            with counting:
-                stats.reused += 1  # verified by this writer, unchanged since
-            return
-        if entry is None and record is None:  # new here
-            pending.append(uploader.submit(upload, name, data, copy))
-            return
-        pending.append(uploader.submit(reuse_or_heal, name, data, copy, entry))
-
-    def close_pack() -> None:
-        nonlocal pack, pack_rows
-        if pack_rows:
-            end = max(off + int(length_col[r]) for r, off in pack_rows)
-            body = bytes(pack[:end])
-            place(content_name(body), body, _crc.crc32c(body), pack_rows)
-        pack, pack_rows = bytearray(), []
-
-    try:
-        for s, rows in sorted(by_shard.items()):
-            if gate is not None:
-                gate()
-            data = memoryview(_read_shard(src, manifest.shards[s]))  # slices: views, no copy
-            stats.read += len(data)
-            views = [data[int(offset_col[r]):int(offset_col[r] + length_col[r])] for r in rows]
-            big = [(r, v) for r, v in zip(rows, views) if len(v) >= pack_below]
-            hashing = iter([hasher.submit(content_name, v) for _, v in big])
-            for r, v in zip(rows, views):  # in table order: a duplicate's copy number is fixed
-                if len(v) >= pack_below:
-                    place(next(hashing).result(), v, int(table.checksum[r]), [(r, 0)])
-                    continue
-                pack_rows.append((r, len(pack)))
-                pack += v
-                pack += bytes((-len(pack)) % _ALIGN)
-                if len(pack) >= PACK_SIZE:
-                    close_pack()
-            if progress:
-                progress(len(data))
-        close_pack()
-        for fut in pending:  # every object in place before the manifest can name it
-            fut.result()
-    except BaseException:
-        for fut in pending:
-            fut.cancel()
-        raise
-    finally:
-        uploader.shutdown(wait=True)
-        hasher.shutdown()
-    new_table = table.with_locations(row_shard, row_offset)
-    return dataclasses.replace(manifest, shards=tuple(new_shards), tensors=new_table)
+                    "replica naming it)", name, self.root.url, why, self.src.url)
+        with self.counting:
+            self.stats.healed.append(name)
+        self.known.pop(name, None)
+        self._upload(name, data, copy)
 
 
 def references(manifest: Manifest) -> set[str]:

@@ -122,28 +122,14 @@ class _Scrub:
         return out
 
     def run(self) -> ScrubReport:
-        from .api import read_manifest, verify
-
         root = self.root
         steps = layout.committed_steps(root)
-        manifests: dict[int, Manifest] = {}
-        for step, name in steps:
-            try:
-                manifests[step] = read_manifest(root.child(name))
-            except CheckpointError as e:
-                self.finding(f"step {step}", f"step {step}: its manifest cannot be read "
-                             f"({type(e).__name__}: {e}); not repaired", broken=True)
+        manifests = self._read_manifests(steps)
         listing = list_chunk_objects(root)
         dedup = bool(listing) or any(s.path.startswith(CAS_PREFIX)
                                      for m in manifests.values() for s in m.shards)
         if not dedup:  # a plain root: every committed step verified whole
-            for step, name in steps:
-                if step not in manifests:
-                    continue
-                for e in verify(root.child(name).url, storage_options=self.options):
-                    self.finding(f"step {step}", f"step {step}: {type(e).__name__}: {e}",
-                                 broken=True)
-                self.bytes_read += sum(sh.size for sh in manifests[step].shards)
+            self._verify_plain(steps, manifests)
             return self.report(False, [s for s, _ in steps], 0)
 
         # who names each chunk: (step, manifest, shard index)
@@ -152,6 +138,44 @@ class _Scrub:
             for i, s in enumerate(m.shards):
                 if s.path.startswith(CAS_PREFIX):
                     refs.setdefault(s.path, []).append((step, m, i))
+        bad = self._check_listed(listing, refs)
+        for step, name in steps:  # the structure of each replica, as the reader sees it
+            if step in manifests:
+                _, problems = check_structure(root.child(name), manifests[step], listing)
+                for p in problems:
+                    log.info("scrub: step %d: %s", step, p)
+        self._repair_named(bad, refs)
+        return self.report(True, [s for s, _ in steps], len(listing))
+
+    def _read_manifests(self, steps: list[tuple[int, str]]) -> dict[int, Manifest]:
+        """The manifest of each committed step that can be read; the others are findings."""
+        from .api import read_manifest
+
+        manifests: dict[int, Manifest] = {}
+        for step, name in steps:
+            try:
+                manifests[step] = read_manifest(self.root.child(name))
+            except CheckpointError as e:
+                self.finding(f"step {step}", f"step {step}: its manifest cannot be read "
+                             f"({type(e).__name__}: {e}); not repaired", broken=True)
+        return manifests
+
+    def _verify_plain(self, steps: list[tuple[int, str]], manifests: dict[int, Manifest]) -> None:
+        from .api import verify
+
+        for step, name in steps:
+            if step not in manifests:
+                continue
+            for e in verify(self.root.child(name).url, storage_options=self.options):
+                self.finding(f"step {step}", f"step {step}: {type(e).__name__}: {e}",
+                             broken=True)
+            self.bytes_read += sum(sh.size for sh in manifests[step].shards)
+
+    def _check_listed(self, listing: dict[str, Listed],
+                      refs: dict[str, list[tuple[int, Manifest, int]]]) -> dict[str, str]:
+        """Every listed chunk read and judged (unreferenced bad ones are findings at once), and
+        every referenced one checked present with its size.  Returns chunk: why it is bad."""
+        root = self.root
         bad: dict[str, str] = {}  # chunk: why
 
         def check(item: tuple[str, Listed]) -> tuple[str, int, str | None]:
@@ -177,14 +201,15 @@ class _Scrub:
                 bad[name] = "missing"
             elif listing[name].size != shard.size and name not in bad:
                 bad[name] = f"{listing[name].size} bytes, the manifest says {shard.size}"
-        for step, name in steps:  # the structure of each replica, as the reader sees it
-            if step in manifests:
-                _, problems = check_structure(root.child(name), manifests[step], listing)
-                for p in problems:
-                    log.info("scrub: step %d: %s", step, p)
+        return bad
+
+    def _repair_named(self, bad: dict[str, str],
+                      refs: dict[str, list[tuple[int, Manifest, int]]]) -> None:
+        """Each bad chunk a replica names: a finding, then repaired from ``repair_from`` or
+        counted as broken."""
         for name in sorted(n for n in bad if n in refs):
             steps_naming = sorted({u[0] for u in refs[name]})
-            self.finding(name, f"chunk {name} under {root.url} is {bad[name]}; named by "
+            self.finding(name, f"chunk {name} under {self.root.url} is {bad[name]}; named by "
                          f"step(s) {steps_naming}", broken=False)
             if self._repair(name, refs[name]):
                 self.repaired.append(name)
@@ -192,8 +217,7 @@ class _Scrub:
                 self.broken.append(name)
                 log.error("scrub: chunk %s under %s is still broken: no tier in repair_from "
                           "holds a good copy; step(s) %s cannot be restored from this root",
-                          name, root.url, steps_naming)
-        return self.report(True, [s for s, _ in steps], len(listing))
+                          name, self.root.url, steps_naming)
 
     def _judge(self, name: str, data: bytes, users: list[tuple[int, Manifest, int]]
                ) -> str | None:

@@ -62,7 +62,7 @@ from .state import RestoreReport
 
 __all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified",
            "mismatch_message", "warn_unapplied", "warn_and_log", "CALLBACK_KEEP", "open_regular",
-           "check_url", "convert_for", "parse_dtype", "knobs"]
+           "check_url", "convert_for", "parse_dtype", "knobs", "tiers"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
 # every adapter, so switching frameworks does not change how much disk a run uses.
@@ -281,3 +281,16 @@ def check_fits(name: str, value: Any, shape: Iterable[int] | None, dtype: Any) -
         got, want = np.asarray(value).dtype if not hasattr(value, "dtype") else value.dtype, np.dtype(dtype)
         if got != want:
             raise RestoreError(f"{name}: the checkpoint holds {got}, the target is {want}")
+
+
+def tiers(backup: Any, lease: Any, backup_keep: Any = None,
+          backup_storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A callback's ``backup=``/``lease=`` as ``CheckpointManager`` keywords.  ``backup_keep`` and
+    ``backup_storage_options``, the spellings before ``ckptcore.Backup``, are passed on for the
+    manager to fold in with a ``DeprecationWarning``."""
+    out = {"backup": backup, "lease": lease}
+    out.update({k: v for k, v in (("backup_keep", backup_keep),
+                                  ("backup_storage_options", backup_storage_options))
+                if v is not None})
+    return out
+

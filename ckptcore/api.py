@@ -51,52 +51,25 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         >>> ckptcore.load_state("memory://doc/ckpt-1").model["w"]
         array([0., 1., 2.])
 
-    With ``group`` (a :class:`ckptcore.ProcessGroup`, e.g. ``ckptcore_paddle.process_group()``),
-    every rank calls ``save_state`` with the same replicated state, and its own blocks of
-    sharded tensors as ``ckptcore.Shard`` leaves (which the ranks' blocks must cover whole):
-    each writes its blocks and about 1/N of the replicated bytes, rank 0 commits once, and
-    every rank returns or raises alike (see
-    ``ckptcore/_dist.py``; the ``group_timeout`` knob bounds every wait on a peer).
-
-    ``fence`` is the writer lease of the root ``url`` is in (what a ``CheckpointManager`` passes):
-    the manifest records its generation, and a lease lost before the commit raises
-    :class:`FencedError` (docs/RELIABILITY.md, "Fencing").
+    With ``group``, every rank calls ``save_state`` with the same replicated state and its own
+    blocks of sharded tensors as ``ckptcore.Shard`` leaves: each writes its blocks and about
+    1/N of the replicated bytes, rank 0 commits once, and every rank returns or raises alike
+    (``ckptcore/_dist.py``).  ``fence``: the writer lease of the root ``url`` is in (what a
+    ``CheckpointManager`` passes; docs/RELIABILITY.md, "Fencing").
 
     Raises:
         CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
         TypeError: the state holds a value that cannot be stored (the message names it).
-        SchemaError: the manifest would be one a reader refuses (e.g. over
-            ``max_manifest_bytes``); nothing was committed.
+        SchemaError: a reader would refuse the manifest (e.g. too large); nothing committed.
         GroupError: with ``group``, a peer failed, died or timed out; nothing was committed.
         FencedError: with ``fence``, another writer took the root over; a commit made after
             that is ignored by every reader.
     """
     objects = _given(model=model, optimizer=optimizer, cursor=cursor, **objects)
     store = Store(os.fspath(url), dict(storage_options or {}))
-    version = _writer_version(None)
-    try:
-        state, _ = capture_state(state, objects)  # borrowed arrays: written before we return
-        enc = _codec.encode_state(state)
-        arrays = [_codec.to_little_endian(a) for a in enc.arrays]
-        version = _writer_version(enc, arrays)
-    except Exception as e:
-        if group is None:
-            raise
-        _dist.fail(store, group, e)  # the other ranks learn it at once, then this raises
-        raise
+    state, enc, arrays, version = _encode(store, state, objects, group)
     token = uuid.uuid4().hex[:16]
     make_manifest = _manifest_maker(state, enc, version, token, fence, len(arrays))
-
-    def write(target: Store) -> Manifest:
-        shards, table = _io.write_payload(target, arrays, enc.names, token, enc.dtypes,
-                                          chunks=enc.chunks)
-        if table.chunked:  # overlapping blocks of one array: a reader would refuse the file
-            try:
-                check_chunks(table, store.url)
-            except SchemaError as e:
-                raise ValueError(f"{e}; nothing was saved") from None
-        return make_manifest(shards, table)
-
     if group is not None:
         manifest = _dist.save(store, group, enc, arrays, make_manifest, token=token,
                               overwrite=overwrite, fence=fence)
@@ -108,8 +81,33 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
             # delete this very step (a rewind), and a rank still reading would find it gone.
             _dist.settle(store, group)
         return info_of(store.url, manifest)
-    manifest = commit(store, write, token=token, overwrite=overwrite, fence=fence)
-    return info_of(store.url, manifest)
+    def write(target: Store) -> Manifest:
+        shards, table = _io.write_payload(target, arrays, enc.names, token, enc.dtypes,
+                                          chunks=enc.chunks)
+        if table.chunked:  # overlapping blocks of one array: a reader would refuse the file
+            try:
+                check_chunks(table, store.url)
+            except SchemaError as e:
+                raise ValueError(f"{e}; nothing was saved") from None
+        return make_manifest(shards, table)
+
+    return info_of(store.url, commit(store, write, token=token, overwrite=overwrite, fence=fence))
+
+
+def _encode(store: Store, state: TrainingState | None, objects: dict[str, Any],
+            group: ProcessGroup | None) -> tuple[TrainingState, Any, list[np.ndarray], int]:
+    """The state (captured from ``objects`` if need be), its encoding, its arrays (little
+    endian) and the manifest version; with a group, a failure here fails every rank at once."""
+    _writer_version(None)  # a bad knob is the caller's error, before anything is captured
+    try:
+        state, _ = capture_state(state, objects)  # borrowed arrays: written before we return
+        enc = _codec.encode_state(state)
+        arrays = [_codec.to_little_endian(a) for a in enc.arrays]
+        return state, enc, arrays, _writer_version(enc, arrays)
+    except Exception as e:
+        if group is not None:
+            _dist.fail(store, group, e)  # the other ranks learn it at once, then this raises
+        raise
 
 
 def _given(**objects: Any) -> dict[str, Any]:
@@ -198,13 +196,11 @@ def load_state(url: str | os.PathLike, *, model: Any = None, optimizer: Any = No
     Sharded tensors (saved from ``ckptcore.Shard`` leaves) come back whole when their chunks
     cover them.  ``like`` (a :class:`TrainingState` whose leaves are ``Shard``s, ``Chunks`` or
     arrays; their values are ignored) asks for blocks instead: each ``Shard`` leaf comes back as
-    a ``Shard`` holding that block of the saved global array, however the checkpoint was cut,
-    and only the byte ranges of the chunks that intersect it are read (ranged reads on object
-    stores), each verified.  Other values come back as saved.
+    that block of the saved global array, however the checkpoint was cut, reading only the
+    byte ranges that intersect it.  Other values come back as saved.
 
-    Sizes are always checked before reading; with ``verify`` every tensor read
-    is checked against its checksum before anything is returned.  ``keys``
-    loads only some sections (e.g. ``["model"]``) and reads only their bytes.
+    Sizes are always checked before reading; with ``verify`` every tensor read is checked
+    against its checksum before it is returned.  ``keys`` loads (and reads) some sections only.
 
     Restoring into framework objects streams: each tensor is assigned as soon as its own
     verification batch has passed, while later ones are still being read.  A damaged tensor

@@ -569,6 +569,25 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     _add_global_options(p, "storage_option", "verbose")
     p.add_argument("--version", action="version", version=f"ckpt (ckptcore) {__version__}")
     sub = _GlobalSubparsers(p.add_subparsers(dest="verb", required=True))
+    _add_checkpoint_verbs(sub)
+    _add_root_verbs(sub)
+
+    formats = installed_formats() if verb in FORMAT_VERBS else []
+    adapters = registry.available_adapters() if verb in ("convert", "demo") else []
+    _add_file_verbs(sub, formats)
+    _add_convert_verb(sub, formats, adapters)
+
+    s = sub.add_parser("demo", help="train a tiny model, SIGKILL it mid-epoch, resume, compare")
+    s.add_argument("--root", default=None, help="where checkpoints go (any fsspec URL; default: a temp folder)")
+    s.add_argument("--framework", default=None, metavar="ADAPTER", **_choices(adapters),
+                   help=f"whose demo model to train (installed: {', '.join(adapters) or 'none'}; "
+                        "default: the reference one)")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def _add_checkpoint_verbs(sub: _GlobalSubparsers) -> None:
+    """The verbs over one or two checkpoints: inspect, verify, diff."""
     s = sub.add_parser("inspect", help="show a checkpoint's contents from its manifest")
     s.add_argument("url")
     s.add_argument("--json", action="store_true")
@@ -592,6 +611,10 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
                    help="compare only these sections' tensors, e.g. model,optimizer "
                         "(default: every section)")
     s.set_defaults(fn=cmd_diff)
+
+
+def _add_root_verbs(sub: _GlobalSubparsers) -> None:
+    """The verbs over a manager's root: ls, sync, gc."""
     s = sub.add_parser("ls", help="list the committed checkpoints under a manager's root")
     s.add_argument("root")
     s.add_argument("--backup", metavar="URL", help="a backup root too: show which tiers hold each step")
@@ -621,20 +644,23 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
                    help="only leftovers untouched this long (default: 900, or CKPTCORE_GC_GRACE)")
     s.set_defaults(fn=cmd_gc)
 
-    formats = installed_formats() if verb in FORMAT_VERBS else []
-    adapters = registry.available_adapters() if verb in ("convert", "demo") else []
+
+# --model's help, shared by import, export and convert
+_MODEL_HELP = ("MODULE:FACTORY; FACTORY() returns a model, (model, optimizer, ...) or a dict of "
+               "keyword objects; the live objects name or shape the tensors")
+
+
+def _add_file_verbs(sub: _GlobalSubparsers, formats: list[FileFormat]) -> None:
+    """import and export, whose --from/--to choices are the installed ``formats``."""
     readable = [f.name for f in formats if f.read is not None]
     writable = [f.name for f in formats if f.write is not None]
-    model_help = ("MODULE:FACTORY; FACTORY() returns a model, (model, optimizer, ...) or a dict of "
-                  "keyword objects; the live objects name or shape the tensors")
-
     s = sub.add_parser("import", help="turn another framework's native checkpoint files into a "
                                       "ckptcore checkpoint (formats: see --from)")
     s.add_argument("src", help="the native checkpoint (its format is detected unless --from says)")
     s.add_argument("dst", help="where the ckptcore checkpoint goes (any fsspec URL)")
     s.add_argument("--from", dest="from_format", metavar="FORMAT", **_choices(readable),
                    help=f"the format of SRC (installed: {', '.join(readable) or 'none'})")
-    s.add_argument("--model", metavar="MODULE:FACTORY", help=model_help)
+    s.add_argument("--model", metavar="MODULE:FACTORY", help=_MODEL_HELP)
     s.add_argument("--overwrite", action="store_true",
                    help="replace a checkpoint already at DST (default: refuse)")
     _strict_option(s)
@@ -646,11 +672,16 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("dst", help="the file or prefix to write")
     s.add_argument("--to", required=True, metavar="FORMAT", **_choices(writable),
                    help=f"installed: {', '.join(writable) or 'none'}")
-    s.add_argument("--model", metavar="MODULE:FACTORY", help=model_help)
+    s.add_argument("--model", metavar="MODULE:FACTORY", help=_MODEL_HELP)
     _strict_option(s)
     _add_format_options(s, [f for f in formats if f.write is not None])
     s.set_defaults(fn=cmd_export, formats=formats)
 
+
+def _add_convert_verb(sub: _GlobalSubparsers, formats: list[FileFormat],
+                      adapters: list[str]) -> None:
+    """convert, whose --to is an installed adapter or a writable format."""
+    writable = [f.name for f in formats if f.write is not None]
     s = sub.add_parser("convert", help="migrate a checkpoint to another framework's layout")
     s.add_argument("src", help="a ckptcore checkpoint URL")
     s.add_argument("dst", help="a ckptcore checkpoint URL, or a native file or prefix with --to FORMAT")
@@ -659,7 +690,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
                         f"(installed: {', '.join(writable) or 'none'})")
     s.add_argument("--model", required=True, metavar="MODULE:FACTORY",
                    help="builds the target objects (model, optimizer and any others the target "
-                        "adapter captures) that give the target's structure; " + model_help)
+                        "adapter captures) that give the target's structure; " + _MODEL_HELP)
     s.add_argument("--approximate", action="store_true",
                    help="convert what cannot continue exactly (schedules...) with a warning instead of failing")
     s.add_argument("--overwrite", action="store_true",
@@ -667,14 +698,6 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     _strict_option(s)
     _add_format_options(s, [f for f in formats if f.write is not None])
     s.set_defaults(fn=cmd_convert, formats=formats)
-
-    s = sub.add_parser("demo", help="train a tiny model, SIGKILL it mid-epoch, resume, compare")
-    s.add_argument("--root", default=None, help="where checkpoints go (any fsspec URL; default: a temp folder)")
-    s.add_argument("--framework", default=None, metavar="ADAPTER", **_choices(adapters),
-                   help=f"whose demo model to train (installed: {', '.join(adapters) or 'none'}; "
-                        "default: the reference one)")
-    s.set_defaults(fn=cmd_demo)
-    return p
 
 
 def load_factory(spec: str | None) -> dict[str, Any]:

@@ -74,7 +74,7 @@ from typing import Any, Mapping, Sequence
 import keras
 import numpy as np
 
-from ckptcore.adapter import check_url
+from ckptcore.adapter import check_url, tiers
 from ckptcore.adapter import CALLBACK_KEEP
 from ckptcore.errors import RestoreError
 from ckptcore.manager import CheckpointManager
@@ -198,12 +198,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.storage_options = dict(storage_options or {})
         # A bucket tier behind the fast root (CheckpointManager(backup=...)): every committed
         # step replicated in the background; on_train_end waits for it.
-        # (backup_keep and backup_storage_options: the spellings before ckptcore.Backup, passed on
-        # for the manager to fold in with a DeprecationWarning)
-        self._backup = {"backup": backup, "lease": lease,
-                        **{k: v for k, v in (("backup_keep", backup_keep),
-                                             ("backup_storage_options", backup_storage_options))
-                           if v is not None}}
+        self._backup = tiers(backup, lease, backup_keep, backup_storage_options)
         self._manager: CheckpointManager | None = None
         self._batches = 0          # batches trained in the whole run, over all processes
         self._epoch = 0            # the Keras epoch in progress

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from ckptcore.adapter import RestorePlan, qualified, warn_unapplied
 from ckptcore.errors import RestoreError, UnappliedStateWarning
@@ -176,14 +176,28 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     """
     check_arguments(model, objects, "restore")
     from ckptcore.adapter import convert_for
-
     opt = _optimizer_of(model, optimizer)
     state = convert_for(state, _NAME, {"model": model, "optimizer": opt})
+    plan = RestorePlan()
+    variable_of = _plan_model(plan, state, model)
+    unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done
+    no_slots = _plan_optimizer_part(plan, state, opt, model, variable_of, strict, unapplied)
+    _plan_rng_and_data(plan, state, rng, cursor, warn_data, unapplied)
+    report = plan.apply(strict)
+    warn_unapplied(unapplied, stacklevel=_user_level())
+    if opt is not None and (state.optimizer is None or no_slots):
+        _warn_no_slots(opt)
+    return report
+
+
+def _plan_model(plan: RestorePlan, state: TrainingState, model: Any) -> Callable[[str], Any]:
+    """Each saved variable into the model's variable it matches (``match_names``: names, then
+    model order for auto-generated ones).  Returns the target variable of a saved name (None
+    for none): the optimizer's slots follow their parameters there."""
     named = named_tensors(model)
     if not named:
         raise RestoreError("the model has no variables yet: build it first "
                            "(call it on a batch, or model.build(input_shape))")
-    plan = RestorePlan()
     target = dict(named)
     order = _saved_order(state)
     mapping = match_names(order, [n for n, _ in named])
@@ -194,14 +208,21 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
         var, value = target[name], state.model[saved]
         plan.assign(qualified("model", name), value, shape=shape_of(var), dtype=np_dtype(var),
                     put=lambda var=var, value=value: assign(var, value))
-    unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done
+    return lambda n: target.get(mapping.get(n, ""))
+
+
+def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, opt: Any, model: Any,
+                         variable_of: Callable[[str], Any], strict: bool,
+                         unapplied: dict[str, str]) -> bool:
+    """The optimizer's slots, accumulation and schedule into ``opt``; saved ones without an
+    optimizer to take them go in ``unapplied``.  Returns whether the state holds no slots
+    although ``opt`` keeps some (``_holds_no_slots``: ``opt`` is then left as it is)."""
     fix = "pass optimizer=... (or restore into a model compiled with one)"
     no_slots = _holds_no_slots(state, opt, model)
     if state.optimizer is not None and opt is not None and not no_slots:
         ensure_built(opt, model)
-        plan_optimizer(plan, state.optimizer, state.accumulation, opt,
-                       lambda n: target.get(mapping.get(n, "")), strict=strict,
-                       unapplied=unapplied)
+        plan_optimizer(plan, state.optimizer, state.accumulation, opt, variable_of,
+                       strict=strict, unapplied=unapplied)
         plan_schedule(plan, state.schedule, opt, strict=strict, unapplied=unapplied)
     elif state.optimizer is not None and opt is None:
         # No optimizer target at all is the caller's choice, not a mismatch: warn, do not raise
@@ -216,6 +237,12 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     elif opt is not None and (state.optimizer is None or no_slots):
         if not strict:
             plan.missing(qualified("optimizer"))
+    return no_slots
+
+
+def _plan_rng_and_data(plan: RestorePlan, state: TrainingState, rng: bool, cursor: Any,
+                       warn_data: bool, unapplied: dict[str, str]) -> None:
+    """The RNG states, then the cursor, as actions once every assignment has been checked."""
     if rng and state.rng:
         plan.then(lambda: _restore_rng(state.rng))
     if cursor is not None:
@@ -226,11 +253,6 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     elif state.data and warn_data:
         unapplied["data"] = ("pass cursor=... (the run's DataCursor) to continue at the saved "
                              "sample")
-    report = plan.apply(strict)
-    warn_unapplied(unapplied, stacklevel=_user_level())
-    if opt is not None and (state.optimizer is None or no_slots):
-        _warn_no_slots(opt)
-    return report
 
 
 def _holds_no_slots(state: TrainingState, opt: Any, model: Any) -> bool:

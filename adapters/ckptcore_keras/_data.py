@@ -216,6 +216,20 @@ def dataset(cursor: Any, *arrays: Any, map_fn: Callable[..., Any] | None = None,
     if not hasattr(cursor, "iter_epoch") or not hasattr(cursor, "state_dict"):
         raise TypeError(f"cursor must be a ckptcore.DataCursor or a CursorShard, got "
                         f"{type(cursor).__name__}")
+    batches, signature = _batch_source(cursor, arrays)
+    ds = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    if map_fn is not None:
+        ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    if prefetch:
+        ds = ds.prefetch(tf.data.AUTOTUNE)
+    return ds
+
+
+def _batch_source(cursor: Any, arrays: tuple[Any, ...]) -> tuple[Callable[[], Any], Any]:
+    """``dataset``'s generator (each call: one iterator, the rest of the cursor's epoch) and its
+    output signature: each batch's rows of ``arrays``, or without arrays its sample indices."""
+    import tensorflow as tf
+
     if arrays:
         data = _check_arrays(cursor, arrays)
         signature = tf.nest.map_structure(
@@ -234,10 +248,4 @@ def dataset(cursor: Any, *arrays: Any, map_fn: Callable[..., Any] | None = None,
             for idx in snap.iter_epoch():
                 _handed(track)
                 yield idx
-
-    ds = tf.data.Dataset.from_generator(batches, output_signature=signature)
-    if map_fn is not None:
-        ds = ds.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    if prefetch:
-        ds = ds.prefetch(tf.data.AUTOTUNE)
-    return ds
+    return batches, signature

@@ -255,6 +255,29 @@ def plan_optimizer(plan: RestorePlan, state: OptimizerState, accumulation: Accum
     for i in sorted(set(slots) - done):
         plan.missing(*(qualified("optimizer", paths[i], s) for s in slots[i]))
 
+    _plan_iterations(plan, state, accumulation, inner, acc, position, paths, strict=strict,
+                     unapplied=unapplied)
+
+    lr_var = _lr_variable(inner)
+    if lr_var is not None and "learning_rate" in state.hyperparams:
+        value = np.asarray(state.hyperparams["learning_rate"], dtype=np_dtype(lr_var))
+        _put(plan, qualified("optimizer", "learning_rate"), lr_var, value)
+    elif lr_var is not None:
+        plan.missing(qualified("optimizer", "learning_rate"))
+    others = _other_variables(inner, slots, acc, lr_var)
+    _plan_named(plan, state.extra.get("variables", {}), others, ("optimizer",))
+    saved_ls = (state.extra.get("loss_scale") or {}).get("variables", {})
+    target_ls = {v.name: v for v in wrapper._variables} if wrapper is not None else {}
+    _plan_named(plan, saved_ls, target_ls, ("optimizer", "loss_scale"))
+
+
+def _plan_iterations(plan: RestorePlan, state: OptimizerState,
+                     accumulation: AccumulationState | None, inner: Any, acc: dict[int, Any],
+                     position: Callable[[str], int | None], paths: list[str], *, strict: bool,
+                     unapplied: dict[str, str] | None) -> None:
+    """The iteration counter (micro-batches under gradient accumulation: ``step*N + count``)
+    and the accumulators, once the target's accumulation window is checked against the state's
+    (``acc``: the target's accumulators by trainable index, ``position`` a saved parameter's)."""
     every = inner.gradient_accumulation_steps or 0
     if not every and accumulation is not None and unapplied is not None:
         # Nowhere to put the buffers: the partial window is dropped, the update count kept.
@@ -279,18 +302,6 @@ def plan_optimizer(plan: RestorePlan, state: OptimizerState, accumulation: Accum
             done.add(i)
             _put(plan, qualified("accumulation", pname), acc[i], value)
         plan.missing(*(qualified("accumulation", paths[i]) for i in sorted(set(acc) - done)))
-
-    lr_var = _lr_variable(inner)
-    if lr_var is not None and "learning_rate" in state.hyperparams:
-        value = np.asarray(state.hyperparams["learning_rate"], dtype=np_dtype(lr_var))
-        _put(plan, qualified("optimizer", "learning_rate"), lr_var, value)
-    elif lr_var is not None:
-        plan.missing(qualified("optimizer", "learning_rate"))
-    others = _other_variables(inner, slots, acc, lr_var)
-    _plan_named(plan, state.extra.get("variables", {}), others, ("optimizer",))
-    saved_ls = (state.extra.get("loss_scale") or {}).get("variables", {})
-    target_ls = {v.name: v for v in wrapper._variables} if wrapper is not None else {}
-    _plan_named(plan, saved_ls, target_ls, ("optimizer", "loss_scale"))
 
 
 def _plan_named(plan: RestorePlan, saved: dict[str, Any], targets: dict[str, Any],

@@ -48,7 +48,7 @@ from typing import Any, Mapping
 
 import paddle
 
-from ckptcore.adapter import check_url
+from ckptcore.adapter import check_url, tiers
 from ckptcore.adapter import CALLBACK_KEEP
 from ckptcore.cursor import CursorShard, DataCursor
 from ckptcore.manager import CheckpointManager
@@ -143,12 +143,7 @@ class Checkpoint(paddle.callbacks.Callback):
         self.lock, self.save_on_preemption = bool(lock), bool(save_on_preemption)
         # A bucket tier behind the fast root (CheckpointManager(backup=...)): every committed
         # step replicated in the background; on_train_end waits for it.
-        # (backup_keep and backup_storage_options: the spellings before ckptcore.Backup, passed on
-        # for the manager to fold in with a DeprecationWarning)
-        self._backup = {"backup": backup, "lease": lease,
-                        **{k: v for k, v in (("backup_keep", backup_keep),
-                                             ("backup_storage_options", backup_storage_options))
-                           if v is not None}}
+        self._backup = tiers(backup, lease, backup_keep, backup_storage_options)
         self.monitor, self.save_best_only = monitor, bool(save_best_only)
         self.mode = mode if mode != "auto" else ("max" if "acc" in monitor else "min")
         self.best: float | None = None

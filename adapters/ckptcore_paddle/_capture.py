@@ -192,6 +192,31 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     _plan_model(plan, state, extra, layer, tensors, aliases)
     _plan_grads(plan, state, extra, tensors)
     unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done
+    no_slots = _plan_optimizer_part(plan, state, extra, optimizer, scheduler, scaler, tensors,
+                                    strict=strict, unapplied=unapplied)
+    if cursor is not None:
+        if state.data:
+            plan.then(functools.partial(cursor.load_state_dict, state.data))
+        else:
+            plan.missing(qualified("data"))
+    elif state.data and warn_data:
+        unapplied["data"] = "pass cursor=... (the run's DataCursor) to continue at the saved sample"
+    if rng and state.rng:
+        plan.then(functools.partial(_restore_rng, state.rng))
+    report = plan.apply(strict)
+    warn_unapplied(unapplied, stacklevel=_user_level())
+    if no_slots:
+        _warn_no_slots(optimizer)
+    return report
+
+
+def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, extra: dict, optimizer: Any,
+                         scheduler: Any, scaler: Any, tensors: dict[str, Any], *, strict: bool,
+                         unapplied: dict[str, str]) -> bool:
+    """The optimizer's slots, the LR scheduler and the GradScaler into the targets given; saved
+    ones with no target go in ``unapplied``.  Returns whether the state holds no optimizer
+    section for a target optimizer: that optimizer, and its scheduler unless a schedule was
+    saved, are then left as they are."""
     no_slots = optimizer is not None and state.optimizer is None
     if optimizer is not None and not no_slots:
         plan_optimizer(plan, optimizer, state.optimizer, tensors, saved_params=set(state.model))
@@ -212,20 +237,7 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
         plan_scaler(plan, scaler, saved_scaler)
     elif saved_scaler:
         unapplied["grad scaler"] = "pass scaler=... (the paddle.amp.GradScaler)"
-    if cursor is not None:
-        if state.data:
-            plan.then(functools.partial(cursor.load_state_dict, state.data))
-        else:
-            plan.missing(qualified("data"))
-    elif state.data and warn_data:
-        unapplied["data"] = "pass cursor=... (the run's DataCursor) to continue at the saved sample"
-    if rng and state.rng:
-        plan.then(functools.partial(_restore_rng, state.rng))
-    report = plan.apply(strict)
-    warn_unapplied(unapplied, stacklevel=_user_level())
-    if no_slots:
-        _warn_no_slots(optimizer)
-    return report
+    return no_slots
 
 
 def _warn_no_slots(opt: Any) -> None:

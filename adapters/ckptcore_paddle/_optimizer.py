@@ -19,7 +19,7 @@ import functools
 import inspect
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -215,15 +215,7 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
     master = dict(getattr(opt, "_master_weights", None) or {})
     owner = {v.name: k for k, v in master.items()}
     seen: set[tuple[str, str]] = set()
-
-    accumulators = [var for per_param in opt._accumulators.values() for var in per_param.values()]
-    view_of = dict(zip(map(id, accumulators), views(opt, accumulators)))
-
-    def put(name: str, var: Any, value: np.ndarray) -> None:
-        view = view_of.get(id(var))
-        shape, dtype = (var.shape, numpy_dtype(var)) if view is None else (view.shape, view.dtype)
-        plan.assign(name, value, shape=shape, dtype=dtype, put=writer(var, view, value))
-
+    put = _accumulator_putter(plan, opt)
     for acc, per_param in list(opt._accumulators.items()):
         slot = acc[len(prefix):] if prefix and acc.startswith(prefix) else acc
         for pname in list(per_param):
@@ -249,6 +241,20 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
             plan.unexpected(*(qualified("optimizer", struct, slot) for slot in per_slot
                               if (struct, slot) not in seen))
     plan.then(functools.partial(restore_learning_rate, opt, state))
+
+
+def _accumulator_putter(plan: RestorePlan, opt: Any) -> Callable[[str, Any, np.ndarray], None]:
+    """``put(name, var, value)``: plan ``value`` into the accumulator ``var``.  The views of
+    every accumulator are taken at once, once they all exist: a view carries the target's shape
+    and dtype, so no Paddle call per accumulator asks for them."""
+    accumulators = [var for per_param in opt._accumulators.values() for var in per_param.values()]
+    view_of = dict(zip(map(id, accumulators), views(opt, accumulators)))
+
+    def put(name: str, var: Any, value: np.ndarray) -> None:
+        view = view_of.get(id(var))
+        shape, dtype = (var.shape, numpy_dtype(var)) if view is None else (view.shape, view.dtype)
+        plan.assign(name, value, shape=shape, dtype=dtype, put=writer(var, view, value))
+    return put
 
 
 def _drop_accumulator(opt: Any, acc: str, pname: str, param_name: str) -> None:
