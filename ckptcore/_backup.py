@@ -2,21 +2,21 @@
 
 ``CheckpointManager(root, backup=URL)`` saves to ``root`` (fast: local disk, tmpfs) and hands
 each committed step to a :class:`BackupTier`, whose one background thread copies it to the
-backup root with ``_replica.copy_checkpoint`` (verified source bytes, deduplicated chunks, the
+backup root with ``_replica.copy_checkpoint`` (verified source bytes, deduplicated blobs, the
 manifest last with the commit protocol), then applies the backup's own retention and sweeps the
-chunks no committed replica refers to.  ``save()`` never waits for it; ``wait()`` and
+blobs no committed replica refers to.  ``save()`` never waits for it; ``wait()`` and
 ``close()`` do, and raise what failed.
 
 Crashes.  A replica is visible only once its manifest is: a process killed mid-upload leaves
-chunks and no manifest, never a half replica.  At the next start every local step the backup
-lacks is queued again (in step order), and chunks already uploaded are found and not sent twice.
+blobs and no manifest, never a half replica.  At the next start every local step the backup
+lacks is queued again (in step order), and blobs already uploaded are found and not sent twice.
 
 Deletion safety.  The backup root has its own writer lock (a lease on object stores), held by
 the replicating thread: no other manager or ``ckpt sync`` replicates or sweeps there meanwhile.
 Within the tier, replication, retention and sweeping run one after another on one thread.  The
-sweep lists the chunks first, then reads every committed manifest, and removes only chunks that
-no manifest refers to and that are older than the grace period (``gc_grace``): a chunk written
-for a replica whose manifest is not committed yet is young, and a chunk that a committed manifest
+sweep lists the blobs first, then reads every committed manifest, and removes only blobs that
+no manifest refers to and that are older than the grace period (``gc_grace``): a blob written
+for a replica whose manifest is not committed yet is young, and a blob that a committed manifest
 names is never removed.  An unreadable manifest stops the sweep (its references are unknown).
 """
 
@@ -337,7 +337,7 @@ class BackupTier:
                         "replicated); skipping it", step, self.local.url)
             return False
         if self._known is None and self.dedup:
-            self._known = {}  # chunks this tier uploaded or verified; each copy lists the root
+            self._known = {}  # blobs this tier uploaded or verified; each copy lists the root
         log.info("backup: replicating step %d to %s", step, self.root.url)
         _, self.last = copy_checkpoint(src, dst, dedup=self.dedup, known=self._known,
                                        gate=self._gate, fence=self._lock)

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 from . import _fence
 from ._read import read_manifest
-from ._replica import chunk_rel, list_chunks, references
+from ._replica import blob_rel, list_blobs, references
 from ._steps import committed_steps
 from ._storage import Store
 from .errors import CheckpointError
@@ -41,8 +41,8 @@ _INTENT_SLACK = 60.0  # seconds of clock skew between an uploader and the store
 
 @contextlib.contextmanager
 def intent(root: Store, generation: int | None, holder: str) -> Iterator[str]:
-    """Record, while the block runs, that chunks are being uploaded under ``root`` (a sweep keeps
-    every chunk written since, unless ``generation`` was fenced meanwhile: its replica can then
+    """Record, while the block runs, that blobs are being uploaded under ``root`` (a sweep keeps
+    every blob written since, unless ``generation`` was fenced meanwhile: its replica can then
     never be accepted).  Removed after; one left by a killed uploader is fenced by the next
     holder's generation (or, unlocked, expires after a day) and removed by the next sweep."""
     name = f"{INTENT_DIR}/{uuid.uuid4().hex}.json"
@@ -83,34 +83,34 @@ def live_intents(root: Store, own: tuple[str, ...] = ()) -> tuple[float | None, 
 
 
 def sweep(root: Store, grace: float, fence: Any = None, own: tuple[str, ...] = ()) -> list[str]:
-    """Remove chunks under ``root`` that no committed manifest refers to, that are older than
+    """Remove blobs under ``root`` that no committed manifest refers to, that are older than
     ``grace`` seconds and that no upload in progress may name (``intent``); returns their URLs.
     The caller holds ``root``'s writer lock (``fence``: checked before deleting)."""
-    chunks = list_chunks(root)  # first: a chunk listed here and referenced later is kept below
+    blobs = list_blobs(root)  # first: a blob listed here and referenced later is kept below
     referenced: set[str] = set()
     for _, name in committed_steps(root):
         try:
             referenced |= references(read_manifest(root.child(name)))
         except CheckpointError as e:
-            log.warning("backup: not sweeping chunks under %s: the manifest of %s cannot be read "
+            log.warning("backup: not sweeping blobs under %s: the manifest of %s cannot be read "
                         "(%s), so what it refers to is unknown", root.url, name, e)
             return []
     uploading, stale = live_intents(root, own)
     cutoff = time.time() - grace
     if uploading is not None:
-        log.info("backup: an upload to %s is in progress since %s: keeping every chunk written "
+        log.info("backup: an upload to %s is in progress since %s: keeping every blob written "
                  "since", root.url, time.strftime("%H:%M:%S", time.localtime(uploading)))
         cutoff = min(cutoff, uploading - _INTENT_SLACK)
-    doomed = [n for n, (_, mtime) in sorted(chunks.items())
+    doomed = [n for n, (_, mtime) in sorted(blobs.items())
               if n not in referenced and mtime is not None and mtime <= cutoff]
-    # (a store that gives no time: a chunk's age is unknown, so it is kept)
+    # (a store that gives no time: a blob's age is unknown, so it is kept)
     if (doomed or stale) and fence is not None:
         fence.before_delete()
     removed = []
     for name in doomed:
-        url = root.join(chunk_rel(name))
-        log.info("backup: removing chunk %s, which no committed replica refers to", url)
-        root.delete(chunk_rel(name))
+        url = root.join(blob_rel(name))
+        log.info("backup: removing blob %s, which no committed replica refers to", url)
+        root.delete(blob_rel(name))
         removed.append(url)
     for rel in stale:
         log.info("backup: removing the stale upload intent %s (its uploader was superseded or "

@@ -87,7 +87,7 @@ def publishable(target: Store, manifest: Manifest) -> bytes:
     valid by :meth:`Manifest.from_bytes` (structure, names, byte ranges), and every shard it names
     in ``target`` present with its size.  A refusal raises; nothing is published then.
 
-    (``cas:`` chunks of a deduplicated replica live outside the folder; ``_replica`` checks them.)
+    (``cas:`` blobs of a deduplicated replica live outside the folder; ``_replica`` checks them.)
     """
     data = manifest.to_bytes()
     limit = _knobs.max_manifest_bytes()
@@ -239,7 +239,7 @@ def _remove_shards(store: Store, manifest: Manifest | None, token: str | None = 
     """Best-effort removal of this attempt's shards; ``gc()`` catches what this misses.
 
     Only plain names are removed: a manifest that failed validation may name anything (a peer's
-    ``../evil.bin``), and a deduplicated replica's chunks are shared with other steps (never
+    ``../evil.bin``), and a deduplicated replica's blobs are shared with other steps (never
     removed here; unreferenced ones are swept under the root's lock, ``_backup.sweep``)."""
     try:
         names = {e.name for e in store.listdir() if token and token in e.name}

@@ -9,33 +9,34 @@ Two layouts:
 
 * **plain**: the shards are copied as they are (a deduplicated source's ``cas:`` objects become
   ``shard-<hash>.bin`` files of the step folder); the manifest is the source's with those names.
-* **deduplicated** (a backup root): every tensor's bytes become a content-addressed object
-  ``<root>/chunks/<hh>/<hash>`` (BLAKE2b-256 of the bytes, docs/FORMAT.md, "Deduplicated
-  replicas"), shared by every step that holds the same bytes, so a frozen layer is uploaded
+* **deduplicated** (a backup root): every tensor's bytes become a content-addressed object, a
+  *blob*, ``<root>/chunks/<hh>/<hash>`` (BLAKE2b-256 of the bytes, docs/FORMAT.md,
+  "Deduplicated replicas"; the folder's name predates the word, which keeps "chunk" for format
+  3's blocks of a sharded tensor), shared by every step that holds the same bytes, so a frozen layer is uploaded
   once.  Tensors under ``pack_below`` bytes travel together in packs of about 1 MiB, in table
   order (a small tensor each would cost a request apiece); a second object of the same bytes in
   one step is named with a salted hash (two rows of a manifest never share bytes).  The manifest's
   rows keep their checksums and point at the objects; only shard paths and offsets change.
 
-Verified reuse.  Each copy lists the root's chunks once at its start (one paginated LIST, with
+Verified reuse.  Each copy lists the root's blobs once at its start (one paginated LIST, with
 the store's own checksum of each object where it gives one: S3's single-part ETag and Azure's
-Content-MD5 are the MD5 of the bytes, GCS's ``md5Hash`` too).  A chunk already there is reused
-only when known good: ``known`` records, per writer (a ``BackupTier``, a sync), the chunks it
+Content-MD5 are the MD5 of the bytes, GCS's ``md5Hash`` too).  A blob already there is reused
+only when known good: ``known`` records, per writer (a ``BackupTier``, a sync), the blobs it
 uploaded or verified in this process with the size and store checksum (or, where the store gives
-none, the time) they had then.  A chunk not recorded, or listed with another size or checksum
+none, the time) they had then.  A blob not recorded, or listed with another size or checksum
 since, is verified against the local bytes about to (not) be uploaded: their MD5 against the
-store's checksum, else the object read back and compared.  A damaged or missing chunk is
+store's checksum, else the object read back and compared.  A damaged or missing blob is
 uploaded again from the local copy, logged at WARNING (which heals every replica naming it: the
 name is the content hash).
 
 A replica is returned only once it verifies: after the commit, its manifest is read back and
-every object it names is listed present with its size, and its content checked (reused chunks as
-above; chunks just uploaded by the store's checksum of them, else read back and hashed).  If it
+every object it names is listed present with its size, and its content checked (reused blobs as
+above; blobs just uploaded by the store's checksum of them, else read back and hashed).  If it
 does not verify, the manifest is deleted again (uncommitted, logged) and the copy raises
-:class:`CorruptCheckpointError` or :class:`IncompleteCheckpointError` naming the chunk, so the
+:class:`CorruptCheckpointError` or :class:`IncompleteCheckpointError` naming the blob, so the
 caller never counts it as replicated.
 
-Chunks are never deleted here, not even after a failed commit: another step may reference them
+Blobs are never deleted here, not even after a failed commit: another step may reference them
 (``_commit`` skips ``cas:`` shards when it cleans up).  Unreferenced ones are swept by
 ``_backup.sweep`` under the root's writer lock, after a grace period.
 """
@@ -86,7 +87,7 @@ def content_name(data: Any, copy: int = 0) -> str:
     return CAS_PREFIX + hashlib.blake2b(data, digest_size=32, salt=salt).hexdigest()
 
 
-def chunk_rel(name: str) -> str:
+def blob_rel(name: str) -> str:
     """A ``cas:`` name's path under the root: ``chunks/<hh>/<hash>``."""
     digest = name[len(CAS_PREFIX):]
     return f"{CAS_DIR}/{digest[:2]}/{digest}"
@@ -97,8 +98,8 @@ class CopyStats:
     """What a copy moved: bytes read from the source, bytes and objects written to the
     destination, objects found there already (deduplicated), and seconds.  Verification:
     ``checked`` objects verified by the store's checksum (no byte read), ``read_back`` bytes
-    read back to verify objects the store gives no usable checksum of, ``lists`` chunk
-    listings, ``healed`` the chunks found damaged or missing and uploaded again."""
+    read back to verify objects the store gives no usable checksum of, ``lists`` blob
+    listings, ``healed`` the blobs found damaged or missing and uploaded again."""
 
     read: int = 0
     written: int = 0
@@ -113,7 +114,7 @@ class CopyStats:
 
 @dataclass(frozen=True)
 class Listed:
-    """One chunk object as a listing shows it: its size, time, and the store's checksum of it
+    """One blob object as a listing shows it: its size, time, and the store's checksum of it
     (``md5``: an MD5 hex digest, or S3's multipart ETag ``<hex>-<parts>``; None when the store
     gives none, as local disk and ``memory://``)."""
 
@@ -150,8 +151,8 @@ def _store_md5(info: dict) -> tuple[str | None, bool]:
     return None, False
 
 
-def list_chunk_objects(root: Store) -> dict[str, Listed]:
-    """``{cas name: Listed}`` of every chunk object under ``root``: one paginated listing,
+def list_blob_objects(root: Store) -> dict[str, Listed]:
+    """``{cas name: Listed}`` of every blob object under ``root``: one paginated listing,
     with each object's checksum where the store gives one."""
     out: dict[str, Listed] = {}
 
@@ -181,9 +182,9 @@ def list_chunk_objects(root: Store) -> dict[str, Listed]:
     return out
 
 
-def list_chunks(root: Store) -> dict[str, tuple[int, float | None]]:
-    """``{cas name: (size, mtime)}`` of every chunk object under ``root`` (one listing)."""
-    return {n: (e.size, e.mtime) for n, e in list_chunk_objects(root).items()}
+def list_blobs(root: Store) -> dict[str, tuple[int, float | None]]:
+    """``{cas name: (size, mtime)}`` of every blob object under ``root`` (one listing)."""
+    return {n: (e.size, e.mtime) for n, e in list_blob_objects(root).items()}
 
 
 def _md5_like(data: Any, md5: str) -> str | None:
@@ -202,7 +203,7 @@ def _md5_like(data: Any, md5: str) -> str | None:
 
 def verify_object(root: Store, name: str, data: Any, listed: Listed,
                   stats: CopyStats | None = None) -> bool:
-    """Whether the chunk ``name`` under ``root`` holds exactly ``data`` (the local bytes): by
+    """Whether the blob ``name`` under ``root`` holds exactly ``data`` (the local bytes): by
     the store's checksum where it gives one that can be computed here, else read back."""
     if listed.size != len(data):
         return False
@@ -216,7 +217,7 @@ def verify_object(root: Store, name: str, data: Any, listed: Listed,
             return False
         # (a mismatch may be an S3 ETag that is no MD5, SSE-KMS: the bytes decide)
     try:
-        there = root.read(chunk_rel(name))
+        there = root.read(blob_rel(name))
     except FileNotFoundError:
         return False
     if stats is not None:
@@ -224,7 +225,7 @@ def verify_object(root: Store, name: str, data: Any, listed: Listed,
     return there == bytes(data)
 
 
-def chunk_matches(data: Any, name: str, copies: int = 0) -> int | None:
+def blob_matches(data: Any, name: str, copies: int = 0) -> int | None:
     """The copy number whose salted BLAKE2b-256 of ``data`` is ``name`` (0: unsalted), trying
     up to ``copies``; None if none is."""
     for copy in range(copies + 1):
@@ -255,7 +256,7 @@ def write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
         return
     if root.local:
         for name, data in objects.items():
-            rel = chunk_rel(name)
+            rel = blob_rel(name)
             root.makedirs(os.path.dirname(rel))
             tmp = f"{rel}.tmp-{uuid.uuid4().hex[:8]}"
             root.write_bytes(tmp, bytes(data))
@@ -263,9 +264,9 @@ def write_objects(root: Store, objects: dict[str, bytes | memoryview]) -> None:
             fsync_dir(os.path.dirname(root.join(rel)))  # the rename, durable before the manifest
         return
     for name in objects:  # (object stores have no folders to make; the call is cheap)
-        root.makedirs(os.path.dirname(chunk_rel(name)))
+        root.makedirs(os.path.dirname(blob_rel(name)))
     with root.translate_errors("write", CAS_DIR, write=True):
-        root.fs.pipe({root.join(chunk_rel(n)): bytes(d) for n, d in objects.items()})
+        root.fs.pipe({root.join(blob_rel(n)): bytes(d) for n, d in objects.items()})
 
 
 def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any] | None = None,
@@ -275,7 +276,7 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
                     fence: Any = None) -> tuple[Manifest, CopyStats]:
     """Copy the committed checkpoint at ``src`` to ``dst`` (a step folder; with ``dedup`` its
     parent is a deduplicating root, listed at the start of the copy).  ``known`` is the
-    writer's record of the chunks it uploaded or verified in this process (``{cas name: (size,
+    writer's record of the blobs it uploaded or verified in this process (``{cas name: (size,
     store checksum or time)}``, module docstring), updated here; keep one per writer and pass it
     to every copy.  Returns the destination's manifest and what was moved, once the committed
     replica verifies; if it does not, it is uncommitted and the error raised."""
@@ -295,7 +296,7 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
     placed: dict[str, tuple[int, tuple[str, ...]]] = {}  # cas name: (copy number, MD5s sent)
     listing: dict[str, Listed] = {}
     if dedup:
-        listing = list_chunk_objects(root)  # fresh per copy: others may have changed the root
+        listing = list_blob_objects(root)  # fresh per copy: others may have changed the root
         stats.lists += 1
 
     def write(target: Store) -> Manifest:
@@ -328,7 +329,7 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
 def check_structure(dst: Store, manifest: Manifest | None = None,
                     listing: dict[str, Listed] | None = None) -> tuple[Manifest, list[CheckpointError]]:
     """A committed checkpoint's structure: its manifest decodes (read now unless given; an
-    unreadable one is raised), and every object it names is present with its size (chunks by
+    unreadable one is raised), and every object it names is present with its size (blobs by
     ``listing`` of its root, listed now unless given; plain shards by a listing of its folder).
     Returns the manifest and the problems (:class:`IncompleteCheckpointError`, naming each)."""
     if manifest is None:
@@ -336,7 +337,7 @@ def check_structure(dst: Store, manifest: Manifest | None = None,
     problems: list[CheckpointError] = []
     cas = [s for s in manifest.shards if s.path.startswith(CAS_PREFIX)]
     if cas and listing is None:
-        listing = list_chunk_objects(dst.parent())
+        listing = list_blob_objects(dst.parent())
     plain = ({e.name: e.size for e in dst.listdir() if not e.is_dir and not e.is_link}
              if len(cas) < len(manifest.shards) else {})
     for s in manifest.shards:
@@ -349,7 +350,7 @@ def check_structure(dst: Store, manifest: Manifest | None = None,
             url = dst.join(s.path)
             what = "missing" if size is None else f"{size} bytes, the manifest says {s.size}"
             problems.append(IncompleteCheckpointError(
-                f"{url}: {'chunk ' + s.path if s.path.startswith(CAS_PREFIX) else 'shard'} "
+                f"{url}: {'blob ' + s.path if s.path.startswith(CAS_PREFIX) else 'shard'} "
                 f"named by {dst.url} is {what}"))
     return manifest, problems
 
@@ -364,7 +365,7 @@ def _check_committed(dst: Store, manifest: Manifest, *, dedup: bool, known: dict
                                      file=dst.join(MANIFEST_NAME))
     listing = None
     if dedup:
-        listing = list_chunk_objects(dst.parent())
+        listing = list_blob_objects(dst.parent())
         stats.lists += 1
     _, problems = check_structure(dst, there, listing)
     if problems:
@@ -380,16 +381,16 @@ def _check_committed(dst: Store, manifest: Manifest, *, dedup: bool, known: dict
         if entry.md5 is not None and entry.md5 in md5s:
             stats.checked += 1
         else:
-            url = root.join(chunk_rel(s.path))
+            url = root.join(blob_rel(s.path))
             try:
-                data = root.read(chunk_rel(s.path))
+                data = root.read(blob_rel(s.path))
             except FileNotFoundError as e:
-                raise IncompleteCheckpointError(f"{url}: chunk {s.path} is missing") from e
+                raise IncompleteCheckpointError(f"{url}: blob {s.path} is missing") from e
             stats.read_back += len(data)
             if (len(data) != s.size or _crc.crc32c(data) != s.checksum
-                    or chunk_matches(data, s.path, copy) is None):
+                    or blob_matches(data, s.path, copy) is None):
                 raise CorruptCheckpointError(
-                    f"{url}: chunk {s.path} does not hold the bytes its name and the manifest "
+                    f"{url}: blob {s.path} does not hold the bytes its name and the manifest "
                     f"of {dst.url} say", file=url, expected=s.checksum, actual=_crc.crc32c(data))
         known[s.path] = (entry.size, entry.tag)
 
@@ -557,7 +558,7 @@ class _DedupCopy:
             self.stats.objects += 1
 
     def _reuse_or_heal(self, name: str, data: Any, copy: int, entry: Listed | None) -> None:
-        """A chunk this writer has not verified (or that changed since): reuse it if it holds
+        """A blob this writer has not verified (or that changed since): reuse it if it holds
         ``data``, else upload ``data`` again."""
         if self.gate is not None:
             self.gate()
@@ -574,7 +575,7 @@ class _DedupCopy:
         why = ("missing (this writer uploaded or verified it before)" if entry is None else
                f"damaged ({entry.size} bytes where {len(data)} belong)"
                if entry.size != len(data) else "damaged (its bytes differ from the local copy)")
-        log.warning("copy: chunk %s under %s is %s; uploading it again from %s (this heals every "
+        log.warning("copy: blob %s under %s is %s; uploading it again from %s (this heals every "
                     "replica naming it)", name, self.root.url, why, self.src.url)
         with self.counting:
             self.stats.healed.append(name)
@@ -583,6 +584,6 @@ class _DedupCopy:
 
 
 def references(manifest: Manifest) -> set[str]:
-    """The chunk objects a manifest refers to."""
+    """The blob objects a manifest refers to."""
     return {s.path for s in manifest.shards if s.path.startswith(CAS_PREFIX)}
 

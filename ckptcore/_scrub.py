@@ -2,17 +2,17 @@
 
 A deduplicated root (docs/FORMAT.md, "Deduplicated replicas") is checked in full:
 
-* every chunk object is read and hashed against its name (BLAKE2b-256 of its bytes; a salted
+* every blob object is read and hashed against its name (BLAKE2b-256 of its bytes; a salted
   copy's name is found by trying the copy numbers its manifest admits) and, where a committed
   manifest names it, against that manifest's size and CRC-32C;
 * every committed replica's manifest is read (it decodes, by the reader's own checks) and every
-  chunk it names is listed present with its size.
+  blob it names is listed present with its size.
 
-A damaged or missing chunk that a replica names is repaired from the first tier in
-``repair_from`` that holds a good copy: another deduplicated root holding the same chunk, or any
+A damaged or missing blob that a replica names is repaired from the first tier in
+``repair_from`` that holds a good copy: another deduplicated root holding the same blob, or any
 root holding the same step (the same ``writer.id`` in its manifest: the same checkpoint), whose
-tensors are read, checked against their CRC-32C and laid out as the chunk (packs hold several
-small tensors at their offsets, zero padding between); the result must hash to the chunk's name.
+tensors are read, checked against their CRC-32C and laid out as the blob (packs hold several
+small tensors at their offsets, zero padding between); the result must hash to the blob's name.
 A repair writes only content-addressed objects (the same name, the same bytes), so it needs no
 writer lock: a writer or sweep meanwhile cannot be harmed by it.
 
@@ -33,15 +33,15 @@ import numpy as np
 
 from . import layout
 from ._manifest import MANIFEST_NAME, Manifest
-from ._replica import (Listed, write_objects, check_structure, chunk_matches, chunk_rel,
-                       list_chunk_objects)
+from ._replica import (Listed, write_objects, check_structure, blob_matches, blob_rel,
+                       list_blob_objects)
 from ._storage import CAS_PREFIX, Store, check_url
 from .errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = ["ScrubReport", "scrub"]
 
 log = logging.getLogger("ckptcore")
-_UNREFERENCED_COPIES = 8  # salted copy numbers tried for a chunk no manifest names
+_UNREFERENCED_COPIES = 8  # salted copy numbers tried for a blob no manifest names
 
 
 @dataclass(frozen=True)
@@ -53,18 +53,18 @@ class ScrubReport:
         deduplicated: Whether it is a deduplicated (backup) root; a plain root's steps are
             verified whole.
         steps: The committed steps checked.
-        chunks: How many chunk objects were read and hashed.
+        blobs: How many blob objects were read and hashed.
         bytes_read: Bytes read from the root.
-        damaged: What was found damaged or missing: ``cas:<hex>`` chunks, ``step N`` steps.
-        repaired: What was repaired (chunks written again from a good copy).
-        broken: What is still broken (not repaired): a chunk a replica names, or a step.
+        damaged: What was found damaged or missing: ``cas:<hex>`` blobs, ``step N`` steps.
+        repaired: What was repaired (blobs written again from a good copy).
+        broken: What is still broken (not repaired): a blob a replica names, or a step.
         problems: One line per finding, in the words of the error found.
     """
 
     url: str
     deduplicated: bool
     steps: tuple[int, ...]
-    chunks: int
+    blobs: int
     bytes_read: int
     damaged: tuple[str, ...]
     repaired: tuple[str, ...]
@@ -76,12 +76,17 @@ class ScrubReport:
         """Nothing is still broken."""
         return not self.broken
 
+    @property
+    def chunks(self) -> int:
+        """The earlier name of :attr:`blobs` (kept for one release)."""
+        return self.blobs
+
 
 def scrub(url: str | os.PathLike, *, repair_from: Iterable[str | os.PathLike] = (),
           storage_options: Mapping[str, Any] | None = None,
           repair_storage_options: Mapping[str, Any] | None = None) -> ScrubReport:
-    """Check every chunk and committed replica of the root at ``url`` and repair damaged or
-    missing chunks from the roots in ``repair_from`` (module docstring).  ``storage_options``
+    """Check every blob and committed replica of the root at ``url`` and repair damaged or
+    missing blobs from the roots in ``repair_from`` (module docstring).  ``storage_options``
     apply to ``url``, ``repair_storage_options`` (default: the same) to the repair roots."""
     so = dict(storage_options or {})
     rso = dict(so if repair_storage_options is None else repair_storage_options)
@@ -112,12 +117,12 @@ class _Scrub:
         if broken and what not in self.broken:
             self.broken.append(what)
 
-    def report(self, dedup: bool, steps: list[int], chunks: int) -> ScrubReport:
-        out = ScrubReport(self.root.url, dedup, tuple(steps), chunks, self.bytes_read,
+    def report(self, dedup: bool, steps: list[int], blobs: int) -> ScrubReport:
+        out = ScrubReport(self.root.url, dedup, tuple(steps), blobs, self.bytes_read,
                           tuple(self.damaged), tuple(self.repaired), tuple(self.broken),
                           tuple(self.problems))
-        log.info("scrub: %s: %d step(s), %d chunk(s) checked, %d bytes read: %d damaged, "
-                 "%d repaired, %d still broken", out.url, len(steps), chunks, out.bytes_read,
+        log.info("scrub: %s: %d step(s), %d blob(s) checked, %d bytes read: %d damaged, "
+                 "%d repaired, %d still broken", out.url, len(steps), blobs, out.bytes_read,
                  len(out.damaged), len(out.repaired), len(out.broken))
         return out
 
@@ -125,14 +130,14 @@ class _Scrub:
         root = self.root
         steps = layout.committed_steps(root)
         manifests = self._read_manifests(steps)
-        listing = list_chunk_objects(root)
+        listing = list_blob_objects(root)
         dedup = bool(listing) or any(s.path.startswith(CAS_PREFIX)
                                      for m in manifests.values() for s in m.shards)
         if not dedup:  # a plain root: every committed step verified whole
             self._verify_plain(steps, manifests)
             return self.report(False, [s for s, _ in steps], 0)
 
-        # who names each chunk: (step, manifest, shard index)
+        # who names each blob: (step, manifest, shard index)
         refs: dict[str, list[tuple[int, Manifest, int]]] = {}
         for step, m in manifests.items():
             for i, s in enumerate(m.shards):
@@ -173,15 +178,15 @@ class _Scrub:
 
     def _check_listed(self, listing: dict[str, Listed],
                       refs: dict[str, list[tuple[int, Manifest, int]]]) -> dict[str, str]:
-        """Every listed chunk read and judged (unreferenced bad ones are findings at once), and
-        every referenced one checked present with its size.  Returns chunk: why it is bad."""
+        """Every listed blob read and judged (unreferenced bad ones are findings at once), and
+        every referenced one checked present with its size.  Returns blob: why it is bad."""
         root = self.root
-        bad: dict[str, str] = {}  # chunk: why
+        bad: dict[str, str] = {}  # blob: why
 
         def check(item: tuple[str, Listed]) -> tuple[str, int, str | None]:
             name, entry = item
             try:
-                data = root.read(chunk_rel(name))
+                data = root.read(blob_rel(name))
             except FileNotFoundError:
                 return name, 0, "missing (deleted since it was listed)"
             return name, len(data), self._judge(name, data, refs.get(name, []))
@@ -193,7 +198,7 @@ class _Scrub:
                     bad[name] = why
         for name, why in sorted(bad.items()):
             if name not in refs:
-                self.finding(name, f"chunk {name} under {root.url} is {why}; no committed "
+                self.finding(name, f"blob {name} under {root.url} is {why}; no committed "
                              "replica names it (the sweep removes it)", broken=False)
         for name, users in sorted(refs.items()):
             shard = users[0][1].shards[users[0][2]]
@@ -205,23 +210,23 @@ class _Scrub:
 
     def _repair_named(self, bad: dict[str, str],
                       refs: dict[str, list[tuple[int, Manifest, int]]]) -> None:
-        """Each bad chunk a replica names: a finding, then repaired from ``repair_from`` or
+        """Each bad blob a replica names: a finding, then repaired from ``repair_from`` or
         counted as broken."""
         for name in sorted(n for n in bad if n in refs):
             steps_naming = sorted({u[0] for u in refs[name]})
-            self.finding(name, f"chunk {name} under {self.root.url} is {bad[name]}; named by "
+            self.finding(name, f"blob {name} under {self.root.url} is {bad[name]}; named by "
                          f"step(s) {steps_naming}", broken=False)
             if self._repair(name, refs[name]):
                 self.repaired.append(name)
             else:
                 self.broken.append(name)
-                log.error("scrub: chunk %s under %s is still broken: no tier in repair_from "
+                log.error("scrub: blob %s under %s is still broken: no tier in repair_from "
                           "holds a good copy; step(s) %s cannot be restored from this root",
                           name, self.root.url, steps_naming)
 
     def _judge(self, name: str, data: bytes, users: list[tuple[int, Manifest, int]]
                ) -> str | None:
-        """Why ``data`` is not the chunk ``name`` (None: it is)."""
+        """Why ``data`` is not the blob ``name`` (None: it is)."""
         if users:
             step, m, i = users[0]
             shard = m.shards[i]
@@ -232,7 +237,7 @@ class _Scrub:
             copies = max(len(u[1].shards) for u in users)
         else:
             copies = _UNREFERENCED_COPIES
-        if chunk_matches(data, name, copies) is None:
+        if blob_matches(data, name, copies) is None:
             return "damaged (its bytes do not hash to its name)"
         return None
 
@@ -241,42 +246,42 @@ class _Scrub:
         copies = max(len(u[1].shards) for u in users)
         for src in self.sources:
             try:
-                data = self._from_chunk(src, name, m.shards[i], copies)
-                how = "its copy of the chunk"
+                data = self._from_blob(src, name, m.shards[i], copies)
+                how = "its copy of the blob"
                 if data is None:
                     data, how = self._rebuild(src, name, users, copies), "the tensors of the step"
                 if data is None:
                     continue
                 write_objects(self.root, {name: data})
-                back = self.root.read(chunk_rel(name))
+                back = self.root.read(blob_rel(name))
                 self.bytes_read += len(back)
                 if back != data:
-                    log.error("scrub: chunk %s written again under %s does not read back the "
+                    log.error("scrub: blob %s written again under %s does not read back the "
                               "same", name, self.root.url)
                     return False
-                log.warning("scrub: repaired chunk %s under %s from %s (%s)", name,
+                log.warning("scrub: repaired blob %s under %s from %s (%s)", name,
                             self.root.url, src.url, how)
                 return True
             except (CheckpointError, OSError) as e:
-                log.warning("scrub: repairing chunk %s from %s failed (%s: %s); trying the next "
+                log.warning("scrub: repairing blob %s from %s failed (%s: %s); trying the next "
                             "tier", name, src.url, type(e).__name__, e)
         return False
 
-    def _from_chunk(self, src: Store, name: str, shard: Any, copies: int) -> bytes | None:
-        """Another deduplicated root's copy of the chunk, if it is good."""
+    def _from_blob(self, src: Store, name: str, shard: Any, copies: int) -> bytes | None:
+        """Another deduplicated root's copy of the blob, if it is good."""
         try:
-            data = src.read(chunk_rel(name))
+            data = src.read(blob_rel(name))
         except FileNotFoundError:
             return None
         if (len(data) == shard.size and _crc.crc32c(data) == shard.checksum
-                and chunk_matches(data, name, copies) is not None):
+                and blob_matches(data, name, copies) is not None):
             return data
-        log.info("scrub: %s's copy of chunk %s is damaged too; not used", src.url, name)
+        log.info("scrub: %s's copy of blob %s is damaged too; not used", src.url, name)
         return None
 
     def _rebuild(self, src: Store, name: str, users: list[tuple[int, Manifest, int]],
                  copies: int) -> bytes | None:
-        """The chunk rebuilt from the tensors of a step ``src`` holds as the same checkpoint
+        """The blob rebuilt from the tensors of a step ``src`` holds as the same checkpoint
         (the same writer id) as a step naming it."""
         from .api import read_manifest
 
@@ -297,9 +302,9 @@ class _Scrub:
             shard = m.shards[i]
             if (data is not None and len(data) == shard.size
                     and _crc.crc32c(data) == shard.checksum
-                    and chunk_matches(data, name, copies) is not None):
+                    and blob_matches(data, name, copies) is not None):
                 return data
-            log.info("scrub: the tensors of %s do not rebuild chunk %s", there.url, name)
+            log.info("scrub: the tensors of %s do not rebuild blob %s", there.url, name)
         return None
 
 

@@ -4,11 +4,11 @@ Every step committed under SRC and missing under DST is copied in step order wit
 ``_replica.copy_checkpoint`` (the source verified as it is read, the copy committed with the
 save protocol), deduplicated by default, so a step whose tensors DST already holds uploads only
 what changed.  A run interrupted anywhere leaves no half step under DST, and the next run
-copies what is still missing (chunks already uploaded are found and not sent again).  DST's
+copies what is still missing (blobs already uploaded are found and not sent again).  DST's
 writer lock is held throughout, so a manager replicating there, or another sync, waits its
-turn; retention (``keep``) then applies to DST, and chunks no step refers to any more are swept.
+turn; retention (``keep``) then applies to DST, and blobs no step refers to any more are swept.
 
-Integrity.  A chunk DST already holds is reused only once verified against the source's bytes
+Integrity.  A blob DST already holds is reused only once verified against the source's bytes
 (``_replica``, "Verified reuse"); a damaged or missing one is uploaded again, which heals every
 step naming it.  Each copied step is verified after its commit.  Steps DST already holds are
 checked structurally (manifest readable, every object it names present with its size); a broken
@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 from . import _knobs
 from ._cas import sweep
 from ._lock import WriterLock
-from ._replica import check_structure, copy_checkpoint, list_chunk_objects
+from ._replica import check_structure, copy_checkpoint, list_blob_objects
 from ._read import inspect
 from ._steps import committed_steps
 from ._storage import Store, check_url
@@ -129,7 +129,7 @@ class _Sync:
                         "is", step, dst.url, src.url)
             return
         if self.listing is None:
-            self.listing = list_chunk_objects(dst)
+            self.listing = list_blob_objects(dst)
         try:
             _, problems = check_structure(dst.child(name), listing=self.listing)
         except CheckpointError as e:

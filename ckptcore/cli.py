@@ -252,7 +252,7 @@ def _verify_deep(args: argparse.Namespace, so: dict) -> int:
         print(f"REPAIRED {name}")
     for name in report.broken:
         print(f"BROKEN   {name}")
-    what = (f"{len(report.steps)} step(s), {report.chunks} chunk(s) hashed" if report.deduplicated
+    what = (f"{len(report.steps)} step(s), {report.blobs} blob(s) hashed" if report.deduplicated
             else f"{len(report.steps)} step(s) verified")
     print(f"{args.url}: {what}, {_size(report.bytes_read)} read: {len(report.damaged)} damaged, "
           f"{len(report.repaired)} repaired, {len(report.broken)} still broken")
@@ -417,7 +417,7 @@ def cmd_gc(args: argparse.Namespace, so: dict) -> int:
 def _young_leftovers(root: Store) -> list[str]:
     """What ``gc`` left that it would remove once old enough (it just removed the older ones):
     temporary folders of saves, step folders without a manifest, shards a committed manifest
-    does not name.  (Unreferenced chunks of a backup root are not counted.)"""
+    does not name.  (Unreferenced blobs of a backup root are not counted.)"""
     from ._commit import TMP_MARK
     from .layout import STEP
 
@@ -596,11 +596,11 @@ def _add_checkpoint_verbs(sub: _GlobalSubparsers) -> None:
                                       "exit 2 when the checkpoint cannot be read at all")
     s.add_argument("url")
     s.add_argument("--deep", action="store_true",
-                   help="URL is a root: hash every chunk of a backup root against its name and "
-                        "check every replica's chunks (a plain root: verify every step); exit 1 "
+                   help="URL is a root: hash every blob of a backup root against its name and "
+                        "check every replica's blobs (a plain root: verify every step); exit 1 "
                         "if anything is still broken")
     s.add_argument("--repair-from", action="append", metavar="URL",
-                   help="with --deep: repair damaged or missing chunks from this root (another "
+                   help="with --deep: repair damaged or missing blobs from this root (another "
                         "backup root, or the run's local root holding the same steps); repeatable")
     s.set_defaults(fn=cmd_verify)
     s = sub.add_parser("diff", help="which tensors differ between two checkpoints, and by how much "
@@ -628,7 +628,7 @@ def _add_root_verbs(sub: _GlobalSubparsers) -> None:
     s.add_argument("src", help="the root to copy from (a manager's root)")
     s.add_argument("dst", help="the root to copy to")
     s.add_argument("--plain", action="store_true",
-                   help="write plain copies (default: deduplicated chunks shared between steps)")
+                   help="write plain copies (default: deduplicated blobs shared between steps)")
     s.add_argument("--dry-run", action="store_true", help="only say what would be copied and deleted")
     s.add_argument("--keep-last", type=int, metavar="N", help="then keep only the newest N steps in DST")
     s.add_argument("--keep-every", type=int, metavar="K",

@@ -92,7 +92,7 @@ def gc(root: str | os.PathLike, *, grace: float | None = None,
     """Remove leftovers of interrupted saves under ``root`` untouched for ``grace`` seconds.
 
     Leftovers are temporary folders of a save, step folders without a manifest, and shard files a
-    committed manifest does not name; in a backup root, also the chunks no committed replica
+    committed manifest does not name; in a backup root, also the blobs no committed replica
     names.  Committed checkpoints are never touched.  Takes the root's writer lock, so it is
     refused while a run writes there.  Returns the URLs removed.
 
@@ -132,7 +132,7 @@ def structure_problem(ckpt: Store) -> str:
 
 def remove_leftovers(root: Store, grace: float, fence: Any = None) -> list[str]:
     """The work of :func:`gc`, for a caller that holds ``root``'s writer lock (the manager;
-    ``fence``: that lock, checked before chunks are swept)."""
+    ``fence``: that lock, checked before blobs are swept)."""
     cutoff = time.time() - grace
     removed = []
     for step, name in fenced_steps(root):  # never accepted by any reader: not a checkpoint
@@ -157,7 +157,7 @@ def remove_leftovers(root: Store, grace: float, fence: Any = None) -> list[str]:
                 removed.append(child.url)
         elif STEP.fullmatch(e.name):
             removed += _gc_shards(child, cutoff)
-        elif e.name == CAS_DIR and e.is_dir:  # a backup root: chunks no replica names any more
+        elif e.name == CAS_DIR and e.is_dir:  # a backup root: blobs no replica names any more
             removed += sweep(root, grace, fence)
     return removed
 

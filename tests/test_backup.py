@@ -15,7 +15,7 @@ import pytest
 import ckptcore
 from ckptcore import CheckpointManager, KeepLast, TrainingState, _knobs
 from ckptcore._cas import sweep
-from ckptcore._replica import list_chunks
+from ckptcore._replica import list_blobs
 from ckptcore._storage import Store
 from ckptcore.cli import main as ckpt
 from _proxy import CuttingProxy
@@ -162,12 +162,12 @@ def test_retention_and_sweep_never_remove_a_chunk_a_committed_replica_names(tier
         assert _same(state, _state(4))
         referenced = {s for s in ckptcore.inspect(f"{backup}/step-000000000004",
                                                   storage_options=opts).shards}
-        assert set(list_chunks(root)) == referenced
+        assert set(list_blobs(root)) == referenced
         # an unreferenced, young chunk (a replication in progress) is kept within the grace
     with _knobs.override(gc_grace=3600):
         root.write_bytes("chunks/ab/" + "ab" * 32, b"in flight")
         assert sweep(root, 3600) == []
-    assert sweep(root, 0) and "cas:" + "ab" * 32 not in list_chunks(root)
+    assert sweep(root, 0) and "cas:" + "ab" * 32 not in list_blobs(root)
 
 
 def test_a_damaged_chunk_is_found_by_verify_and_the_local_copy_wins(tiers, capsys):
@@ -175,7 +175,7 @@ def test_a_damaged_chunk_is_found_by_verify_and_the_local_copy_wins(tiers, capsy
     with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         mgr.save(1, _state(1))
     root = Store(backup, opts)
-    name = max(list_chunks(root).items(), key=lambda kv: kv[1][0])[0]  # the backbone's chunk
+    name = max(list_blobs(root).items(), key=lambda kv: kv[1][0])[0]  # the backbone's chunk
     rel = f"chunks/{name[4:6]}/{name[4:]}"
     data = bytearray(root.read(rel))
     data[7] ^= 1
@@ -260,11 +260,11 @@ def test_ckpt_gc_of_a_backup_root_sweeps_unreferenced_chunks(tiers, capsys):
     root = Store(backup, opts)
     orphan = "chunks/cd/" + "cd" * 32  # an upload whose replica was never committed
     root.write_bytes(orphan, b"orphan")
-    before = set(list_chunks(root))
+    before = set(list_blobs(root))
     assert ckptcore.gc(backup, grace=3600, storage_options=opts) == []  # young: kept
     removed = ckptcore.gc(backup, grace=0, storage_options=opts)
     assert [u.rsplit("/", 1)[-1] for u in removed] == ["cd" * 32]
-    assert set(list_chunks(root)) == before - {"cas:" + "cd" * 32}
+    assert set(list_blobs(root)) == before - {"cas:" + "cd" * 32}
     assert _same(ckptcore.load_state(f"{backup}/step-000000000001", storage_options=opts), _state(1))
 
 

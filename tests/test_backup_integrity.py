@@ -14,7 +14,7 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager, TrainingState
-from ckptcore._replica import content_name, copy_checkpoint, list_chunk_objects
+from ckptcore._replica import content_name, copy_checkpoint, list_blob_objects
 from ckptcore._storage import Store
 from ckptcore._sync import sync
 from ckptcore.api import read_manifest
@@ -57,7 +57,7 @@ def _rel(name: str) -> tuple[str, str, str]:
 
 
 def _backbone(root: Store) -> str:
-    return max(list_chunk_objects(root).items(), key=lambda kv: kv[1].size)[0]
+    return max(list_blob_objects(root).items(), key=lambda kv: kv[1].size)[0]
 
 
 def _damage(b, root_part: str, name: str, how: str) -> None:
@@ -232,7 +232,7 @@ def _backup_with_three_steps(tmp_path, b):
 def test_scrub_finds_damage_and_repairs_it_from_the_local_root(tmp_path, store, capsys, caplog):
     local, backup, opts, backbone, packs = _backup_with_three_steps(tmp_path, store)
     clean = ckptcore.scrub(backup, storage_options=opts)
-    assert clean.ok and clean.deduplicated and clean.steps == (1, 2, 3) and clean.chunks == 4
+    assert clean.ok and clean.deduplicated and clean.steps == (1, 2, 3) and clean.blobs == 4
     assert clean.bytes_read >= FROZEN.nbytes and not clean.damaged
     _damage(store, "backup", backbone, "flip")      # named by every step
     _damage(store, "backup", packs[2], "delete")    # a pack: several tensors, zero padding
@@ -252,7 +252,7 @@ def test_scrub_finds_damage_and_repairs_it_from_the_local_root(tmp_path, store, 
         assert ckpt(["verify", "--deep", backup, "--repair-from", local, *_o(opts)]) == 0
     out = capsys.readouterr().out
     assert all(f"REPAIRED {n}" in out for n in (backbone, packs[2], packs[3]))
-    assert "repaired chunk" in caplog.text and "0 still broken" in out
+    assert "repaired blob" in caplog.text and "0 still broken" in out
     for step in (1, 2, 3):
         url = f"{backup}/step-{step:012d}"
         assert _intact(url, opts)
