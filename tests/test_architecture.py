@@ -17,7 +17,7 @@ def _section(title: str) -> str:
 
 def _named(text: str) -> set[str]:
     """Every ``name.py`` the text mentions (in tables, diagrams and prose)."""
-    return set(re.findall(r"\b(_?[a-z][a-z0-9_]*\.py)\b", text))
+    return set(re.findall(r"(?<![/\w])(_{0,2}[a-z][a-z0-9_]*\.py)\b", text))
 
 
 def test_the_core_map_names_every_module_and_only_those():
