@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ckptcore
-from ckptcore import CheckpointManager, cli
+from ckptcore import CheckpointManager, _cli_read, cli
 from ckptcore._version import __version__
 from ckptcore.adapter import FileFormat
 from manager_support import make_state
@@ -121,7 +121,7 @@ def test_sync_progress_is_lines_without_a_terminal(tmp_path, capsys, monkeypatch
     rc, _, err = _ckpt(capsys, "sync", src, str(tmp_path / "dst"))
     assert rc == 0 and "\r" not in err
     assert len([ln for ln in err.splitlines() if "step-00000000000" in ln]) == 2, err
-    monkeypatch.setattr(cli, "_is_tty", lambda stream: True)
+    monkeypatch.setattr(_cli_read, "is_tty", lambda stream: True)
     rc, _, err = _ckpt(capsys, "sync", src, str(tmp_path / "dst2"))
     assert rc == 0 and "\r" in err
 
@@ -211,7 +211,7 @@ def test_inspect_tree_prints_each_folder_once_in_aligned_columns(tmp_path, capsy
 
 def test_ls_names_its_columns_and_shows_time_and_metrics(tmp_path, capsys, monkeypatch):
     root = _run(tmp_path, steps=(100, 200), metrics={"loss": 0.5})
-    monkeypatch.setattr(cli, "_is_tty", lambda stream: True)
+    monkeypatch.setattr(_cli_read, "is_tty", lambda stream: True)
     rc, out, _ = _ckpt(capsys, "ls", root)
     assert rc == 0
     lines = out.splitlines()
@@ -220,6 +220,6 @@ def test_ls_names_its_columns_and_shows_time_and_metrics(tmp_path, capsys, monke
     assert "saved" in header and "metrics" in header
     row = next(ln for ln in lines if ln.startswith("step-000000000100"))
     assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", row) and "loss=0.5" in row
-    monkeypatch.setattr(cli, "_is_tty", lambda stream: False)  # piped: data lines only
+    monkeypatch.setattr(_cli_read, "is_tty", lambda stream: False)  # piped: data lines only
     rc, out, _ = _ckpt(capsys, "ls", root)
     assert out.splitlines()[0].startswith("step-000000000100")
