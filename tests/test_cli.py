@@ -20,7 +20,7 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager, DataCursor, cli
-from manager_support import make_state
+from _support import make_state
 
 
 def _ckpt(capsys, *argv: str) -> tuple[int, str, str]:

@@ -22,8 +22,8 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager
-from manager_support import (assert_state_of, gc_and_check_clean, leftovers, mp, race_child,
-                             step_url)
+from manager_support import gc_and_check_clean, leftovers, mp, race_child, step_url
+from _support import assert_state_of
 
 ROUNDS = {"local": 3, "s3": 2}
 

@@ -13,7 +13,7 @@ from ckptcore import CheckpointManager, LockedError, TrainingState
 from ckptcore._manifest import MANIFEST_NAME
 from ckptcore._storage import Store
 from ckptcore.api import read_manifest
-from manager_support import make_state
+from _support import make_state
 
 
 def _flip_byte(url: str, tensor: str) -> None:

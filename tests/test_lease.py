@@ -17,7 +17,8 @@ import pytest
 from ckptcore import CheckpointManager, LockedError
 from ckptcore._lock import _machine, _start_time
 from ckptcore.manager import LockTakeoverWarning
-from manager_support import hold_lock, make_state, mp, open_manager, wait_for_line
+from manager_support import hold_lock, mp, open_manager, wait_for_line
+from _support import make_state
 
 
 def _start_holder(root, options, tmp_path, name="holder", **kw):

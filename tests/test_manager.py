@@ -25,7 +25,8 @@ from ckptcore import (CheckpointExistsError, CheckpointFallbackWarning, Checkpoi
                       SchemaError, TrainingState, UnsafeCheckpointError, api)
 from ckptcore import _storage
 from ckptcore.policies import RetentionPolicy
-from manager_support import Gate, assert_state_of, leftovers, make_state, open_manager, root_of
+from manager_support import Gate, leftovers, open_manager, root_of
+from _support import assert_state_of, make_state
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -361,7 +362,7 @@ _EXIT_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
     import ckptcore
-    from manager_support import make_state
+    from _support import make_state
     root, bad = sys.argv[1], sys.argv[2] == "bad"
     mgr = ckptcore.CheckpointManager(root, async_save=True)
     mgr.save(1, make_state(1)).result()

@@ -25,9 +25,9 @@ import warnings
 import pytest
 
 from ckptcore import CheckpointManager, KeepLast
-from manager_support import (assert_state_of, check_listed_steps, crash_child, gc_and_check_clean,
-                             leftovers, make_state, mp, populate, read_lines, save_until_killed,
-                             wait_for_line)
+from manager_support import (check_listed_steps, crash_child, gc_and_check_clean, leftovers, mp,
+                             populate, read_lines, save_until_killed, wait_for_line)
+from _support import assert_state_of, make_state
 
 KILLED = -signal.SIGKILL
 # Every resume here takes over the killed writer's lock, by design (tests/test_lease.py checks

@@ -16,8 +16,9 @@ import pytest
 import ckptcore
 from ckptcore import CheckpointManager, CheckpointNotFoundError, LockedError, _storage
 from ckptcore.manager import LockTakeoverWarning
-from manager_support import (assert_state_of, hold_lock, leftovers, make_state, mp,
-                             open_manager, read_lines, root_of, wait_for_line)
+from manager_support import (hold_lock, leftovers, mp, open_manager, read_lines, root_of,
+                             wait_for_line)
+from _support import assert_state_of, make_state
 
 
 # ------------------------------------------------------------------------------------ lock

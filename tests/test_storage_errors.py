@@ -13,20 +13,16 @@ Against the real moto S3 server (``s3_storage_options``), through s3fs:
 
 from __future__ import annotations
 
-import socket
 import uuid
 
-import numpy as np
 import pytest
 
 import ckptcore
-from ckptcore import TrainingState, _knobs
+from ckptcore import _knobs
 from ckptcore._storage import Store
 from ckptcore.errors import CheckpointError, CheckpointNotFoundError, StorageError
 
-
-def _state() -> TrainingState:
-    return TrainingState(model={"w": np.arange(10, dtype=np.float32)}, step=1)
+from _support import dead_s3_options, tiny_state
 
 
 def _steps(url, opts):
@@ -35,7 +31,7 @@ def _steps(url, opts):
 
 def _manager_save(url, opts):
     with ckptcore.CheckpointManager(url, storage_options=opts) as mgr:
-        mgr.save(1, _state())
+        mgr.save(1, tiny_state(1, n=10))
 
 
 def _listdir(url, opts):
@@ -50,7 +46,7 @@ READS = {
     "listdir": _listdir,
 }
 WRITES = {
-    "save_state": lambda url, opts: ckptcore.save_state(url, _state(), storage_options=opts),
+    "save_state": lambda url, opts: ckptcore.save_state(url, tiny_state(1, n=10), storage_options=opts),
     "manager.save": _manager_save,
 }
 
@@ -99,13 +95,7 @@ def test_a_missing_object_in_an_existing_bucket_is_still_plain_not_found(s3_back
 def dead_endpoint():
     """Options for an S3 endpoint on a port nobody listens on, failing fast."""
     pytest.importorskip("s3fs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
-            "key": "testing", "secret": "testing", "skip_instance_cache": True,
-            "config_kwargs": {"connect_timeout": 1, "read_timeout": 1,
-                              "retries": {"max_attempts": 1}}}
+    return dead_s3_options(read_timeout=1)
 
 
 @pytest.mark.parametrize("op", list(READS) + list(WRITES))
