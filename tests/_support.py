@@ -167,6 +167,17 @@ def same_finetune(a: TrainingState, b: TrainingState) -> bool:
             and all(a.model[k].tobytes() == b.model[k].tobytes() for k in b.model))
 
 
+CLOUD = ("s3", "gcs", "azure")
+
+
+def store_params(*names: str) -> list:
+    """Parameters of a fixture that picks a storage backend by name: the object stores (real
+    local servers, a test on one takes seconds) marked ``slow``, so that ``-m "not slow"`` runs
+    on local disk and ``memory://`` only, and the full run on every store."""
+    import pytest  # here, not at the top: the workers that import this module need no pytest
+    return [pytest.param(n, marks=pytest.mark.slow) if n in CLOUD else n for n in names]
+
+
 def save_and_reload(url: str, state: TrainingState, **kw: Any) -> TrainingState:
     ckptcore.save_state(url, state, **kw)
     return ckptcore.load_state(url, **kw)

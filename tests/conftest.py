@@ -25,7 +25,7 @@ import fsspec
 import pytest
 
 # The shared helpers (tests/_support.py, a module of its own: importable by name from any test).
-from _support import REPO, free_port, subprocess_env
+from _support import REPO, free_port, store_params, subprocess_env
 
 BUCKET = "ckptcore-test"
 # gcsfs 2026.x probes every bucket's type over gRPC (60 s timeouts against an emulator) unless
@@ -223,7 +223,7 @@ def azure_backend(azure_storage_options):
     yield from _remote_backend("azure", "az", azure_storage_options)
 
 
-@pytest.fixture(params=("s3", "gcs", "azure"))
+@pytest.fixture(params=store_params("s3", "gcs", "azure"))
 def cloud_backend(request) -> Backend:
     """Each object store on its real local server in turn."""
     return request.getfixturevalue(f"{request.param}_backend")
@@ -249,7 +249,7 @@ def memory_backend():
 BACKENDS = ("local", "memory", "s3", "gcs", "azure")
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=store_params(*BACKENDS))
 def backend(request) -> Backend:
     """Each storage backend in turn; iterate it for ``(url_prefix, storage_options)``."""
     return request.getfixturevalue(f"{request.param}_backend")
@@ -380,8 +380,11 @@ def _no_state_left_behind(request):
             mgr.close()
         except Exception as e:  # noqa: BLE001 - its own error is not the point here
             left.append(f"(closing it raised {type(e).__name__}: {e})")
+    # Not the test's: pytest's own, and the S3 server's session fixture (set up by the first test
+    # that uses it, put back at the session's end).
+    ours = {"PYTEST_CURRENT_TEST", "AWS_PROFILE", *_AWS_ENV}
     changed = sorted(k for k in set(env) | set(os.environ)
-                     if env.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST")
+                     if env.get(k) != os.environ.get(k) and k not in ours)
     if changed:
         left.append(f"environment variables changed: {changed}")
         for k in changed:

@@ -65,6 +65,7 @@ def test_unchanged_tensors_are_not_uploaded_again(tiers):
         assert g <= 0.15 * state_bytes, (grown, state_bytes)
 
 
+@pytest.mark.slow
 def test_save_does_not_wait_for_the_bucket_and_wait_raises_its_errors(tmp_path, s3_backend):
     # A bucket that does not exist: every replication fails; saves go on locally.
     opts = s3_backend.storage_options
@@ -244,6 +245,7 @@ def test_ckpt_gc_of_a_backup_root_sweeps_unreferenced_chunks(tiers, capsys):
     assert same_finetune(ckptcore.load_state(f"{backup}/step-000000000001", storage_options=opts), finetune_state(1))
 
 
+@pytest.mark.slow
 def test_many_small_frozen_tensors_are_not_uploaded_again(tmp_path, s3_backend):
     """A model of hundreds of small tensors (a frozen backbone's norms and biases) fills packs
     that do not change from step to step."""
@@ -292,6 +294,7 @@ def _outage_after_step_1(tmp_path, outage, **knobs):
             yield mgr
 
 
+@pytest.mark.slow
 def test_a_short_bucket_outage_is_ridden_out_by_retries(tmp_path, outage, caplog):
     proxy, url, opts = outage
     caplog.set_level(logging.INFO, logger="ckptcore")
@@ -309,6 +312,7 @@ def test_a_short_bucket_outage_is_ridden_out_by_retries(tmp_path, outage, caplog
                                      storage_options=opts), finetune_state(2))
 
 
+@pytest.mark.slow
 def test_steps_given_up_in_a_long_outage_go_up_once_the_bucket_answers(tmp_path, outage, caplog):
     proxy, url, opts = outage
     caplog.set_level(logging.INFO, logger="ckptcore")
@@ -369,6 +373,7 @@ def test_what_is_worth_retrying():
 
 
 
+@pytest.mark.slow
 def test_a_group_replicates_once_and_every_rank_restores_from_the_best_tier(tmp_path, s3_backend,
                                                                             caplog):
     """2 ranks save a sharded state with a backup: rank 0 replicates each step once; 3 ranks
@@ -485,6 +490,7 @@ def test_a_step_saved_again_replaces_its_stale_replica(tiers, caplog):
     assert same_finetune(got, finetune_state(7))
 
 
+@pytest.mark.slow
 def test_restore_with_the_bucket_down_uses_the_local_tier(tmp_path, outage, caplog):
     proxy, url, opts = outage
     with CheckpointManager(str(tmp_path / "local"), backup=url, backup_storage_options=opts) as mgr:
@@ -504,6 +510,7 @@ def test_restore_with_the_bucket_down_uses_the_local_tier(tmp_path, outage, capl
                 pass  # the listing at the start failed: raised by close(), as by wait()
 
 
+@pytest.mark.slow
 def test_close_with_the_bucket_down_tries_each_step_once_more_at_most(tmp_path, outage, caplog):
     proxy, url, opts = outage
     caplog.set_level(logging.INFO, logger="ckptcore")

@@ -18,7 +18,7 @@ from ckptcore._storage import Store
 from ckptcore._sync import sync
 from ckptcore.api import read_manifest
 from ckptcore.cli import main as ckpt
-from _support import finetune_state, frozen_backbone, same_finetune
+from _support import finetune_state, frozen_backbone, same_finetune, store_params
 
 
 
@@ -33,7 +33,7 @@ def _o(opts: dict) -> list[str]:
     return sum((["-o", f"{k}={v}"] for k, v in _flat(opts).items()), [])
 
 
-@pytest.fixture(params=("local", "memory", "s3"))
+@pytest.fixture(params=store_params("local", "memory", "s3"))
 def store(request):
     """Local disk, memory:// and the real S3 server (moto)."""
     return request.getfixturevalue(f"{request.param}_backend")

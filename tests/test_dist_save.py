@@ -117,6 +117,7 @@ def test_a_rank_that_fails_leaves_no_commit_and_every_rank_raises(backend):
     assert not [n for n in backend.listdir("ck") if n.startswith("shard-") and "-r0000" in n]
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_comes_times_out_on_the_others(backend):
     url, opts = backend.url("ck"), backend.storage_options
     ckptcore.save_state(url, _state(1), storage_options=opts)

@@ -73,6 +73,7 @@ def _results(proc) -> dict[int, str]:
 
 
 @pytest.mark.parametrize("mode", ["pause-in-save", "pause-in-save-async"])
+@pytest.mark.slow
 def test_a_writer_paused_before_its_manifest_commits_nothing_readers_accept(
         s3_backend, spawn_python, mode):
     root, options = s3_backend.url("run"), s3_backend.storage_options
@@ -100,6 +101,7 @@ def test_a_writer_paused_before_its_manifest_commits_nothing_readers_accept(
     assert _reader(root, options).steps() == [20, 21, 22, 24, 30]
 
 
+@pytest.mark.slow
 def test_a_writer_paused_between_saves_never_takes_the_root_back(s3_backend, spawn_python,
                                                                   tmp_path):
     root, options = s3_backend.url("run"), s3_backend.storage_options
@@ -118,6 +120,7 @@ def test_a_writer_paused_between_saves_never_takes_the_root_back(s3_backend, spa
     assert ".ckptcore.lock" not in s3_backend.listdir("run")  # A never re-created the lease
 
 
+@pytest.mark.slow
 def test_a_writer_starved_of_the_gil_is_fenced(s3_backend, spawn_python, tmp_path):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     go = tmp_path / "go"
@@ -133,6 +136,7 @@ def test_a_writer_starved_of_the_gil_is_fenced(s3_backend, spawn_python, tmp_pat
     assert _reader(root, options).steps() == [20, 21, 22, 23]
 
 
+@pytest.mark.slow
 def test_an_explicit_restore_of_a_fenced_step_is_refused(s3_backend, spawn_python):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     a = spawn_python("_fence_worker.py", root, json.dumps(options), "pause-in-save")

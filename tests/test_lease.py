@@ -56,6 +56,7 @@ def _foreign_lease(**fields):
 
 
 # ------------------------------------------------------------------------------ after SIGKILL
+@pytest.mark.slow
 def test_a_sigkilled_writer_on_s3_is_taken_over_at_once(s3_backend, tmp_path, caplog):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     proc, _, pid = _start_holder(root, options, tmp_path)
@@ -95,6 +96,7 @@ def test_a_sigkilled_writer_on_local_disk_is_named_when_taken_over(tmp_path, cap
 
 
 # ------------------------------------------------------------------------------ live writers
+@pytest.mark.slow
 def test_a_live_writer_is_never_taken_over_while_it_heartbeats(s3_backend, tmp_path):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     proc, release, pid = _start_holder(root, options, tmp_path, lease_seconds=2.0,
@@ -119,6 +121,7 @@ def test_a_live_writer_is_never_taken_over_while_it_heartbeats(s3_backend, tmp_p
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_a_live_writer_of_another_machine_waits_for_its_lease_to_expire(s3_backend):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     _plant(s3_backend, _foreign_lease(expires=time.time() + 1.5))
@@ -141,6 +144,7 @@ def test_the_same_host_name_in_another_container_is_not_taken_over_by_pid(s3_bac
             mgr.save(1, make_state(1))
 
 
+@pytest.mark.slow
 def test_a_reused_pid_does_not_keep_a_dead_holders_lease(s3_backend):
     # The holder's pid now names another (live) process: its start time differs.
     root, options = s3_backend.url("run"), s3_backend.storage_options
@@ -156,6 +160,7 @@ def test_a_reused_pid_does_not_keep_a_dead_holders_lease(s3_backend):
             mgr.save(1, make_state(1))
 
 
+@pytest.mark.slow
 def test_a_manager_dropped_without_close_is_taken_over_in_the_same_process(s3_backend):
     first = open_manager(s3_backend)
     first.save(1, make_state(1))
@@ -169,6 +174,7 @@ def test_a_manager_dropped_without_close_is_taken_over_in_the_same_process(s3_ba
             again.save(2, make_state(2))
 
 
+@pytest.mark.slow
 def test_an_unreadable_lease_is_taken_over(s3_backend):
     s3_backend.fs.makedirs(s3_backend.path("run"), exist_ok=True)
     s3_backend.write(b"\x00garbage", "run", ".ckptcore.lock")

@@ -161,6 +161,7 @@ def test_retention_policies_remove_the_right_steps(fast_backend, keep, saves, ex
     _check_retention(fast_backend, keep, saves, expected)
 
 
+@pytest.mark.slow
 def test_retention_policies_on_s3(s3_backend):
     _check_retention(s3_backend, KeepLast(1) | KeepEvery(2), range(6), [0, 2, 4, 5])
     _check_retention(s3_backend, KeepBest("loss", n=2), range(5), [1, 3, 4], name="best")
@@ -383,6 +384,7 @@ def _run_script(script: str, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_async_save_in_flight_is_committed_at_interpreter_exit(tmp_path):
     for attempt in range(2):  # the save is caught at a different point each time
         root = str(tmp_path / f"run{attempt}")
@@ -477,6 +479,7 @@ def test_restore_falls_back_over_a_corrupt_newest(fast_backend, kind):
 
 
 @pytest.mark.parametrize("kind", ["flip-shard-byte", "delete-shard", "garbage-manifest"])
+@pytest.mark.slow
 def test_restore_falls_back_over_a_corrupt_newest_on_s3(s3_backend, kind):
     _check_fallback(s3_backend, kind)
 
@@ -487,27 +490,27 @@ def _check_fallback(backend, kind):
         for s in (1, 2, 3):
             mgr.save(s, make_state(s))
     damage(backend, 3)
-    mgr = open_manager(backend, lock=False)
-    with pytest.warns(CheckpointFallbackWarning) as caught:
-        state = mgr.restore()
-    assert_state_of(state, 2)
-    messages = [str(w.message) for w in caught if w.category is CheckpointFallbackWarning]
-    assert len(messages) == 1 and "step 3" in messages[0], messages
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # an explicit step never falls back, silently or not
-        with pytest.raises(error):
-            mgr.restore(step=3)
-        assert_state_of(mgr.restore(step=2), 2)
-    # Fallback goes on past several bad ones; when none verifies, restore() raises.
-    damage(backend, 2)
-    with pytest.warns(CheckpointFallbackWarning) as caught:
-        assert_state_of(mgr.restore(), 1)
-    assert [("step 3" in str(w.message), "step 2" in str(w.message)) for w in caught] == [
-        (True, False), (False, True)]
-    damage(backend, 1)
-    with pytest.warns(CheckpointFallbackWarning), pytest.raises(CorruptCheckpointError,
-                                                                match="none of the 3"):
-        mgr.restore()
+    with open_manager(backend, lock=False) as mgr:
+        with pytest.warns(CheckpointFallbackWarning) as caught:
+            state = mgr.restore()
+        assert_state_of(state, 2)
+        messages = [str(w.message) for w in caught if w.category is CheckpointFallbackWarning]
+        assert len(messages) == 1 and "step 3" in messages[0], messages
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an explicit step never falls back, silently or not
+            with pytest.raises(error):
+                mgr.restore(step=3)
+            assert_state_of(mgr.restore(step=2), 2)
+        # Fallback goes on past several bad ones; when none verifies, restore() raises.
+        damage(backend, 2)
+        with pytest.warns(CheckpointFallbackWarning) as caught:
+            assert_state_of(mgr.restore(), 1)
+        assert [("step 3" in str(w.message), "step 2" in str(w.message)) for w in caught] == [
+            (True, False), (False, True)]
+        damage(backend, 1)
+        with pytest.warns(CheckpointFallbackWarning), pytest.raises(CorruptCheckpointError,
+                                                                    match="none of the 3"):
+            mgr.restore()
 
 
 def test_resumed_run_saves_over_the_corrupt_step_it_fell_back_past(backend):

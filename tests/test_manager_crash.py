@@ -66,8 +66,8 @@ def _ops(report: str) -> list[str]:
 def _restore_newest(root: str, options: dict | None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback: the newest listed step must verify
-        mgr = CheckpointManager(root, storage_options=options, lock=False)
-        state = mgr.restore()
+        with CheckpointManager(root, storage_options=options, lock=False) as mgr:
+            state = mgr.restore()
     assert_state_of(state, state.step)
     return state.step
 
@@ -126,11 +126,13 @@ def _kill_at_every_operation(base: str, options: dict | None, async_save: bool, 
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.slow
 def test_kill_at_every_operation_local(tmp_path, async_save):
     _kill_at_every_operation(str(tmp_path / "store"), None, async_save, tmp_path)
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.slow
 def test_kill_at_every_operation_s3(s3_backend, tmp_path, async_save):
     # The lease object of a killed writer stays (see test_manager.py); each k has its own root.
     # Async saves make the same storage calls from another thread: to save time their loop
@@ -181,11 +183,13 @@ def _kill_at_random(root: str, options: dict | None, async_save: bool, tmp_path,
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.slow
 def test_kill_at_random_delays_local(tmp_path, async_save):
     _kill_at_random(str(tmp_path / "store"), None, async_save, tmp_path, kills=50,
                     seed=1234 + async_save, max_delay=0.12)
 
 
+@pytest.mark.slow
 def test_kill_at_random_delays_s3(s3_backend, tmp_path):
     # lock=False: these kills test the commit protocol alone (a killed writer's lease is taken
     # over at once on its machine: tests/test_lease.py).  Fewer kills than on local disk (each

@@ -92,6 +92,7 @@ _RESTORE_WITHOUT_CURSOR = """
 """
 
 
+@pytest.mark.slow
 def test_a_restore_without_cursor_shows_the_warning_once_on_a_plain_console(tmp_path):
     proc = _run_script(_RESTORE_WITHOUT_CURSOR, str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
@@ -157,6 +158,7 @@ _TAKEOVER = """
 """
 
 
+@pytest.mark.slow
 def test_a_lock_takeover_shows_once_on_a_plain_console(tmp_path):
     root = str(tmp_path / "run")
     assert _run_script(_TAKEOVER, root, "crash").returncode == 0
@@ -252,6 +254,7 @@ def _dead_endpoint() -> dict:
     return dead_s3_options(read_timeout=2, key="k", secret="s")
 
 
+@pytest.mark.slow
 def test_a_backup_that_cannot_be_reached_is_an_error_at_construction(tmp_path):
     pytest.importorskip("s3fs")
     started = time.monotonic()
@@ -336,6 +339,7 @@ def test_lock_true_with_a_group_refuses_on_every_rank_at_construction(tmp_path):
     assert out == {0: [1, 2], 1: [1, 2], 2: [1, 2]}, out
 
 
+@pytest.mark.slow
 def test_lock_true_refuses_a_live_writer_of_another_process_and_takes_a_dead_ones(tmp_path):
     root = str(tmp_path / "run")
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_HOLDER), root],

@@ -121,6 +121,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.slow
 def test_sigterm_mid_epoch_saves_that_step_and_the_resumed_run_is_exact(tmp_path, reference,
                                                                           async_save):
     ref_records, ref_final = reference
@@ -139,6 +140,7 @@ def test_sigterm_mid_epoch_saves_that_step_and_the_resumed_run_is_exact(tmp_path
     _assert_bitwise_equal(_final(root, None), ref_final)
 
 
+@pytest.mark.slow
 def test_sigkill_then_sigterm_on_s3_resumes_at_once_and_exactly(s3_backend, reference):
     ref_records, ref_final = reference
     root, options = s3_backend.url("run"), s3_backend.storage_options
@@ -159,6 +161,7 @@ def test_sigkill_then_sigterm_on_s3_resumes_at_once_and_exactly(s3_backend, refe
     _assert_bitwise_equal(_final(root, options), ref_final)
 
 
+@pytest.mark.slow
 def test_a_loop_that_never_checks_still_terminates_on_sigterm(tmp_path):
     # Only a loop that asks (preempted / save_if_preempted) can save and stop; for any other,
     # SIGTERM keeps its usual effect instead of being swallowed.
@@ -252,6 +255,7 @@ FORKED = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.slow
 def test_a_forked_worker_still_ends_on_sigterm(tmp_path):
     out = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path / "run")], capture_output=True,
                          text=True, timeout=60, env=subprocess_env(HERE))

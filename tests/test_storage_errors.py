@@ -58,6 +58,7 @@ def missing_bucket(s3_storage_options):
 
 
 @pytest.mark.parametrize("op", list(READS))
+@pytest.mark.slow
 def test_reading_from_a_missing_bucket(missing_bucket, op):
     bucket, url, opts = missing_bucket
     with pytest.raises(CheckpointNotFoundError) as info:
@@ -99,6 +100,7 @@ def dead_endpoint():
 
 
 @pytest.mark.parametrize("op", list(READS) + list(WRITES))
+@pytest.mark.slow
 def test_a_dead_endpoint_is_a_storage_error(dead_endpoint, op):
     botocore = pytest.importorskip("botocore.exceptions")
     url = f"s3://some-bucket/run-{uuid.uuid4().hex[:8]}/ckpt"
@@ -111,6 +113,7 @@ def test_a_dead_endpoint_is_a_storage_error(dead_endpoint, op):
     assert isinstance(e.__cause__, botocore.BotoCoreError), repr(e.__cause__)
 
 
+@pytest.mark.slow
 def test_store_operations_on_a_dead_endpoint_each_raise_storage_error(dead_endpoint):
     botocore = pytest.importorskip("botocore.exceptions")
     store = Store("s3://some-bucket/x", dead_endpoint)
