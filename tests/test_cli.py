@@ -106,7 +106,8 @@ def test_gc_removes_leftovers_and_keeps_checkpoints(tmp_path, capsys):
     assert rc == 0 and "0 leftover(s)" in out and leftover.exists()  # too young
     rc, out, _ = _ckpt(capsys, "gc", str(root), "--grace", "0")
     assert rc == 0 and "1 leftover(s)" in out and not leftover.exists()
-    assert CheckpointManager(root, lock=False).steps() == [1]
+    with CheckpointManager(root, lock=False) as reader:
+        assert reader.steps() == [1]
 
 
 def test_gc_is_refused_while_a_run_holds_the_lock(tmp_path, capsys):

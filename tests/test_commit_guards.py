@@ -49,7 +49,8 @@ def test_a_manifest_readers_would_refuse_is_never_committed(root):
             with pytest.raises(SchemaError, match="max_manifest_bytes"):
                 mgr.save(2, _state(2, meta="x" * (80 << 10)))  # a 80 KiB metadata value
             assert mgr.steps() == [1]
-        assert CheckpointManager(url, storage_options=opts, lock=False).restore().step == 1
+        with CheckpointManager(url, storage_options=opts, lock=False) as reader:
+            assert reader.restore().step == 1
         with pytest.raises(SchemaError, match="nothing committed"):
             ckptcore.save_state(f"{url}/plain", _state(3, meta="y" * (80 << 10)),
                                 storage_options=opts)

@@ -88,7 +88,8 @@ def _check_one_winner(outcomes: list[dict], root: str, options: dict | None, *,
     assert ckptcore.verify(url, storage_options=options) == []
     assert_state_of(ckptcore.load_state(url, storage_options=options), 7)
     # The loser cleaned up after itself: no temporary folder, no stray shard.
-    assert CheckpointManager(root, storage_options=options, lock=False).steps() == [7]
+    with CheckpointManager(root, storage_options=options, lock=False) as reader:
+        assert reader.steps() == [7]
     assert leftovers(root, options) == [], results
     gc_and_check_clean(root, options)
     return loser

@@ -238,4 +238,5 @@ def test_a_rank_whose_snapshot_fails_fails_every_rank_at_once(tmp_path):
     out = run_ranks(ThreadGroup.create(3), run)
     assert time.monotonic() - t < 30
     assert all(isinstance(v, Exception) for v in out.values()), out
-    assert not ckptcore.CheckpointManager(root, lock=False, save_on_preemption=False).steps()
+    with ckptcore.CheckpointManager(root, lock=False, save_on_preemption=False) as reader:
+        assert not reader.steps()

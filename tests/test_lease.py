@@ -197,7 +197,8 @@ def test_the_heartbeat_finds_its_lease_taken_over_and_the_next_save_stops(s3_bac
         first.save(2, make_state(2))
     first.close()
     assert _lease(s3_backend)["holder"] == "elsewhere:4242:deadbeef"  # never removed another's
-    assert open_manager(s3_backend, lock=False).steps() == [1]
+    with open_manager(s3_backend, lock=False) as reader:
+        assert reader.steps() == [1]
 
 
 @pytest.mark.parametrize("lease, beat", [(10, 10), (10, 20), (0, 0), (-1, 0.5), (float("nan"), 1)])
@@ -207,7 +208,7 @@ def test_lease_and_heartbeat_periods_are_checked(tmp_path, lease, beat):
 
 
 def test_a_lease_given_alone_gets_a_heartbeat_that_fits(tmp_path):
-    mgr = CheckpointManager(str(tmp_path / "run"), lease_seconds=6)
-    assert (mgr._lock.lease_seconds, mgr._lock.heartbeat_seconds) == (6.0, 2.0)
-    mgr = CheckpointManager(str(tmp_path / "run"), lease_seconds=600)
-    assert mgr._lock.heartbeat_seconds == 10.0
+    with CheckpointManager(str(tmp_path / "run"), lease_seconds=6) as mgr:
+        assert (mgr._lock.lease_seconds, mgr._lock.heartbeat_seconds) == (6.0, 2.0)
+    with CheckpointManager(str(tmp_path / "run"), lease_seconds=600) as mgr:
+        assert mgr._lock.heartbeat_seconds == 10.0

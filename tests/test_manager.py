@@ -69,12 +69,12 @@ def test_save_restore_list_roundtrip(backend):
 
 
 def test_empty_root_has_nothing_to_restore(backend):
-    mgr = open_manager(backend, lock=False)
-    assert mgr.steps() == [] and mgr.latest_step() is None
-    with pytest.raises(CheckpointNotFoundError):
-        mgr.restore()
-    with pytest.raises(CheckpointNotFoundError):
-        mgr.restore(step=3)
+    with open_manager(backend, lock=False) as mgr:
+        assert mgr.steps() == [] and mgr.latest_step() is None
+        with pytest.raises(CheckpointNotFoundError):
+            mgr.restore()
+        with pytest.raises(CheckpointNotFoundError):
+            mgr.restore(step=3)
 
 
 def test_step_folder_names_sort_in_step_order(backend):
@@ -326,9 +326,9 @@ def test_async_background_error_surfaces(backend, surface):
         mgr.save(3, make_state(3))  # raised once; the manager goes on working
         mgr.wait()
         mgr.close()
-    reader = open_manager(backend, lock=False)
-    assert reader.steps() == ([1] if surface == "close" else [1, 3])
-    assert_state_of(reader.restore(step=1), 1)
+    with open_manager(backend, lock=False) as reader:
+        assert reader.steps() == ([1] if surface == "close" else [1, 3])
+        assert_state_of(reader.restore(step=1), 1)
     assert leftovers(*root_of(backend)) == []
 
 
@@ -344,7 +344,8 @@ def test_async_unstorable_value_is_never_silent(backend):
             mgr.wait()
     mgr.save(2, make_state(2))
     mgr.close()
-    assert open_manager(backend, lock=False).steps() == [2]
+    with open_manager(backend, lock=False) as reader:
+        assert reader.steps() == [2]
     assert leftovers(*root_of(backend)) == []
 
 
@@ -391,10 +392,10 @@ def test_async_save_in_flight_is_committed_at_interpreter_exit(tmp_path):
         proc = _run_script(_EXIT_SCRIPT, root, "good")
         assert proc.returncode == 0, proc.stderr
         assert "exiting" in proc.stdout and "failed" not in proc.stderr, proc.stderr
-        mgr = CheckpointManager(root, lock=False)
-        assert mgr.steps() == [1, 2]
-        assert ckptcore.verify(mgr.step_url(2)) == []
-        assert_state_of(mgr.restore(), 2)
+        with CheckpointManager(root, lock=False) as mgr:
+            assert mgr.steps() == [1, 2]
+            assert ckptcore.verify(mgr.step_url(2)) == []
+            assert_state_of(mgr.restore(), 2)
     # A failing background save at exit is reported, not swallowed.
     root = str(tmp_path / "bad")
     proc = _run_script(_EXIT_SCRIPT, root, "bad")
@@ -531,7 +532,8 @@ def test_resumed_run_saves_over_the_corrupt_step_it_fell_back_past(backend):
         # Only what restore() skipped is replaced; an intact step below is refused.
         with pytest.raises(ValueError, match=r"below the newest committed step 3"):
             mgr.save(2, make_state(20))
-    assert_state_of(open_manager(backend, lock=False).restore(step=2), 2)
+    with open_manager(backend, lock=False) as reader:
+        assert_state_of(reader.restore(step=2), 2)
 
 
 def _newer_format(backend, step):

@@ -149,7 +149,8 @@ def _kill_at_random(root: str, options: dict | None, async_save: bool, tmp_path,
     loaded machine's slow start-up cannot make every kill land before any save)."""
     rng = random.Random(seed)
     # the newest committed step when the run was started
-    newest = CheckpointManager(root, storage_options=options, lock=False).latest_step() or 0
+    with CheckpointManager(root, storage_options=options, lock=False) as reader:
+        newest = reader.latest_step() or 0
     interrupted = 0
     for i in range(kills):
         report = str(tmp_path / f"run-{seed}-{i}.log")
@@ -202,4 +203,5 @@ def test_kill_at_random_delays_s3(s3_backend, tmp_path):
         _kill_at_random(root, options, bool(i % 2), tmp_path, kills=1, seed=rng.randrange(1 << 30),
                         max_delay=0.6, lock=False, min_progress=1, min_interrupted=0,
                         after_commit=True)
-    assert len(CheckpointManager(root, storage_options=options, lock=False).steps()) >= 1
+    with CheckpointManager(root, storage_options=options, lock=False) as reader:
+        assert len(reader.steps()) >= 1

@@ -279,6 +279,8 @@ def test_long_lived_manager_sees_other_processes_commits_on_s3(s3_backend):
     assert writer.steps() == [1, 2]
     writer.delete(2)  # and deletions by the other process show too
     assert reader.steps() == [1]
+    writer.close()
+    reader.close()
 
 
 def test_store_exists_is_not_answered_from_a_stale_listing(s3_backend):

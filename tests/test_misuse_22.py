@@ -307,7 +307,8 @@ def test_lock_true_refuses_a_root_a_live_writer_of_this_process_holds(tmp_path, 
     lazy = CheckpointManager(root, lock="lazy", save_on_preemption=False)
     with pytest.raises(LockedError):
         lazy.save(2, tiny_state(2, n=3))
-    assert CheckpointManager(root, lock=False, save_on_preemption=False).steps() == [1]
+    with CheckpointManager(root, lock=False, save_on_preemption=False) as reader:
+        assert reader.steps() == [1]
     first.save(2, tiny_state(2, n=3))  # the holder was not disturbed by the checks
     first.close()
     lazy.close()

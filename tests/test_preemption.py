@@ -87,8 +87,9 @@ def _run(root, options, *, async_save=False, signal_at=None, sig=signal.SIGTERM,
 
 
 def _final(root, options):
-    mgr = CheckpointManager(root, storage_options=options, lock=False, save_on_preemption=False)
-    return ckptcore.load_state(mgr.step_url(mgr.latest_step()), storage_options=options)
+    with CheckpointManager(root, storage_options=options, lock=False,
+                           save_on_preemption=False) as mgr:
+        return ckptcore.load_state(mgr.step_url(mgr.latest_step()), storage_options=options)
 
 
 def _assert_bitwise_equal(a, b):
@@ -131,8 +132,8 @@ def test_sigterm_mid_epoch_saves_that_step_and_the_resumed_run_is_exact(tmp_path
     saved = records[-1]["preempted"]
     assert 15 <= saved < 24 and saved % 6, records[-1]  # mid epoch 1, not a periodic save
     assert "SIGTERM: saved step" in err
-    mgr = CheckpointManager(root, lock=False, save_on_preemption=False)
-    assert mgr.latest_step() == saved  # the step it was at: no step lost
+    with CheckpointManager(root, lock=False, save_on_preemption=False) as mgr:
+        assert mgr.latest_step() == saved  # the step it was at: no step lost
     code, resumed, err = _run(root, None, async_save=async_save)
     assert code == 0, err
     assert resumed[0] == {"resumed": saved}

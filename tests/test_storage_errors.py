@@ -26,7 +26,8 @@ from _support import dead_s3_options, tiny_state
 
 
 def _steps(url, opts):
-    return ckptcore.CheckpointManager(url, storage_options=opts, lock=False).steps()
+    with ckptcore.CheckpointManager(url, storage_options=opts, lock=False) as reader:
+        return reader.steps()
 
 
 def _manager_save(url, opts):
