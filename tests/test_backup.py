@@ -456,22 +456,24 @@ def test_with_a_group_every_rank_learns_what_replication_raised(tmp_path):
     backup = str(tmp_path / "afile" / "bk")  # under a file: every replication fails
 
     def run(g):
-        with _knobs.override(group_timeout=20):
-            mgr = CheckpointManager(str(tmp_path / "local"), group=g, backup=backup,
-                                    save_on_preemption=False)
-            mgr.save(1, finetune_state(1))
+        mgr = CheckpointManager(str(tmp_path / "local"), group=g, backup=backup,
+                                save_on_preemption=False)
+        mgr.save(1, finetune_state(1))
+        try:
+            mgr.wait()
+        except Exception as e:  # noqa: BLE001 - compared below
+            return type(e).__name__, str(e)
+        finally:
             try:
-                mgr.wait()
-            except Exception as e:  # noqa: BLE001 - compared below
-                return type(e).__name__, str(e)
-            finally:
-                try:
-                    mgr.close()
-                except Exception:  # noqa: BLE001 - rank 0 raises it again; seen above
-                    pass
-            return "returned", ""
+                mgr.close()
+            except Exception:  # noqa: BLE001 - rank 0 raises it again; seen above
+                pass
+        return "returned", ""
 
-    out = run_ranks(ckptcore.ThreadGroup.create(2), run)
+    # Knobs are the process's: overridden here, once, not in each rank's thread (two threads
+    # overriding and restoring at once could leave the override behind for later tests).
+    with _knobs.override(group_timeout=20):
+        out = run_ranks(ckptcore.ThreadGroup.create(2), run)
     assert out[0][0] == "NotADirectoryError", out
     assert out[1][0] == "GroupError" and "NotADirectoryError" in out[1][1], out
 
