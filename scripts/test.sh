@@ -47,8 +47,9 @@ workers=$(( workers < 2 ? 2 : (workers > 4 ? 4 : workers) ))
 #     --deselect tests/test_fault_schedules.py::test_fault_schedules    # just the core suite
 # The seed fixes the order of the modules and of the tests in each; which worker gets which module
 # still depends on timing, so if the failure does not come back with -n, run the same seed in one
-# process (-p no:xdist instead of -p xdist -n 2): every module then runs after the same ones as in
-# any worker.  -p randomly is explicit, so the order is random even with plugin autoloading off.
+# process (-p no:xdist instead of -p xdist -n 2): every module then runs after all the modules that
+# ran before it in its worker (tests/README.md says more).  -p randomly is explicit, so the order is
+# random even with plugin autoloading off.
 # The other suites keep their fixed order (-p no:randomly): the fault checker draws its own seeded
 # schedules, and the framework suites run their modules in one process each.
 seed=${CKPT_TEST_SEED:-$(( (RANDOM << 15 | RANDOM) % 1000000000 ))}
