@@ -35,22 +35,44 @@ suite() {
 }
 workers=$(nproc 2>/dev/null || echo 2)
 workers=$(( workers < 2 ? 2 : (workers > 4 ? 4 : workers) ))
+# Random order (pytest-randomly) for the core suite, so that a test that leaves state behind for
+# another (an environment variable, a knob, a SIGTERM handler, a manager not closed) or needs
+# another to run first shows up: the modules, and the tests in each, run in an order drawn from a
+# seed.  The seed is drawn here (CKPT_TEST_SEED=N to choose it), written in the core log's header
+# by pytest-randomly ("Using --randomly-seed=N") and again in the summary at the end (even with -q,
+# which hides the header).  To replay a failing run's order:
+#   CKPT_TEST_SEED=N scripts/test.sh              # the whole run again, the core in that order
+#   .venv/bin/python -m pytest tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter \
+#     -p randomly -p xdist -n 2 --dist loadfile --randomly-seed=N \
+#     --deselect tests/test_fault_schedules.py::test_fault_schedules    # just the core suite
+# The seed fixes the order of the modules and of the tests in each; which worker gets which module
+# still depends on timing, so if the failure does not come back with -n, run the same seed in one
+# process (-p no:xdist instead of -p xdist -n 2): every module then runs after all the modules that
+# ran before it in its worker (tests/README.md says more).  -p randomly is explicit, so the order is
+# random even with plugin autoloading off.
+# The other suites keep their fixed order (-p no:randomly): the fault checker draws its own seeded
+# schedules, and the framework suites run their modules in one process each.
+seed=${CKPT_TEST_SEED:-$(( (RANDOM << 15 | RANDOM) % 1000000000 ))}
+fixed=(-p no:randomly)
 # The core suite in 2-4 worker processes (pytest-xdist), a test module per worker at a time: much
 # of it waits on subprocesses and the local servers, so two workers on two cores halve its time.
-# Each worker starts its own servers (session fixtures).
-suite core tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter -n "$workers" \
-  --dist loadfile --deselect tests/test_fault_schedules.py::test_fault_schedules "${@}"
+# Each worker starts its own servers (session fixtures).  It runs every test, the slow ones too
+# (a developer's quick run deselects them with -m "not slow": see tests/README.md).
+suite core tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter -p randomly -p xdist \
+  -n "$workers" --dist loadfile --randomly-seed="$seed" \
+  --deselect tests/test_fault_schedules.py::test_fault_schedules "${@}"
 # The fault-schedule checker (10,000 seeded schedules, tests/_faults.py) in a run of its own: it
 # spreads them over a process per core itself, and its time is part of what it promises.
-suite faults tests/test_fault_schedules.py::test_fault_schedules -s "${@}"
+suite faults tests/test_fault_schedules.py::test_fault_schedules -s "${fixed[@]}" "${@}"
 # Docstring examples of the core and the framework-free NumPy adapter, in a run of their own:
 # --doctest-modules over tests/ would import the framework test helpers (Keras and Paddle in one
 # process).  ckptcore/testing.py is the conformance suite that adapters' tests subclass, not docs.
-suite doctests ckptcore adapters/ckptcore_numpy --doctest-modules --ignore=ckptcore/testing.py "${@}"
+suite doctests ckptcore adapters/ckptcore_numpy --doctest-modules --ignore=ckptcore/testing.py \
+  "${fixed[@]}" "${@}"
 # The two frameworks' suites run at the same time, each in its own process (their tests wait on
 # subprocesses and servers much of the time), their lines prefixed with the suite's name.
 for fw in paddle keras; do
-  [ -d "tests/${fw}_adapter" ] && PREFIX=1 suite "$fw" "tests/${fw}_adapter" "$@" &
+  [ -d "tests/${fw}_adapter" ] && PREFIX=1 suite "$fw" "tests/${fw}_adapter" "${fixed[@]}" "$@" &
 done
 wait
 
@@ -69,5 +91,9 @@ for name in core faults doctests paddle keras; do
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; fi
 done
 [ -f "$logs/faults.log" ] && grep -h "^FAULT SCHEDULES" "$logs/faults.log" || true
+# The core suite's order, from its log (the header line pytest-randomly wrote), and how to replay it.
+order=$(grep -h -m 1 -o 'Using --randomly-seed=[0-9]*' "$logs/core.log" 2>/dev/null \
+        || echo "Using --randomly-seed=$seed")
+echo "core order: $order (replay: CKPT_TEST_SEED=${order##*=} scripts/test.sh)"
 echo "total: $passed passed, $failed failed"
 exit $status

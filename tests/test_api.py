@@ -448,6 +448,7 @@ def test_manifest_checksum_mismatch(backend):
     _assert_typed(backend.url("c"), backend.storage_options, CorruptCheckpointError, match="checksum")
 
 
+@pytest.mark.slow
 def test_truncated_manifest_every_offset(local_backend):
     _, raw = _good(local_backend)
     for n in range(len(raw)):

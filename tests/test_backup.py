@@ -19,24 +19,8 @@ from ckptcore._replica import list_blobs
 from ckptcore._storage import Store
 from ckptcore.cli import main as ckpt
 from _proxy import CuttingProxy
+from _support import finetune_state, frozen_backbone, same_finetune
 
-FROZEN = np.random.default_rng(0).standard_normal(450_000).astype(np.float32)  # 1.8 MB
-
-
-def _state(step: int, *, tuned: int = 50_000) -> TrainingState:
-    """A fine-tuning state: 90% of the parameter bytes frozen (the backbone), the head changing
-    every step, trained with plain SGD (no slots: an optimizer's slots of the trainable part
-    change every step too, and are uploaded every step)."""
-    head = np.random.default_rng(step).standard_normal(tuned).astype(np.float32)
-    return TrainingState(model={"backbone": FROZEN, "head": head},
-                         optimizer=ckptcore.OptimizerState("sgd", step=step,
-                                                           hyperparams={"lr": 0.01}),
-                         data={"epoch": 0, "position": step}, step=step)
-
-
-def _same(a: TrainingState, b: TrainingState) -> bool:
-    return (a.step == b.step and a.data == b.data and a.optimizer.step == b.optimizer.step
-            and all(a.model[k].tobytes() == b.model[k].tobytes() for k in b.model))
 
 
 def _bytes_in(store_url: str, opts: dict) -> int:
@@ -53,13 +37,13 @@ def test_every_step_is_replicated_with_its_own_retention(tiers):
     local, backup, opts = tiers
     with CheckpointManager(local, keep=2, backup=ckptcore.Backup(backup, keep=KeepLast(3), storage_options=opts)) as mgr:
         for step in range(1, 7):
-            mgr.save(step, _state(step))
+            mgr.save(step, finetune_state(step))
         mgr.wait()
         assert mgr.steps() == [5, 6]
         assert mgr.backup.steps() == [4, 5, 6]
     for step in (4, 5, 6):
         url = f"{backup}/step-{step:012d}"
-        assert _same(ckptcore.load_state(url, storage_options=opts), _state(step))
+        assert same_finetune(ckptcore.load_state(url, storage_options=opts), finetune_state(step))
         assert not ckptcore.verify(url, storage_options=opts)  # every chunk it refers to
 
 
@@ -67,12 +51,12 @@ def test_unchanged_tensors_are_not_uploaded_again(tiers):
     """90% of the parameter bytes frozen: each replicated step after the first adds at most 15%
     of the state's bytes to the store (measured by listing the store)."""
     local, backup, opts = tiers
-    state_bytes = FROZEN.nbytes + _state(1).model["head"].nbytes
+    state_bytes = frozen_backbone().nbytes + finetune_state(1).model["head"].nbytes
     grown = []
     with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in range(1, 5):
             before = _bytes_in(backup, opts) if step > 1 else 0
-            mgr.save(step, _state(step))
+            mgr.save(step, finetune_state(step))
             mgr.wait()
             grown.append(_bytes_in(backup, opts) - before)
     assert grown[0] >= state_bytes  # the first replica uploads everything
@@ -80,6 +64,7 @@ def test_unchanged_tensors_are_not_uploaded_again(tiers):
         assert g <= 0.15 * state_bytes, (grown, state_bytes)
 
 
+@pytest.mark.slow
 def test_save_does_not_wait_for_the_bucket_and_wait_raises_its_errors(tmp_path, s3_backend):
     # A bucket that does not exist: every replication fails; saves go on locally.
     opts = s3_backend.storage_options
@@ -87,7 +72,7 @@ def test_save_does_not_wait_for_the_bucket_and_wait_raises_its_errors(tmp_path, 
         with CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup("s3://no-such-bucket-here/run",
                                storage_options=opts)) as mgr:
             for step in (1, 2):
-                mgr.save(step, _state(step))
+                mgr.save(step, finetune_state(step))
             assert mgr.steps() == [1, 2]
             mgr.wait()
     # the local steps were kept (no replica committed), and the next start retries them
@@ -105,12 +90,12 @@ def test_local_retention_keeps_steps_until_their_replica_is_committed(tiers, cap
     mgr.backup._replicate = lambda step: (gate.wait(30), original(step))  # a stalled bucket
     with caplog.at_level(logging.INFO, logger="ckptcore"):
         for step in (1, 2, 3):
-            mgr.save(step, _state(step))
+            mgr.save(step, finetune_state(step))
         assert mgr.steps() == [1, 2, 3]  # none replicated yet: none deleted
         assert "until its replica" in caplog.text
         gate.set()
         mgr.wait()
-        mgr.save(4, _state(4))
+        mgr.save(4, finetune_state(4))
         assert mgr.steps() == [4]
     mgr.close()
     assert mgr.backup.steps() == [1, 2, 3, 4]
@@ -120,7 +105,7 @@ def test_restore_prefers_local_falls_back_to_the_replica_then_older(tiers):
     local, backup, opts = tiers
     with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in (1, 2):
-            mgr.save(step, _state(step))
+            mgr.save(step, finetune_state(step))
     # damage local step 2: its replica, not step 1, is restored
     shard = next((__import__("pathlib").Path(local) / "step-000000000002").glob("shard-*"))
     data = bytearray(shard.read_bytes())
@@ -129,23 +114,23 @@ def test_restore_prefers_local_falls_back_to_the_replica_then_older(tiers):
     with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         with pytest.warns(ckptcore.CheckpointFallbackWarning, match="its replica"):
             state = mgr.restore()
-    assert _same(state, _state(2))
+    assert same_finetune(state, finetune_state(2))
 
 
 def test_a_fresh_machine_restores_from_the_bucket_and_seeds_the_local_tier(tiers):
     local, backup, opts = tiers
     with CheckpointManager(local, keep=1, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in (1, 2, 3):
-            mgr.save(step, _state(step))
+            mgr.save(step, finetune_state(step))
     shutil.rmtree(local)
     with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         state = mgr.restore(seed=True)
-        assert _same(state, _state(3))
+        assert same_finetune(state, finetune_state(3))
         assert mgr.steps() == [3]  # seeded
-        mgr.save(4, _state(4))  # the run goes on from the local tier
+        mgr.save(4, finetune_state(4))  # the run goes on from the local tier
         mgr.wait()
         assert mgr.backup.steps() == [1, 2, 3, 4]
-    assert _same(ckptcore.load_state(f"{local}/step-000000000003"), _state(3))
+    assert same_finetune(ckptcore.load_state(f"{local}/step-000000000003"), finetune_state(3))
 
 
 def test_retention_and_sweep_never_remove_a_chunk_a_committed_replica_names(tiers):
@@ -153,13 +138,13 @@ def test_retention_and_sweep_never_remove_a_chunk_a_committed_replica_names(tier
     with _knobs.override(gc_grace=0):
         with CheckpointManager(local, backup=ckptcore.Backup(backup, keep=KeepLast(1), storage_options=opts)) as mgr:
             for step in range(1, 5):
-                mgr.save(step, _state(step))
+                mgr.save(step, finetune_state(step))
             mgr.wait()
             assert mgr.backup.steps() == [4]
         root = Store(backup, opts)
         # the frozen backbone is shared by every step: still there; old heads are gone
         state = ckptcore.load_state(f"{backup}/step-000000000004", storage_options=opts)
-        assert _same(state, _state(4))
+        assert same_finetune(state, finetune_state(4))
         referenced = {s for s in ckptcore.inspect(f"{backup}/step-000000000004",
                                                   storage_options=opts).shards}
         assert set(list_blobs(root)) == referenced
@@ -173,7 +158,7 @@ def test_retention_and_sweep_never_remove_a_chunk_a_committed_replica_names(tier
 def test_a_damaged_chunk_is_found_by_verify_and_the_local_copy_wins(tiers, capsys):
     local, backup, opts = tiers
     with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, finetune_state(1))
     root = Store(backup, opts)
     name = max(list_blobs(root).items(), key=lambda kv: kv[1][0])[0]  # the backbone's chunk
     rel = f"chunks/{name[4:6]}/{name[4:]}"
@@ -199,7 +184,7 @@ def test_ckpt_sync_between_stores_is_incremental_and_resumable(tmp_path, cloud_b
     src = str(tmp_path / "src")
     with CheckpointManager(src) as mgr:
         for step in (1, 2, 3):
-            mgr.save(step, _state(step))
+            mgr.save(step, finetune_state(step))
     dst, opts = cloud_backend.url("synced"), cloud_backend.storage_options
     o = sum((["-o", f"{k}={v}"] for k, v in _flat(opts).items()), [])
     assert ckpt(["sync", src, dst, "--dry-run", *o]) == 0
@@ -210,16 +195,16 @@ def test_ckpt_sync_between_stores_is_incremental_and_resumable(tmp_path, cloud_b
     report = sync(src, dst, storage_options=opts, keep=None)
     assert report.copied == [1, 2, 3]
     with CheckpointManager(src) as mgr:
-        mgr.save(4, _state(4))
+        mgr.save(4, finetune_state(4))
     assert ckpt(["sync", src, dst, "-q", "--keep-last", "2", *o]) == 0
     out = capsys.readouterr().out
     assert "copied step 4" in out and "3 already there" in out and "deleted step 1" in out
     assert [c.step for c in ckptcore.list_checkpoints(dst, storage_options=opts)] == [3, 4]
-    assert _same(ckptcore.load_state(f"{dst}/step-000000000004", storage_options=opts), _state(4))
+    assert same_finetune(ckptcore.load_state(f"{dst}/step-000000000004", storage_options=opts), finetune_state(4))
     # and back out to a plain local copy
     back = str(tmp_path / "back")
     assert ckpt(["sync", dst, back, "--plain", "-q", *o]) == 0
-    assert _same(ckptcore.load_state(f"{back}/step-000000000004"), _state(4))
+    assert same_finetune(ckptcore.load_state(f"{back}/step-000000000004"), finetune_state(4))
     assert not any((tmp_path / "back").glob("chunks"))
 
 
@@ -227,7 +212,7 @@ def test_ckpt_ls_shows_the_tiers(tiers, capsys):
     local, backup, opts = tiers
     with CheckpointManager(local, keep=1, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in (1, 2):
-            mgr.save(step, _state(step))
+            mgr.save(step, finetune_state(step))
     o = sum((["-o", f"{k}={v}"] for k, v in _flat(opts).items()), [])
     assert ckpt(["ls", local, "--backup", backup, *o]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -256,7 +241,7 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
 def test_ckpt_gc_of_a_backup_root_sweeps_unreferenced_chunks(tiers, capsys):
     local, backup, opts = tiers
     with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, finetune_state(1))
     root = Store(backup, opts)
     orphan = "chunks/cd/" + "cd" * 32  # an upload whose replica was never committed
     root.write_bytes(orphan, b"orphan")
@@ -265,9 +250,10 @@ def test_ckpt_gc_of_a_backup_root_sweeps_unreferenced_chunks(tiers, capsys):
     removed = ckptcore.gc(backup, grace=0, storage_options=opts)
     assert [u.rsplit("/", 1)[-1] for u in removed] == ["cd" * 32]
     assert set(list_blobs(root)) == before - {"cas:" + "cd" * 32}
-    assert _same(ckptcore.load_state(f"{backup}/step-000000000001", storage_options=opts), _state(1))
+    assert same_finetune(ckptcore.load_state(f"{backup}/step-000000000001", storage_options=opts), finetune_state(1))
 
 
+@pytest.mark.slow
 def test_many_small_frozen_tensors_are_not_uploaded_again(tmp_path, s3_backend):
     """A model of hundreds of small tensors (a frozen backbone's norms and biases) fills packs
     that do not change from step to step."""
@@ -310,17 +296,18 @@ def _outage_after_step_1(tmp_path, outage, **knobs):
     with _knobs.override(**knobs):
         with CheckpointManager(str(tmp_path / "local"), keep=1, backup=ckptcore.Backup(url,
                                storage_options=opts)) as mgr:
-            mgr.save(1, _state(1))
+            mgr.save(1, finetune_state(1))
             mgr.wait()
             proxy.down = True
             yield mgr
 
 
+@pytest.mark.slow
 def test_a_short_bucket_outage_is_ridden_out_by_retries(tmp_path, outage, caplog):
     proxy, url, opts = outage
     caplog.set_level(logging.INFO, logger="ckptcore")
     with _outage_after_step_1(tmp_path, outage, backup_retry_seconds=0.3, backup_retries=4) as mgr:
-        mgr.save(2, _state(2))
+        mgr.save(2, finetune_state(2))
         deadline = time.monotonic() + 60
         while "trying again" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -329,23 +316,24 @@ def test_a_short_bucket_outage_is_ridden_out_by_retries(tmp_path, outage, caplog
         mgr.wait()  # a later try went through: nothing to raise
         assert mgr.backup.steps() == [1, 2] and mgr.steps() == [2]
     assert proxy.refused > 0
-    assert _same(ckptcore.load_state(f"{url}/{ckptcore.layout.step_name(2)}",
-                                     storage_options=opts), _state(2))
+    assert same_finetune(ckptcore.load_state(f"{url}/{ckptcore.layout.step_name(2)}",
+                                     storage_options=opts), finetune_state(2))
 
 
+@pytest.mark.slow
 def test_steps_given_up_in_a_long_outage_go_up_once_the_bucket_answers(tmp_path, outage, caplog):
     proxy, url, opts = outage
     caplog.set_level(logging.INFO, logger="ckptcore")
     with _outage_after_step_1(tmp_path, outage, backup_retry_seconds=0.05, backup_retries=1) as mgr:
-        mgr.save(2, _state(2))
-        mgr.save(3, _state(3))
+        mgr.save(2, finetune_state(2))
+        mgr.save(3, finetune_state(3))
         with pytest.raises(ckptcore.StorageError):
             mgr.wait()  # every try failed: the outage is reported
         assert "giving up on step 2" in caplog.text
         assert caplog.text.count("trying again") == 1  # step 3: once, the bucket being down
         assert mgr.steps() == [2, 3]  # unreplicated local steps kept (keep=1)
         proxy.down = False
-        mgr.save(4, _state(4))
+        mgr.save(4, finetune_state(4))
         mgr.wait()  # step 4 went up, then the steps given up on: no error left
         assert mgr.backup.steps() == [1, 2, 3, 4]
         assert mgr.steps() == [4]
@@ -393,6 +381,7 @@ def test_what_is_worth_retrying():
 
 
 
+@pytest.mark.slow
 def test_a_group_replicates_once_and_every_rank_restores_from_the_best_tier(tmp_path, s3_backend,
                                                                             caplog):
     """2 ranks save a sharded state with a backup: rank 0 replicates each step once; 3 ranks
@@ -460,10 +449,10 @@ def test_a_bad_retry_knob_is_an_error_from_wait_and_the_tier_goes_on(tmp_path, m
     monkeypatch.delenv("CKPTCORE_BACKUP_RETRIES")
     with CheckpointManager(str(tmp_path / "local"), backup=str(tmp_path / "bk")) as mgr:
         with _knobs.override(backup_retries=-1):
-            mgr.save(1, _state(1))
+            mgr.save(1, finetune_state(1))
             with pytest.raises(ValueError, match="backup_retries=-1"):
                 mgr.wait()
-        mgr.save(2, _state(2))  # the replicating thread survived it
+        mgr.save(2, finetune_state(2))  # the replicating thread survived it
         mgr.wait()
         assert mgr.backup.steps() == [2]
 
@@ -475,22 +464,24 @@ def test_with_a_group_every_rank_learns_what_replication_raised(tmp_path):
     backup = str(tmp_path / "afile" / "bk")  # under a file: every replication fails
 
     def run(g):
-        with _knobs.override(group_timeout=20):
-            mgr = CheckpointManager(str(tmp_path / "local"), group=g, backup=backup,
-                                    save_on_preemption=False)
-            mgr.save(1, _state(1))
+        mgr = CheckpointManager(str(tmp_path / "local"), group=g, backup=backup,
+                                save_on_preemption=False)
+        mgr.save(1, finetune_state(1))
+        try:
+            mgr.wait()
+        except Exception as e:  # noqa: BLE001 - compared below
+            return type(e).__name__, str(e)
+        finally:
             try:
-                mgr.wait()
-            except Exception as e:  # noqa: BLE001 - compared below
-                return type(e).__name__, str(e)
-            finally:
-                try:
-                    mgr.close()
-                except Exception:  # noqa: BLE001 - rank 0 raises it again; seen above
-                    pass
-            return "returned", ""
+                mgr.close()
+            except Exception:  # noqa: BLE001 - rank 0 raises it again; seen above
+                pass
+        return "returned", ""
 
-    out = run_ranks(ckptcore.ThreadGroup.create(2), run)
+    # Knobs are the process's: overridden here, once, not in each rank's thread (two threads
+    # overriding and restoring at once could leave the override behind for later tests).
+    with _knobs.override(group_timeout=20):
+        out = run_ranks(ckptcore.ThreadGroup.create(2), run)
     assert out[0][0] == "NotADirectoryError", out
     assert out[1][0] == "GroupError" and "NotADirectoryError" in out[1][1], out
 
@@ -499,27 +490,28 @@ def test_a_step_saved_again_replaces_its_stale_replica(tiers, caplog):
     local, backup, opts = tiers
     caplog.set_level(logging.INFO, logger="ckptcore")
     with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
-        mgr.save(1, _state(1))
-        mgr.save(2, _state(2))
+        mgr.save(1, finetune_state(1))
+        mgr.save(2, finetune_state(2))
         mgr.wait()
-        mgr.save(2, _state(7))  # this manager's own step, saved again: replaced atomically
+        mgr.save(2, finetune_state(7))  # this manager's own step, saved again: replaced atomically
         mgr.wait()
     assert "replacing the replica of step 2" in caplog.text
     got = ckptcore.load_state(f"{backup}/{ckptcore.layout.step_name(2)}", storage_options=opts)
-    assert _same(got, _state(7))
+    assert same_finetune(got, finetune_state(7))
 
 
+@pytest.mark.slow
 def test_restore_with_the_bucket_down_uses_the_local_tier(tmp_path, outage, caplog):
     proxy, url, opts = outage
     with CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup(url, storage_options=opts)) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, finetune_state(1))
         mgr.wait()
     proxy.down = True
     caplog.set_level(logging.WARNING, logger="ckptcore")
     with _knobs.override(backup_retries=0):
         mgr = CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup(url, storage_options=opts))
         try:
-            assert _same(mgr.restore(), _state(1))
+            assert same_finetune(mgr.restore(), finetune_state(1))
             assert "cannot be listed" in caplog.text
         finally:
             try:
@@ -528,15 +520,16 @@ def test_restore_with_the_bucket_down_uses_the_local_tier(tmp_path, outage, capl
                 pass  # the listing at the start failed: raised by close(), as by wait()
 
 
+@pytest.mark.slow
 def test_close_with_the_bucket_down_tries_each_step_once_more_at_most(tmp_path, outage, caplog):
     proxy, url, opts = outage
     caplog.set_level(logging.INFO, logger="ckptcore")
     with _knobs.override(backup_retries=4, backup_retry_seconds=30.0):
         mgr = CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup(url, storage_options=opts))
-        mgr.save(1, _state(1))
+        mgr.save(1, finetune_state(1))
         mgr.wait()
         proxy.down = True
-        mgr.save(2, _state(2))
+        mgr.save(2, finetune_state(2))
         deadline = time.monotonic() + 60
         while "trying again in 30 s (try 2 of 5)" not in caplog.text:
             assert time.monotonic() < deadline, caplog.text[-2000:]

@@ -9,30 +9,17 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 
 import ckptcore
-from ckptcore import CheckpointManager, TrainingState
+from ckptcore import CheckpointManager
 from ckptcore._replica import content_name, copy_checkpoint, list_blob_objects
 from ckptcore._storage import Store
 from ckptcore._sync import sync
 from ckptcore.api import read_manifest
 from ckptcore.cli import main as ckpt
+from _support import finetune_state, frozen_backbone, same_finetune, store_params
 
-FROZEN = np.random.default_rng(0).standard_normal(450_000).astype(np.float32)  # 1.8 MB, a chunk
-
-
-def _state(step: int) -> TrainingState:
-    head = np.random.default_rng(step).standard_normal(50_000).astype(np.float32)  # packed
-    return TrainingState(model={"backbone": FROZEN, "head": head},
-                         optimizer=ckptcore.OptimizerState("sgd", step=step,
-                                                           hyperparams={"lr": 0.01}),
-                         data={"epoch": 0, "position": step}, step=step)
-
-
-def _same(a: TrainingState, b: TrainingState) -> bool:
-    return a.step == b.step and all(a.model[k].tobytes() == b.model[k].tobytes() for k in b.model)
 
 
 def _flat(opts: dict, prefix: str = "") -> dict:
@@ -46,7 +33,7 @@ def _o(opts: dict) -> list[str]:
     return sum((["-o", f"{k}={v}"] for k, v in _flat(opts).items()), [])
 
 
-@pytest.fixture(params=("local", "memory", "s3"))
+@pytest.fixture(params=store_params("local", "memory", "s3"))
 def store(request):
     """Local disk, memory:// and the real S3 server (moto)."""
     return request.getfixturevalue(f"{request.param}_backend")
@@ -82,19 +69,19 @@ def test_a_damaged_chunk_is_not_reused_but_uploaded_again(tmp_path, store, how, 
     backup, opts = store.url("backup"), store.storage_options
     with CheckpointManager(str(tmp_path / "local"), keep=1, backup=ckptcore.Backup(backup,
                            storage_options=opts)) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, finetune_state(1))
         mgr.wait()
         name = _backbone(Store(backup, opts))
         _damage(store, "backup", name, how)
         with caplog.at_level(logging.WARNING, logger="ckptcore"):
-            mgr.save(2, _state(2))
+            mgr.save(2, finetune_state(2))
             mgr.wait()
         assert name in caplog.text and "uploading it again" in caplog.text
         assert mgr.backup.last.healed == [name]
     for step in (1, 2):  # the re-upload healed step 1's replica as well
         url = f"{backup}/step-{step:012d}"
         assert _intact(url, opts)
-        assert _same(ckptcore.load_state(url, storage_options=opts), _state(step))
+        assert same_finetune(ckptcore.load_state(url, storage_options=opts), finetune_state(step))
 
 
 def test_the_first_reuse_in_a_process_is_verified_and_what_it_costs(tmp_path, store, caplog):
@@ -104,16 +91,16 @@ def test_the_first_reuse_in_a_process_is_verified_and_what_it_costs(tmp_path, st
     backup, opts = store.url("backup"), store.storage_options
     with CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup(backup,
                            storage_options=opts)) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, finetune_state(1))
     name = _backbone(Store(backup, opts))
     _damage(store, "backup", name, "flip")
     with CheckpointManager(str(tmp_path / "local"), backup=ckptcore.Backup(backup,
                            storage_options=opts)) as mgr:
         with caplog.at_level(logging.WARNING, logger="ckptcore"):
-            mgr.save(2, _state(2))
+            mgr.save(2, finetune_state(2))
             mgr.wait()
         assert mgr.backup.last.healed == [name] and name in caplog.text
-        mgr.save(3, _state(3))
+        mgr.save(3, finetune_state(3))
         mgr.wait()
         third = mgr.backup.last
         assert third.healed == [] and third.reused >= 1
@@ -130,7 +117,7 @@ def test_the_first_reuse_in_a_process_is_verified_and_what_it_costs(tmp_path, st
     if store.name == "s3":
         assert stats.read_back == 0 and stats.checked >= 2
     else:
-        assert stats.read_back >= FROZEN.nbytes and stats.checked == 0
+        assert stats.read_back >= frozen_backbone().nbytes and stats.checked == 0
 
 
 @pytest.mark.parametrize("cloud", ("gcs", "azure"))
@@ -139,7 +126,7 @@ def test_gcs_and_azure_verify_reuse_by_their_md5(tmp_path, cloud, request):
     backup, opts = b.url("backup"), b.storage_options
     src = str(tmp_path / "local")
     with CheckpointManager(src) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, finetune_state(1))
     sync(src, backup, dst_storage_options=opts)
     name = _backbone(Store(backup, opts))
     _damage(b, "backup", name, "flip")
@@ -166,14 +153,14 @@ def test_a_replica_that_does_not_verify_is_not_replicated_and_the_local_copy_sta
     mgr = CheckpointManager(str(tmp_path / "local"), keep=1, backup=ckptcore.Backup(backup,
                             storage_options=opts))
     with caplog.at_level(logging.WARNING, logger="ckptcore"):
-        mgr.save(1, _state(1))
+        mgr.save(1, finetune_state(1))
         with pytest.raises((ckptcore.CorruptCheckpointError,
                             ckptcore.IncompleteCheckpointError)) as e:
             mgr.wait()
     assert "cas:" in str(e.value) and "uncommitting" in caplog.text
     assert not mgr.backup.replicated(1) and mgr.backup.steps() == []
     monkeypatch.setattr(_replica, "write_objects", real)
-    mgr.save(2, _state(2))
+    mgr.save(2, finetune_state(2))
     mgr.wait()
     assert mgr.backup.last.healed  # the damaged chunk left behind is found and replaced
     assert 1 in mgr.steps() and 2 in mgr.steps()  # step 1 has no replica: kept locally
@@ -186,13 +173,13 @@ def test_ckpt_sync_heals_the_destination_or_exits_non_zero(tmp_path, store, caps
     src = str(tmp_path / "src")
     dst, opts = store.url("dst"), store.storage_options
     with CheckpointManager(src) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, finetune_state(1))
     assert ckpt(["sync", src, dst, "-q", *_o(opts)]) == 0
     name = _backbone(Store(dst, opts))
     _damage(store, "dst", name, "flip")
     with CheckpointManager(src) as mgr:
         for step in (2, 3):
-            mgr.save(step, _state(step))
+            mgr.save(step, finetune_state(step))
     capsys.readouterr()
     assert ckpt(["sync", src, dst, "-q", *_o(opts)]) == 0
     assert "2 step(s) copied" in capsys.readouterr().out
@@ -222,7 +209,7 @@ def _backup_with_three_steps(tmp_path, b):
     local, backup, opts = str(tmp_path / "local"), b.url("backup"), b.storage_options
     with CheckpointManager(local, backup=ckptcore.Backup(backup, storage_options=opts)) as mgr:
         for step in (1, 2, 3):
-            mgr.save(step, _state(step))
+            mgr.save(step, finetune_state(step))
     root = Store(backup, opts)
     packs = {s: ({x.path for x in read_manifest(root.child(f"step-{s:012d}")).shards}
                  - {_backbone(root)}).pop() for s in (1, 2, 3)}
@@ -233,7 +220,7 @@ def test_scrub_finds_damage_and_repairs_it_from_the_local_root(tmp_path, store, 
     local, backup, opts, backbone, packs = _backup_with_three_steps(tmp_path, store)
     clean = ckptcore.scrub(backup, storage_options=opts)
     assert clean.ok and clean.deduplicated and clean.steps == (1, 2, 3) and clean.blobs == 4
-    assert clean.bytes_read >= FROZEN.nbytes and not clean.damaged
+    assert clean.bytes_read >= frozen_backbone().nbytes and not clean.damaged
     _damage(store, "backup", backbone, "flip")      # named by every step
     _damage(store, "backup", packs[2], "delete")    # a pack: several tensors, zero padding
     _damage(store, "backup", packs[3], "swap")
@@ -256,7 +243,7 @@ def test_scrub_finds_damage_and_repairs_it_from_the_local_root(tmp_path, store, 
     for step in (1, 2, 3):
         url = f"{backup}/step-{step:012d}"
         assert _intact(url, opts)
-        assert _same(ckptcore.load_state(url, storage_options=opts), _state(step))
+        assert same_finetune(ckptcore.load_state(url, storage_options=opts), finetune_state(step))
     assert ckptcore.scrub(backup, storage_options=opts).damaged == (orphan,)
 
 
@@ -267,7 +254,7 @@ def test_scrub_repairs_from_another_backup_root_and_never_from_another_checkpoin
     sync(backup, mirror, storage_options=opts, dst_storage_options={})
     other = str(tmp_path / "other")  # another run's step 2: the same step, another checkpoint
     with CheckpointManager(other) as mgr:
-        mgr.save(2, _state(2))
+        mgr.save(2, finetune_state(2))
     _damage(store, "backup", packs[2], "flip")
     report = ckptcore.scrub(backup, storage_options=opts, repair_from=[other],
                             repair_storage_options={})
@@ -282,7 +269,7 @@ def test_verify_deep_of_a_plain_root_verifies_every_step(tmp_path, capsys):
     root = str(tmp_path / "run")
     with CheckpointManager(root) as mgr:
         for step in (1, 2):
-            mgr.save(step, _state(step))
+            mgr.save(step, finetune_state(step))
     assert ckpt(["verify", "--deep", root]) == 0
     assert "2 step(s) verified" in capsys.readouterr().out
     shard = next((tmp_path / "run" / "step-000000000001").glob("shard-*"))

@@ -15,7 +15,7 @@ import ckptcore
 from ckptcore import CheckpointManager, _cli_read, cli
 from ckptcore._version import __version__
 from ckptcore.adapter import FileFormat
-from manager_support import make_state
+from _support import make_state
 
 
 def _ckpt(capsys, *argv: str) -> tuple[int, str, str]:

@@ -22,6 +22,7 @@ import pytest
 import ckptcore
 from ckptcore import CheckpointManager, FencedError, SchemaError, TrainingState, _knobs, _storage
 from ckptcore import LockTakeoverWarning
+from _support import store_params
 
 
 def _state(step: int, meta: str = "") -> TrainingState:
@@ -30,7 +31,7 @@ def _state(step: int, meta: str = "") -> TrainingState:
                          metadata={"note": meta} if meta else {}, step=step)
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=store_params("local", "memory", "s3"))
 def root(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "run"), {}
@@ -48,7 +49,8 @@ def test_a_manifest_readers_would_refuse_is_never_committed(root):
             with pytest.raises(SchemaError, match="max_manifest_bytes"):
                 mgr.save(2, _state(2, meta="x" * (80 << 10)))  # a 80 KiB metadata value
             assert mgr.steps() == [1]
-        assert CheckpointManager(url, storage_options=opts, lock=False).restore().step == 1
+        with CheckpointManager(url, storage_options=opts, lock=False) as reader:
+            assert reader.restore().step == 1
         with pytest.raises(SchemaError, match="nothing committed"):
             ckptcore.save_state(f"{url}/plain", _state(3, meta="y" * (80 << 10)),
                                 storage_options=opts)
@@ -86,6 +88,7 @@ def test_retention_keeps_older_steps_while_the_newest_fails_structural_checks(ro
 
 
 @pytest.mark.parametrize("where", ["memory", "s3"])
+@pytest.mark.slow
 def test_gc_taking_a_lapsed_backup_over_mid_replication_loses_nothing(tmp_path, request, where):
     if where == "s3":
         backend = request.getfixturevalue("s3_backend")
@@ -127,10 +130,12 @@ def test_gc_taking_a_lapsed_backup_over_mid_replication_loses_nothing(tmp_path, 
         except ckptcore.CheckpointError:
             pass
     assert paused.is_set() and swept  # the new chunks of step 2 were swept
-    reader = CheckpointManager(backup, storage_options=opts, lock=False)
-    for step in reader.steps():  # no listed replica names a missing chunk
-        assert not ckptcore.verify(reader.step_url(step), storage_options=opts), step
-    assert 2 not in reader.steps() or not ckptcore.verify(reader.step_url(2), storage_options=opts)
+    with CheckpointManager(backup, storage_options=opts, lock=False) as reader:
+        for step in reader.steps():  # no listed replica names a missing chunk
+            assert not ckptcore.verify(reader.step_url(step), storage_options=opts), step
+        assert 2 not in reader.steps() or not ckptcore.verify(reader.step_url(2),
+                                                              storage_options=opts)
     # step 2 is not lost: the local tier kept it (its replica never verified as committed)
-    assert CheckpointManager(local, lock=False).steps()[-1] == 2
-    assert CheckpointManager(local, lock=False).restore().step == 2
+    with CheckpointManager(local, lock=False) as reader:
+        assert reader.steps()[-1] == 2
+        assert reader.restore().step == 2

@@ -22,8 +22,8 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager
-from manager_support import (assert_state_of, gc_and_check_clean, leftovers, mp, race_child,
-                             step_url)
+from manager_support import gc_and_check_clean, leftovers, mp, race_child, step_url
+from _support import assert_state_of, store_params
 
 ROUNDS = {"local": 3, "s3": 2}
 
@@ -41,7 +41,7 @@ def atomic_s3_puts(monkeypatch):
     monkeypatch.setattr(S3Response, "put_object", serialised)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=store_params("local", "s3"))
 def where(request, tmp_path):
     """(base URL, storage options, rounds) of one backend."""
     if request.param == "local":
@@ -88,7 +88,8 @@ def _check_one_winner(outcomes: list[dict], root: str, options: dict | None, *,
     assert ckptcore.verify(url, storage_options=options) == []
     assert_state_of(ckptcore.load_state(url, storage_options=options), 7)
     # The loser cleaned up after itself: no temporary folder, no stray shard.
-    assert CheckpointManager(root, storage_options=options, lock=False).steps() == [7]
+    with CheckpointManager(root, storage_options=options, lock=False) as reader:
+        assert reader.steps() == [7]
     assert leftovers(root, options) == [], results
     gc_and_check_clean(root, options)
     return loser
@@ -96,6 +97,7 @@ def _check_one_winner(outcomes: list[dict], root: str, options: dict | None, *,
 
 @pytest.mark.parametrize("mode", ["save_state", "manager"])
 @pytest.mark.parametrize("at_commit", [False, True], ids=["free", "commit"])
+@pytest.mark.slow
 def test_two_writers_one_commit(where, tmp_path, mode, at_commit):
     base, options, rounds = where
     for i in range(rounds):
@@ -108,6 +110,7 @@ def test_two_writers_one_commit(where, tmp_path, mode, at_commit):
             assert "another writer committed" in loser["message"], loser["message"]
 
 
+@pytest.mark.slow
 def test_two_managers_with_the_writer_lock(where, tmp_path):
     # Which error the second writer gets depends on timing (the lock, or the finished
     # checkpoint if the first had already released the lock); two commits are never correct.

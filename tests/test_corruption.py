@@ -19,7 +19,7 @@ from ckptcore._storage import Store
 from ckptcore.errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError,
                              SchemaError)
 
-from _support import assert_state_same
+from _support import assert_state_same, store_params
 
 
 def damage_state() -> TrainingState:
@@ -42,7 +42,7 @@ def damage_state() -> TrainingState:
     )
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=store_params("local", "memory", "s3"))
 def ckpt(request):
     """A saved multi-shard checkpoint: (backend, url, manifest, {shard path: original bytes})."""
     backend = request.getfixturevalue(f"{request.param}_backend")
@@ -128,6 +128,7 @@ def test_flip_padding_is_found_by_verify_and_harmless_to_load(ckpt):
     assert cases >= 2
 
 
+@pytest.mark.slow
 def test_flip_every_manifest_byte(local_backend):
     """No single flipped bit or byte of a manifest is ever accepted."""
     url = local_backend.url("c")

@@ -264,6 +264,7 @@ def _kill_repeatedly(server, backend, log, runs: list) -> dict[str, int]:
     return landed
 
 
+@pytest.mark.slow
 def test_sigkill_during_local_saves(local_backend, fork_server, tmp_path):
     rnd = random.Random(20240531)
     runs = [(None, hook) for hook in HOOK_KILLS] + [(rnd.uniform(0.0, 0.3), ("-", 0))
@@ -283,6 +284,7 @@ S3_HOOK_KILLS = [
 ]
 
 
+@pytest.mark.slow
 def test_sigkill_during_s3_saves(s3_backend, fork_server, tmp_path):
     """The same on S3 (moto in this process, s3fs in the saver): the manifest's publish is the commit."""
     rnd = random.Random(7)

@@ -177,6 +177,7 @@ cursor_configs = st.tuples(st.integers(1, 60), st.integers(1, 16),
 
 @SETTINGS
 @given(args=cursor_configs, k=st.integers(0, 40), more=st.integers(1, 40))
+@pytest.mark.slow
 def test_resume_anywhere_reproduces_the_sequence(args, k, more):
     n, bs, kw = args
     want = _uninterrupted(args, k + more)
@@ -226,6 +227,7 @@ def _global_step(views):
 @SETTINGS
 @given(n=st.integers(1, 80), bs=st.integers(1, 16), seed=st.integers(0, M64),
        drop_last=st.booleans(), k=st.integers(0, 20), new_ws=st.sampled_from([1, 3, 4]))
+@pytest.mark.slow
 def test_elastic_resume(n, bs, seed, drop_last, k, new_ws):
     assume(not (drop_last and bs > n))
     base = DataCursor(n, bs, seed=seed, drop_last=drop_last)

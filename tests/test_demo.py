@@ -17,6 +17,7 @@ def run_demo(tmp_path, *extra: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.slow
 def test_numpy_demo_resumes_bit_exactly(tmp_path):
     out = run_demo(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -25,6 +26,7 @@ def test_numpy_demo_resumes_bit_exactly(tmp_path):
     assert (tmp_path / "demo" / "run").is_dir()
 
 
+@pytest.mark.slow
 def test_numpy_demo_runs_again_on_the_same_root(tmp_path):
     # A second demo on the same root used to resume the finished runs and fail on its final
     # save (CheckpointExistsError ... mgr.rewind(48)).  The demo owns its root: it starts over.
@@ -43,6 +45,7 @@ def test_numpy_demo_runs_again_on_the_same_root(tmp_path):
     assert f"the checkpoints stay in {tmp_path / 'demo'}" in second.stdout
 
 
+@pytest.mark.slow
 def test_demo_without_root_removes_its_temporary_folder(tmp_path):
     # Without --root the demo works in a ckpt-demo-* temporary folder: removed at the end, saying
     # so (nothing is left behind in the temporary directory).
@@ -60,12 +63,14 @@ def test_demo_without_root_removes_its_temporary_folder(tmp_path):
     assert len(kept) == 1 and f"the checkpoints are kept in {kept[0]}" in out.stdout
 
 
+@pytest.mark.slow
 def test_demo_refuses_memory_root():
     out = subprocess.run([*CKPT, "--root", "memory://x"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "memory://" in out.stderr
 
 
 @pytest.mark.parametrize("framework", ["paddle", "keras"])
+@pytest.mark.slow
 def test_framework_demo_resumes_bit_exactly(tmp_path, framework):
     # find_spec, not importorskip: this process must not import a framework (they clash).
     if importlib.util.find_spec("paddle" if framework == "paddle" else "tensorflow") is None:
@@ -92,6 +97,7 @@ ADAPTER = CrashingAdapter()
 '''
 
 
+@pytest.mark.slow
 def test_crashing_worker_fails_clearly(tmp_path):
     # An adapter whose demo program cannot be built: the worker exits 1 at once.  The demo must
     # say so (exit code, the worker's own error), not stumble on the missing steps later.
@@ -119,6 +125,7 @@ def test_demo_names_a_missing_adapter_in_one_line(tmp_path, capsys):
     assert err.startswith("ckpt demo: no ckptcore adapter named 'nosuchfw'") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_numpy_demo_on_s3_resumes_at_once_after_the_kill(s3_backend, capsys):
     # The killed worker's lease object stays on the bucket; the resumed worker, on the same
     # machine, takes it over at once (its process is gone) instead of waiting for it to expire.
@@ -131,6 +138,7 @@ def test_numpy_demo_on_s3_resumes_at_once_after_the_kill(s3_backend, capsys):
     assert "step-" in "".join(s3_backend.listdir("demo", "run"))
 
 
+@pytest.mark.slow
 def test_numpy_demo_on_s3_runs_again_on_the_same_root(s3_backend, capsys):
     from ckptcore.demo import run_demo
     url = s3_backend.url("demo2")

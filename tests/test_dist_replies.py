@@ -270,6 +270,7 @@ class _StopsAfterReplying:
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.slow
 def test_a_rank_lost_after_its_reply_does_not_undo_the_commit(store, ranks, caplog):
     url, opts = store.url("ck"), store.storage_options
     state = _state(5)

@@ -67,6 +67,7 @@ def test_n_ranks_save_m_ranks_load(tmp_path, saved, loaded):
     _whole(ckptcore.load_state(url))  # no template: whole arrays
 
 
+@pytest.mark.slow
 def test_on_s3(s3_backend):
     url, opts = s3_backend.url("ck"), s3_backend.storage_options
     out = _save(url, 3, opts)

@@ -157,12 +157,14 @@ def run_doc(doc: str, request, work: Path) -> None:
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=[Path(d).stem for d in DOCS])
+@pytest.mark.slow
 def test_doc_blocks_run_as_written_twice(doc, request, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     run_doc(doc, request, work)
 
 
+@pytest.mark.slow
 def test_the_cursor_doc_saves_the_cursor_where_load_state_and_inspect_find_it(request, tmp_path):
     # The doc used to save state.data["cursor"] = cursor.state_dict(): load_state(url, cursor=c)
     # then failed (SchemaError: missing field(s) 'batch_size') and ckpt inspect showed

@@ -115,6 +115,7 @@ def test_the_shim_really_fails_calls(shim, tmp_path):
 
 @pytest.mark.parametrize("overwrite", [False, True], ids=["fresh", "overwrite"])
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_a_failed_save_commits_nothing(shim, tmp_path, case, overwrite):
     parent = tmp_path / "parent"
     parent.mkdir()
@@ -136,18 +137,21 @@ def test_a_failed_save_commits_nothing(shim, tmp_path, case, overwrite):
         assert not os.path.exists(os.path.join(url, MANIFEST_NAME))
 
 
+@pytest.mark.slow
 def test_failed_shard_fsync_names_the_file(shim, tmp_path):
     result = _run_child(shim, str(tmp_path / "ckpt"), False, CASES["fsync-shard"])
     assert result["type"] == "OSError" and "Input/output error" in result["message"]
     assert "shard-" in result["message"] and "fsync" in result["message"]
 
 
+@pytest.mark.slow
 def test_write_enospc_names_the_file(shim, tmp_path):
     result = _run_child(shim, str(tmp_path / "ckpt"), False, CASES["write-shard-enospc"])
     assert "No space left on device" in result["message"] and "shard-" in result["message"]
 
 
 @pytest.mark.parametrize("overwrite", [False, True], ids=["fresh", "overwrite"])
+@pytest.mark.slow
 def test_a_failed_fsync_of_the_parent_after_the_rename_is_raised(shim, tmp_path, overwrite):
     """The rename has happened (readers may see the checkpoint), but its folder entry is not
     durable: the save raises, saying so, rather than returning."""

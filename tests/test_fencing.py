@@ -14,18 +14,15 @@ import signal
 import time
 import warnings
 
-import numpy as np
 import pytest
 
 import ckptcore
-from ckptcore import CheckpointManager, LockedError, TrainingState
+from ckptcore import CheckpointManager, LockedError
 from ckptcore import LockTakeoverWarning
 
+from _support import tiny_state
+
 LEASE = dict(lease=ckptcore.Lease(seconds=3.0, heartbeat=1.0), save_on_preemption=False)
-
-
-def _state(step: int) -> TrainingState:
-    return TrainingState(model={"w": np.full(1000, step, np.float32)}, step=step)
 
 
 def _line(proc, prefix: str, timeout: float = 60) -> str:
@@ -53,13 +50,13 @@ def _take_over(root, options, steps=(21, 22)) -> CheckpointManager:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", LockTakeoverWarning)
-                b.save(steps[0], _state(steps[0]))
+                b.save(steps[0], tiny_state(steps[0]))
             break
         except LockedError:
             assert time.monotonic() < deadline, "A's lease never lapsed"
             time.sleep(0.3)
     for s in steps[1:]:
-        b.save(s, _state(s))
+        b.save(s, tiny_state(s))
     return b
 
 
@@ -76,6 +73,7 @@ def _results(proc) -> dict[int, str]:
 
 
 @pytest.mark.parametrize("mode", ["pause-in-save", "pause-in-save-async"])
+@pytest.mark.slow
 def test_a_writer_paused_before_its_manifest_commits_nothing_readers_accept(
         s3_backend, spawn_python, mode):
     root, options = s3_backend.url("run"), s3_backend.storage_options
@@ -96,13 +94,14 @@ def test_a_writer_paused_before_its_manifest_commits_nothing_readers_accept(
     assert reader.steps() == [20, 21, 22]
     assert reader.latest_step() == 22 and reader.restore().step == 22
     assert [c.step for c in ckptcore.list_checkpoints(root, storage_options=options)] == [20, 21, 22]
-    b.save(24, _state(24))  # B goes on: nothing of A's is in its way
-    b.save(30, _state(30))
+    b.save(24, tiny_state(24))  # B goes on: nothing of A's is in its way
+    b.save(30, tiny_state(30))
     assert ckptcore.load_state(b.step_url(30), storage_options=options).model["w"][0] == 30
     b.close()
     assert _reader(root, options).steps() == [20, 21, 22, 24, 30]
 
 
+@pytest.mark.slow
 def test_a_writer_paused_between_saves_never_takes_the_root_back(s3_backend, spawn_python,
                                                                   tmp_path):
     root, options = s3_backend.url("run"), s3_backend.storage_options
@@ -121,6 +120,7 @@ def test_a_writer_paused_between_saves_never_takes_the_root_back(s3_backend, spa
     assert ".ckptcore.lock" not in s3_backend.listdir("run")  # A never re-created the lease
 
 
+@pytest.mark.slow
 def test_a_writer_starved_of_the_gil_is_fenced(s3_backend, spawn_python, tmp_path):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     go = tmp_path / "go"
@@ -131,11 +131,12 @@ def test_a_writer_starved_of_the_gil_is_fenced(s3_backend, spawn_python, tmp_pat
     go.touch()
     assert _results(a) == {30: "FencedError", 40: "FencedError"}, starved
     assert a.wait(60) == 0
-    b.save(23, _state(23))
+    b.save(23, tiny_state(23))
     b.close()
     assert _reader(root, options).steps() == [20, 21, 22, 23]
 
 
+@pytest.mark.slow
 def test_an_explicit_restore_of_a_fenced_step_is_refused(s3_backend, spawn_python):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     a = spawn_python("_fence_worker.py", root, json.dumps(options), "pause-in-save")

@@ -211,6 +211,7 @@ def test_writers_paused_at_random_commit_nothing_fenced_and_lose_no_step(
     reader = ckptcore.CheckpointManager(root, storage_options=options, lock=False,
                                         save_on_preemption=False)
     listed = reader.steps()
+    reader.close()
     listing = ckptcore.list_checkpoints(root, storage_options=options)
     assert [c.step for c in listing] == listed
     assert listed, "no step committed at all"

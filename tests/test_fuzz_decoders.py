@@ -97,6 +97,7 @@ def _paths(node, prefix=()):
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow
 def test_bytes_mutated_body(good, data):
     files, body = good
     b = bytearray(body)
@@ -114,6 +115,7 @@ def test_bytes_mutated_body(good, data):
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow
 def test_field_replaced_by_any_value(good, data):
     files, body = good
     tree = msgpack.unpackb(body, raw=False, strict_map_key=False)
@@ -132,6 +134,7 @@ def test_field_replaced_by_any_value(good, data):
 
 @FUZZ
 @given(value=values)
+@pytest.mark.slow
 def test_tree_decoder_is_total(value):
     """``unpack`` + ``decode_state`` on any msgpack value: a state or a ``CheckpointError``."""
     try:
@@ -151,6 +154,7 @@ _flat_maps = st.dictionaries(st.text(max_size=12) | st.integers(-5, 5),
 
 @FUZZ
 @given(env=_flat_maps | values)
+@pytest.mark.slow
 def test_envelope_reader_agrees_with_msgpack(env):
     """The envelope's copy-free reader (``_codec.unpack_plain``) returns what msgpack returns, for
     any value: it reads flat maps itself and leaves everything else to msgpack."""
@@ -165,6 +169,7 @@ def test_envelope_reader_agrees_with_msgpack(env):
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow
 def test_bytes_mutated_envelope(good, data):
     files, body = good
     b = bytearray(_envelope(body))
@@ -209,6 +214,7 @@ def _check_v3(files: dict, manifest_bytes: bytes) -> None:
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow
 def test_v3_bytes_mutated_body(good_v3, data):
     files, body = good_v3
     b = bytearray(body)
@@ -226,6 +232,7 @@ _INTERESTING = st.sampled_from([0, 1, 2, 3, 5, 8, 10, 19, 20, 21, 39, 40, 41, 2 
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow
 def test_v3_columns_mutated(good_v3, data):
     """Values changed inside the columns (lengths kept, so the form checks pass and the chunk
     rules, the planner and the reader see the values)."""

@@ -13,7 +13,7 @@ from ckptcore import CheckpointManager, LockedError, TrainingState
 from ckptcore._manifest import MANIFEST_NAME
 from ckptcore._storage import Store
 from ckptcore.api import read_manifest
-from manager_support import make_state
+from _support import make_state
 
 
 def _flip_byte(url: str, tensor: str) -> None:
@@ -95,7 +95,8 @@ def test_list_checkpoints_is_what_the_manager_sees(tmp_path):
     assert [c.step for c in found] == steps == [1, 3, 5]
     assert [c.name for c in found] == [f"step-{s:012d}" for s in steps]
     assert all(c.info is not None and c.info.step == c.step and c.problem is None for c in found)
-    assert found[0].url == CheckpointManager(root, lock=False).step_url(1)
+    with CheckpointManager(root, lock=False) as reader:
+        assert found[0].url == reader.step_url(1)
     assert ckptcore.list_checkpoints(str(tmp_path / "nothing-here")) == []
 
 
@@ -146,7 +147,8 @@ def test_gc_removes_leftovers_only(tmp_path, caplog):
                                                             "step-000000000002"]
     assert not leftover.exists() and not stray.exists()
     assert "gc: removing leftover" in caplog.text  # every deletion is logged
-    assert CheckpointManager(root, lock=False).restore().step == 1
+    with CheckpointManager(root, lock=False) as reader:
+        assert reader.restore().step == 1
 
 
 def test_manager_gc_is_the_same_function(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -59,6 +60,10 @@ MANIFEST_CASES = [*corpus.BODY_CASES, *corpus.V2_CASES, *corpus.V3_CASES, *corpu
                   "manifest-sparse-3GiB"]
 # A well-formed manifest naming a deduplicated chunk that is not there: the data is at fault.
 MANIFEST_CASES.remove("shard-path-cas-missing")
+# The cases that build tens of megabytes (48 MiB strings, tables and maps of 100k-1M entries)
+# take seconds each: slow.  The others take milliseconds.
+CASE_PARAMS = [pytest.param(n, marks=pytest.mark.slow) if re.search(r"-(48MiB|100k|1M)$", n) else n
+               for n in corpus.CASES]
 
 
 def test_corpus_is_large_enough():
@@ -80,7 +85,7 @@ def case_dirs(tmp_path):
     return case, outside
 
 
-@pytest.mark.parametrize("name", corpus.CASES)
+@pytest.mark.parametrize("name", CASE_PARAMS)
 def test_case_is_a_typed_error(name, case_dirs, capsys):
     case, outside = case_dirs
     ckpt = str(corpus.build(name, case, outside))
@@ -103,7 +108,7 @@ def test_case_is_a_typed_error(name, case_dirs, capsys):
     assert "Traceback" not in out.err + out.out
 
 
-@pytest.mark.parametrize("name", corpus.CASES)
+@pytest.mark.parametrize("name", CASE_PARAMS)
 def test_manager_falls_back_to_the_older_good_step(name, tmp_path):
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
@@ -195,6 +200,7 @@ print(json.dumps({"cases": len(corpus.CASES), "bad": bad,
 """
 
 
+@pytest.mark.slow
 def test_whole_corpus_in_a_live_process_under_1GB():
     here = str(Path(__file__).parent)
     proc = subprocess.run([sys.executable, "-c", _CHILD, here], capture_output=True, text=True,

@@ -46,6 +46,7 @@ def test_probe_sees_imports():
     "ckptcore.save_state('memory://light/c', s); ckptcore.load_state('memory://light/c')\n"
     "ckptcore.inspect('memory://light/c'); ckptcore.verify('memory://light/c')",
 ], ids=["import", "cli", "adapter-registry", "save-load"])
+@pytest.mark.slow
 def test_ckptcore_is_light(code):
     loaded = _modules_after(code)
     assert "ckptcore" in loaded
@@ -53,6 +54,7 @@ def test_ckptcore_is_light(code):
 
 
 @pytest.mark.parametrize("adapter", ["ckptcore_keras", "ckptcore_paddle"])
+@pytest.mark.slow
 def test_adapter_packages_are_light(adapter):
     try:
         found = importlib.util.find_spec(adapter) is not None
@@ -65,6 +67,7 @@ def test_adapter_packages_are_light(adapter):
     assert not loaded & {"tensorflow", "keras", "paddle"}, sorted(loaded & {"tensorflow", "keras", "paddle"})
 
 
+@pytest.mark.slow
 def test_import_ckptcore_leaves_migrate_unloaded():
     """``import ckptcore`` loads none of migrate/ (its MigrationWarning lives in errors.py)."""
     out = subprocess.run([sys.executable, "-c", "import json, sys, ckptcore\n"

@@ -18,7 +18,8 @@ import ckptcore
 from ckptcore import CheckpointManager, LockedError
 from ckptcore._lock import _machine, _start_time
 from ckptcore import LockTakeoverWarning
-from manager_support import hold_lock, make_state, mp, open_manager, wait_for_line
+from manager_support import hold_lock, mp, open_manager, wait_for_line
+from _support import make_state
 
 
 def _start_holder(root, options, tmp_path, name="holder", **kw):
@@ -56,6 +57,7 @@ def _foreign_lease(**fields):
 
 
 # ------------------------------------------------------------------------------ after SIGKILL
+@pytest.mark.slow
 def test_a_sigkilled_writer_on_s3_is_taken_over_at_once(s3_backend, tmp_path, caplog):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     proc, _, pid = _start_holder(root, options, tmp_path)
@@ -95,6 +97,7 @@ def test_a_sigkilled_writer_on_local_disk_is_named_when_taken_over(tmp_path, cap
 
 
 # ------------------------------------------------------------------------------ live writers
+@pytest.mark.slow
 def test_a_live_writer_is_never_taken_over_while_it_heartbeats(s3_backend, tmp_path):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     proc, release, pid = _start_holder(root, options, tmp_path,
@@ -119,6 +122,7 @@ def test_a_live_writer_is_never_taken_over_while_it_heartbeats(s3_backend, tmp_p
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_a_live_writer_of_another_machine_waits_for_its_lease_to_expire(s3_backend):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     _plant(s3_backend, _foreign_lease(expires=time.time() + 1.5))
@@ -141,6 +145,7 @@ def test_the_same_host_name_in_another_container_is_not_taken_over_by_pid(s3_bac
             mgr.save(1, make_state(1))
 
 
+@pytest.mark.slow
 def test_a_reused_pid_does_not_keep_a_dead_holders_lease(s3_backend):
     # The holder's pid now names another (live) process: its start time differs.
     root, options = s3_backend.url("run"), s3_backend.storage_options
@@ -156,6 +161,7 @@ def test_a_reused_pid_does_not_keep_a_dead_holders_lease(s3_backend):
             mgr.save(1, make_state(1))
 
 
+@pytest.mark.slow
 def test_a_manager_dropped_without_close_is_taken_over_in_the_same_process(s3_backend):
     first = open_manager(s3_backend)
     first.save(1, make_state(1))
@@ -169,6 +175,7 @@ def test_a_manager_dropped_without_close_is_taken_over_in_the_same_process(s3_ba
             again.save(2, make_state(2))
 
 
+@pytest.mark.slow
 def test_an_unreadable_lease_is_taken_over(s3_backend):
     s3_backend.fs.makedirs(s3_backend.path("run"), exist_ok=True)
     s3_backend.write(b"\x00garbage", "run", ".ckptcore.lock")
@@ -191,7 +198,8 @@ def test_the_heartbeat_finds_its_lease_taken_over_and_the_next_save_stops(s3_bac
         first.save(2, make_state(2))
     first.close()
     assert _lease(s3_backend)["holder"] == "elsewhere:4242:deadbeef"  # never removed another's
-    assert open_manager(s3_backend, lock=False).steps() == [1]
+    with open_manager(s3_backend, lock=False) as reader:
+        assert reader.steps() == [1]
 
 
 @pytest.mark.parametrize("lease, beat", [(10, 10), (10, 20), (0, 0), (-1, 0.5), (float("nan"), 1)])
@@ -204,10 +212,11 @@ def test_lease_and_heartbeat_periods_are_checked(tmp_path, lease, beat):
 
 
 def test_a_lease_given_alone_gets_a_heartbeat_that_fits(tmp_path):
-    mgr = CheckpointManager(str(tmp_path / "run"), lease=ckptcore.Lease(seconds=6))
-    assert (mgr._lock.lease_seconds, mgr._lock.heartbeat_seconds) == (6.0, 2.0)
-    mgr = CheckpointManager(str(tmp_path / "run"), lease=ckptcore.Lease(seconds=600))
-    assert mgr._lock.heartbeat_seconds == 10.0
+    with CheckpointManager(str(tmp_path / "run"), lease=ckptcore.Lease(seconds=6)) as mgr:
+        assert (mgr._lock.lease_seconds, mgr._lock.heartbeat_seconds) == (6.0, 2.0)
+    with CheckpointManager(str(tmp_path / "run"), lease=ckptcore.Lease(seconds=600)) as mgr:
+        assert mgr._lock.heartbeat_seconds == 10.0
     with pytest.warns(DeprecationWarning, match=r"lease=Lease\(seconds=...\)"):
         mgr = CheckpointManager(str(tmp_path / "run"), lease_seconds=6)
-    assert (mgr._lock.lease_seconds, mgr._lock.heartbeat_seconds) == (6.0, 2.0)
+    with mgr:
+        assert (mgr._lock.lease_seconds, mgr._lock.heartbeat_seconds) == (6.0, 2.0)

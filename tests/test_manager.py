@@ -25,7 +25,8 @@ from ckptcore import (CheckpointExistsError, CheckpointFallbackWarning, Checkpoi
                       SchemaError, TrainingState, UnsafeCheckpointError, api)
 from ckptcore import _storage
 from ckptcore.policies import RetentionPolicy
-from manager_support import Gate, assert_state_of, leftovers, make_state, open_manager, root_of
+from manager_support import Gate, leftovers, open_manager, root_of
+from _support import assert_state_of, make_state
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -68,12 +69,12 @@ def test_save_restore_list_roundtrip(backend):
 
 
 def test_empty_root_has_nothing_to_restore(backend):
-    mgr = open_manager(backend, lock=False)
-    assert mgr.steps() == [] and mgr.latest_step() is None
-    with pytest.raises(CheckpointNotFoundError):
-        mgr.restore()
-    with pytest.raises(CheckpointNotFoundError):
-        mgr.restore(step=3)
+    with open_manager(backend, lock=False) as mgr:
+        assert mgr.steps() == [] and mgr.latest_step() is None
+        with pytest.raises(CheckpointNotFoundError):
+            mgr.restore()
+        with pytest.raises(CheckpointNotFoundError):
+            mgr.restore(step=3)
 
 
 def test_step_folder_names_sort_in_step_order(backend):
@@ -160,6 +161,7 @@ def test_retention_policies_remove_the_right_steps(fast_backend, keep, saves, ex
     _check_retention(fast_backend, keep, saves, expected)
 
 
+@pytest.mark.slow
 def test_retention_policies_on_s3(s3_backend):
     _check_retention(s3_backend, KeepLast(1) | KeepEvery(2), range(6), [0, 2, 4, 5])
     _check_retention(s3_backend, KeepBest("loss", n=2), range(5), [1, 3, 4], name="best")
@@ -324,9 +326,9 @@ def test_async_background_error_surfaces(backend, surface):
         mgr.save(3, make_state(3))  # raised once; the manager goes on working
         mgr.wait()
         mgr.close()
-    reader = open_manager(backend, lock=False)
-    assert reader.steps() == ([1] if surface == "close" else [1, 3])
-    assert_state_of(reader.restore(step=1), 1)
+    with open_manager(backend, lock=False) as reader:
+        assert reader.steps() == ([1] if surface == "close" else [1, 3])
+        assert_state_of(reader.restore(step=1), 1)
     assert leftovers(*root_of(backend)) == []
 
 
@@ -342,7 +344,8 @@ def test_async_unstorable_value_is_never_silent(backend):
             mgr.wait()
     mgr.save(2, make_state(2))
     mgr.close()
-    assert open_manager(backend, lock=False).steps() == [2]
+    with open_manager(backend, lock=False) as reader:
+        assert reader.steps() == [2]
     assert leftovers(*root_of(backend)) == []
 
 
@@ -361,7 +364,7 @@ _EXIT_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
     import ckptcore
-    from manager_support import make_state
+    from _support import make_state
     root, bad = sys.argv[1], sys.argv[2] == "bad"
     mgr = ckptcore.CheckpointManager(root, async_save=True)
     mgr.save(1, make_state(1)).result()
@@ -382,16 +385,17 @@ def _run_script(script: str, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_async_save_in_flight_is_committed_at_interpreter_exit(tmp_path):
     for attempt in range(2):  # the save is caught at a different point each time
         root = str(tmp_path / f"run{attempt}")
         proc = _run_script(_EXIT_SCRIPT, root, "good")
         assert proc.returncode == 0, proc.stderr
         assert "exiting" in proc.stdout and "failed" not in proc.stderr, proc.stderr
-        mgr = CheckpointManager(root, lock=False)
-        assert mgr.steps() == [1, 2]
-        assert ckptcore.verify(mgr.step_url(2)) == []
-        assert_state_of(mgr.restore(), 2)
+        with CheckpointManager(root, lock=False) as mgr:
+            assert mgr.steps() == [1, 2]
+            assert ckptcore.verify(mgr.step_url(2)) == []
+            assert_state_of(mgr.restore(), 2)
     # A failing background save at exit is reported, not swallowed.
     root = str(tmp_path / "bad")
     proc = _run_script(_EXIT_SCRIPT, root, "bad")
@@ -476,6 +480,7 @@ def test_restore_falls_back_over_a_corrupt_newest(fast_backend, kind):
 
 
 @pytest.mark.parametrize("kind", ["flip-shard-byte", "delete-shard", "garbage-manifest"])
+@pytest.mark.slow
 def test_restore_falls_back_over_a_corrupt_newest_on_s3(s3_backend, kind):
     _check_fallback(s3_backend, kind)
 
@@ -486,27 +491,27 @@ def _check_fallback(backend, kind):
         for s in (1, 2, 3):
             mgr.save(s, make_state(s))
     damage(backend, 3)
-    mgr = open_manager(backend, lock=False)
-    with pytest.warns(CheckpointFallbackWarning) as caught:
-        state = mgr.restore()
-    assert_state_of(state, 2)
-    messages = [str(w.message) for w in caught if w.category is CheckpointFallbackWarning]
-    assert len(messages) == 1 and "step 3" in messages[0], messages
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # an explicit step never falls back, silently or not
-        with pytest.raises(error):
-            mgr.restore(step=3)
-        assert_state_of(mgr.restore(step=2), 2)
-    # Fallback goes on past several bad ones; when none verifies, restore() raises.
-    damage(backend, 2)
-    with pytest.warns(CheckpointFallbackWarning) as caught:
-        assert_state_of(mgr.restore(), 1)
-    assert [("step 3" in str(w.message), "step 2" in str(w.message)) for w in caught] == [
-        (True, False), (False, True)]
-    damage(backend, 1)
-    with pytest.warns(CheckpointFallbackWarning), pytest.raises(CorruptCheckpointError,
-                                                                match="none of the 3"):
-        mgr.restore()
+    with open_manager(backend, lock=False) as mgr:
+        with pytest.warns(CheckpointFallbackWarning) as caught:
+            state = mgr.restore()
+        assert_state_of(state, 2)
+        messages = [str(w.message) for w in caught if w.category is CheckpointFallbackWarning]
+        assert len(messages) == 1 and "step 3" in messages[0], messages
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an explicit step never falls back, silently or not
+            with pytest.raises(error):
+                mgr.restore(step=3)
+            assert_state_of(mgr.restore(step=2), 2)
+        # Fallback goes on past several bad ones; when none verifies, restore() raises.
+        damage(backend, 2)
+        with pytest.warns(CheckpointFallbackWarning) as caught:
+            assert_state_of(mgr.restore(), 1)
+        assert [("step 3" in str(w.message), "step 2" in str(w.message)) for w in caught] == [
+            (True, False), (False, True)]
+        damage(backend, 1)
+        with pytest.warns(CheckpointFallbackWarning), pytest.raises(CorruptCheckpointError,
+                                                                    match="none of the 3"):
+            mgr.restore()
 
 
 def test_resumed_run_saves_over_the_corrupt_step_it_fell_back_past(backend):
@@ -527,7 +532,8 @@ def test_resumed_run_saves_over_the_corrupt_step_it_fell_back_past(backend):
         # Only what restore() skipped is replaced; an intact step below is refused.
         with pytest.raises(ValueError, match=r"below the newest committed step 3"):
             mgr.save(2, make_state(20))
-    assert_state_of(open_manager(backend, lock=False).restore(step=2), 2)
+    with open_manager(backend, lock=False) as reader:
+        assert_state_of(reader.restore(step=2), 2)
 
 
 def _newer_format(backend, step):

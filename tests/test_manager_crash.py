@@ -25,9 +25,9 @@ import warnings
 import pytest
 
 from ckptcore import CheckpointManager, KeepLast
-from manager_support import (assert_state_of, check_listed_steps, crash_child, gc_and_check_clean,
-                             leftovers, make_state, mp, populate, read_lines, save_until_killed,
-                             wait_for_line)
+from manager_support import (check_listed_steps, crash_child, gc_and_check_clean, leftovers, mp,
+                             populate, read_lines, save_until_killed, wait_for_line)
+from _support import assert_state_of, make_state
 
 KILLED = -signal.SIGKILL
 # Every resume here takes over the killed writer's lock, by design (tests/test_lease.py checks
@@ -66,8 +66,8 @@ def _ops(report: str) -> list[str]:
 def _restore_newest(root: str, options: dict | None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback: the newest listed step must verify
-        mgr = CheckpointManager(root, storage_options=options, lock=False)
-        state = mgr.restore()
+        with CheckpointManager(root, storage_options=options, lock=False) as mgr:
+            state = mgr.restore()
     assert_state_of(state, state.step)
     return state.step
 
@@ -126,11 +126,13 @@ def _kill_at_every_operation(base: str, options: dict | None, async_save: bool, 
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.slow
 def test_kill_at_every_operation_local(tmp_path, async_save):
     _kill_at_every_operation(str(tmp_path / "store"), None, async_save, tmp_path)
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.slow
 def test_kill_at_every_operation_s3(s3_backend, tmp_path, async_save):
     # The lease object of a killed writer stays (see test_manager.py); each k has its own root.
     # Async saves make the same storage calls from another thread: to save time their loop
@@ -147,7 +149,8 @@ def _kill_at_random(root: str, options: dict | None, async_save: bool, tmp_path,
     loaded machine's slow start-up cannot make every kill land before any save)."""
     rng = random.Random(seed)
     # the newest committed step when the run was started
-    newest = CheckpointManager(root, storage_options=options, lock=False).latest_step() or 0
+    with CheckpointManager(root, storage_options=options, lock=False) as reader:
+        newest = reader.latest_step() or 0
     interrupted = 0
     for i in range(kills):
         report = str(tmp_path / f"run-{seed}-{i}.log")
@@ -181,11 +184,13 @@ def _kill_at_random(root: str, options: dict | None, async_save: bool, tmp_path,
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.slow
 def test_kill_at_random_delays_local(tmp_path, async_save):
     _kill_at_random(str(tmp_path / "store"), None, async_save, tmp_path, kills=50,
                     seed=1234 + async_save, max_delay=0.12)
 
 
+@pytest.mark.slow
 def test_kill_at_random_delays_s3(s3_backend, tmp_path):
     # lock=False: these kills test the commit protocol alone (a killed writer's lease is taken
     # over at once on its machine: tests/test_lease.py).  Fewer kills than on local disk (each
@@ -198,4 +203,5 @@ def test_kill_at_random_delays_s3(s3_backend, tmp_path):
         _kill_at_random(root, options, bool(i % 2), tmp_path, kills=1, seed=rng.randrange(1 << 30),
                         max_delay=0.6, lock=False, min_progress=1, min_interrupted=0,
                         after_commit=True)
-    assert len(CheckpointManager(root, storage_options=options, lock=False).steps()) >= 1
+    with CheckpointManager(root, storage_options=options, lock=False) as reader:
+        assert len(reader.steps()) >= 1

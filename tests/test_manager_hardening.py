@@ -13,7 +13,7 @@ import pytest
 
 import ckptcore
 from ckptcore import CheckpointManager, KeepBest, KeepLast, UnsafeCheckpointError
-from manager_support import assert_state_of, make_state
+from _support import assert_state_of, make_state
 
 
 @pytest.mark.parametrize("root, error", [("", ValueError), ("   ", ValueError), (None, TypeError),

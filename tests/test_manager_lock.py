@@ -16,8 +16,9 @@ import pytest
 import ckptcore
 from ckptcore import CheckpointManager, CheckpointNotFoundError, LockedError, _storage
 from ckptcore import LockTakeoverWarning
-from manager_support import (assert_state_of, hold_lock, leftovers, make_state, mp,
-                             open_manager, read_lines, root_of, wait_for_line)
+from manager_support import (hold_lock, leftovers, mp, open_manager, read_lines, root_of,
+                             wait_for_line)
+from _support import assert_state_of, make_state
 
 
 # ------------------------------------------------------------------------------------ lock
@@ -49,6 +50,7 @@ def test_second_manager_on_the_same_root_is_locked_out(backend):
     second.close()
 
 
+@pytest.mark.slow
 def test_a_manager_dropped_without_close_releases_its_local_lock(local_backend):
     # A notebook cell creating the manager, run twice: the first manager is unreachable but
     # was never closed.  While it lives, the error says the holder is in this process.
@@ -129,6 +131,7 @@ def test_lock_held_by_another_process_local(tmp_path, ending):
             proc.join()
 
 
+@pytest.mark.slow
 def test_lock_on_s3_is_a_lease_object(s3_backend, tmp_path):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     proc, release, report, pid = _start_holder(root, options, tmp_path)
@@ -254,6 +257,7 @@ def _other_process_options(options: dict) -> dict:
     return dict(options, skip_instance_cache=True)
 
 
+@pytest.mark.slow
 def test_long_lived_manager_sees_other_processes_commits_on_s3(s3_backend):
     # A reader's gc() lists step folders; s3fs caches those listings.  A commit by another
     # process afterwards must still count: steps() must list it, and gc() must not take the
@@ -275,6 +279,8 @@ def test_long_lived_manager_sees_other_processes_commits_on_s3(s3_backend):
     assert writer.steps() == [1, 2]
     writer.delete(2)  # and deletions by the other process show too
     assert reader.steps() == [1]
+    writer.close()
+    reader.close()
 
 
 def test_store_exists_is_not_answered_from_a_stale_listing(s3_backend):
@@ -287,6 +293,7 @@ def test_store_exists_is_not_answered_from_a_stale_listing(s3_backend):
     assert store.exists("manifest.msgpack")
 
 
+@pytest.mark.slow
 def test_a_lapsed_lease_taken_over_stops_the_old_writer_on_s3(s3_backend):
     # A writer that saves less often than the lease lasts can find its lease taken over by a
     # second writer (who saw it expired).  The first must then stop, not write next to it.
@@ -311,6 +318,7 @@ def test_a_lapsed_lease_taken_over_stops_the_old_writer_on_s3(s3_backend):
     assert ".ckptcore.lock" not in s3_backend.listdir("run")
 
 
+@pytest.mark.slow
 def test_a_lease_removed_by_hand_is_taken_again_on_s3(s3_backend):
     root, options = s3_backend.url("run"), s3_backend.storage_options
     with CheckpointManager(root, storage_options=options, lease=ckptcore.Lease(seconds=3,
@@ -349,6 +357,7 @@ with ckptcore.CheckpointManager(root) as mgr:
 '''
 
 
+@pytest.mark.slow
 def test_orphaned_forked_children_do_not_keep_a_killed_writers_lock(tmp_path):
     """A forked child (a loader worker) closes its copy of the flock descriptor, so after the
     writer is SIGKILLed a new manager takes the root over at once, while the orphan still runs."""

@@ -13,7 +13,8 @@ import ckptcore
 from ckptcore import (CheckpointExistsError, CheckpointFallbackWarning, DataCursor, KeepLast,
                       UnappliedStateWarning)
 from ckptcore_numpy import SGD, Model
-from manager_support import assert_state_of, leftovers, make_state, open_manager, root_of
+from manager_support import leftovers, open_manager, root_of
+from _support import assert_state_of, make_state
 
 
 def _messages(caplog, level=logging.INFO):

@@ -237,6 +237,7 @@ SETTINGS = settings(max_examples=30, stateful_step_count=25, deadline=None,
 @pytest.mark.parametrize("where, async_save", [("local", False), ("memory", False),
                                                ("local", True)],
                          ids=["local", "memory", "local-async"])
+@pytest.mark.slow
 def test_manager_state_machine(tmp_path, where, async_save):
     base = str(tmp_path) if where == "local" else f"memory://stateful-{uuid.uuid4().hex}"
 

@@ -25,13 +25,9 @@ from ckptcore import _knobs
 from ckptcore._backup import BackupTier
 from ckptcore._storage import Store
 from ckptcore.errors import MigrationError
-from _support import subprocess_env
+from _support import dead_s3_options, subprocess_env, tiny_state
 
 HERE = Path(__file__).parent
-
-
-def _state(step: int = 1, **kw) -> TrainingState:
-    return TrainingState(model={"w": np.full(3, float(step), np.float32)}, step=step, **kw)
 
 
 def _run_script(code: str, *args: str) -> subprocess.CompletedProcess:
@@ -50,7 +46,7 @@ def test_manager_save_of_a_dict_is_a_type_error_naming_what_to_pass(tmp_path):
         message = str(err.value)
         assert "TrainingState" in message and "model=" in message and "dict" in message
         assert mgr.steps() == []
-        mgr.save(1, _state(1))  # nothing was taken or left behind by the refused call
+        mgr.save(1, tiny_state(1, n=3))  # nothing was taken or left behind by the refused call
         assert mgr.steps() == [1]
     with pytest.raises(TypeError, match="TrainingState.*model="):
         ckptcore.save_state(tmp_path / "one", {"w": np.zeros(3)})
@@ -96,6 +92,7 @@ _RESTORE_WITHOUT_CURSOR = """
 """
 
 
+@pytest.mark.slow
 def test_a_restore_without_cursor_shows_the_warning_once_on_a_plain_console(tmp_path):
     proc = _run_script(_RESTORE_WITHOUT_CURSOR, str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
@@ -133,7 +130,7 @@ def test_restores_into_objects_warn_once_and_plain_loads_never(tmp_path, caplog)
 def test_load_state_of_a_run_root_says_it_is_a_root_and_what_to_call(tmp_path):
     root = tmp_path / "run"
     with CheckpointManager(root, save_on_preemption=False) as mgr:
-        mgr.save(7, _state(7))
+        mgr.save(7, tiny_state(7, n=3))
     for call in (ckptcore.load_state, ckptcore.inspect, ckptcore.verify):
         with pytest.raises(CheckpointNotFoundError) as err:
             call(root)
@@ -161,6 +158,7 @@ _TAKEOVER = """
 """
 
 
+@pytest.mark.slow
 def test_a_lock_takeover_shows_once_on_a_plain_console(tmp_path):
     root = str(tmp_path / "run")
     assert _run_script(_TAKEOVER, root, "crash").returncode == 0
@@ -176,7 +174,7 @@ def test_a_lock_takeover_is_still_logged_where_logging_is_set_up(tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="ckptcore"), \
             pytest.warns(ckptcore.LockTakeoverWarning):
         with CheckpointManager(root, save_on_preemption=False) as mgr:
-            mgr.save(2, _state(2))
+            mgr.save(2, tiny_state(2, n=3))
     assert [r for r in caplog.records
             if r.levelno == logging.WARNING and "taking over the writer lock" in r.getMessage()]
 
@@ -253,16 +251,10 @@ def test_backup_retry_counts_agree_when_close_cuts_the_schedule(tmp_path, caplog
 # -------------------------------------------------------------------- 5. errors that came late
 def _dead_endpoint() -> dict:
     """Storage options of an S3 endpoint nobody listens on, failing fast."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"key": "k", "secret": "s", "skip_instance_cache": True,
-            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
-            "config_kwargs": {"connect_timeout": 1, "read_timeout": 2,
-                              "retries": {"max_attempts": 1}}}
+    return dead_s3_options(read_timeout=2, key="k", secret="s")
 
 
+@pytest.mark.slow
 def test_a_backup_that_cannot_be_reached_is_an_error_at_construction(tmp_path):
     pytest.importorskip("s3fs")
     started = time.monotonic()
@@ -274,12 +266,12 @@ def test_a_backup_that_cannot_be_reached_is_an_error_at_construction(tmp_path):
     assert not (tmp_path / "local" / ".ckptcore.lock").exists()  # nothing taken or written
     # A resumed run (local steps) whose bucket is down for now goes on locally, as before.
     with CheckpointManager(tmp_path / "local", save_on_preemption=False) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, tiny_state(1, n=3))
     mgr = CheckpointManager(tmp_path / "local", backup=ckptcore.Backup("s3://nobucket/run1",
                             storage_options=_dead_endpoint()), save_on_preemption=False)
     try:
         assert mgr.restore().step == 1
-        mgr.save(2, _state(2))
+        mgr.save(2, tiny_state(2, n=3))
         assert mgr.steps() == [1, 2]
     finally:
         with pytest.raises(StorageError):
@@ -289,7 +281,7 @@ def test_a_backup_that_cannot_be_reached_is_an_error_at_construction(tmp_path):
 def test_a_reachable_backup_passes_the_check(tmp_path):
     with CheckpointManager(tmp_path / "local", backup=str(tmp_path / "bk" / "new"),
                            save_on_preemption=False) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(1, tiny_state(1, n=3))
         mgr.wait()
         assert mgr.backup.steps() == [1]
 
@@ -308,19 +300,20 @@ _HOLDER = """
 def test_lock_true_refuses_a_root_a_live_writer_of_this_process_holds(tmp_path, where):
     root = str(tmp_path / "run") if where == "local" else f"memory://misuse22-{time.time_ns()}/run"
     first = CheckpointManager(root, save_on_preemption=False)
-    first.save(1, _state(1))
+    first.save(1, tiny_state(1, n=3))
     with pytest.raises(LockedError, match=f":{os.getpid()}:"):
         CheckpointManager(root, lock=True, save_on_preemption=False)
     # lazy (the default): constructed, refused at the first write; readers need no lock
     lazy = CheckpointManager(root, lock="lazy", save_on_preemption=False)
     with pytest.raises(LockedError):
-        lazy.save(2, _state(2))
-    assert CheckpointManager(root, lock=False, save_on_preemption=False).steps() == [1]
-    first.save(2, _state(2))  # the holder was not disturbed by the checks
+        lazy.save(2, tiny_state(2, n=3))
+    with CheckpointManager(root, lock=False, save_on_preemption=False) as reader:
+        assert reader.steps() == [1]
+    first.save(2, tiny_state(2, n=3))  # the holder was not disturbed by the checks
     first.close()
     lazy.close()
     with CheckpointManager(root, lock=True, save_on_preemption=False) as again:  # closed: free
-        again.save(3, _state(3))
+        again.save(3, tiny_state(3, n=3))
         assert again.steps() == [1, 2, 3]
     with pytest.raises(ValueError, match="lock must be"):
         CheckpointManager(root, lock="eager", save_on_preemption=False)
@@ -332,7 +325,7 @@ def test_lock_true_with_a_group_refuses_on_every_rank_at_construction(tmp_path):
     from _support import run_ranks
     root = str(tmp_path / "run")
     with CheckpointManager(root, save_on_preemption=False) as first:
-        first.save(1, _state(1))
+        first.save(1, tiny_state(1, n=3))
         with _knobs.override(group_timeout=30):
             out = run_ranks(ckptcore.ThreadGroup.create(3), lambda g: CheckpointManager(
                 root, lock=True, group=g, save_on_preemption=False), timeout=60)
@@ -341,12 +334,13 @@ def test_lock_true_with_a_group_refuses_on_every_rank_at_construction(tmp_path):
     with _knobs.override(group_timeout=30):  # free now: every rank constructs and saves
         def body(g):
             with CheckpointManager(root, lock=True, group=g, save_on_preemption=False) as m:
-                m.save(2, _state(2))
+                m.save(2, tiny_state(2, n=3))
                 return m.steps()
         out = run_ranks(ckptcore.ThreadGroup.create(3), body, timeout=60)
     assert out == {0: [1, 2], 1: [1, 2], 2: [1, 2]}, out
 
 
+@pytest.mark.slow
 def test_lock_true_refuses_a_live_writer_of_another_process_and_takes_a_dead_ones(tmp_path):
     root = str(tmp_path / "run")
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_HOLDER), root],
@@ -364,5 +358,5 @@ def test_lock_true_refuses_a_live_writer_of_another_process_and_takes_a_dead_one
             holder.wait()
     mgr = CheckpointManager(root, lock=True, save_on_preemption=False)  # a dead holder: free
     with pytest.warns(ckptcore.LockTakeoverWarning, match=f":{holder.pid}:"):
-        mgr.save(2, _state(2))
+        mgr.save(2, tiny_state(2, n=3))
     mgr.close()

@@ -36,6 +36,7 @@ def test_keep_last():
 
 @SETTINGS
 @given(entries=entry_lists, n=st.integers(1, 40))
+@pytest.mark.slow
 def test_keep_last_property(entries, n):
     kept = KeepLast(n).keep(entries)
     steps = [e.step for e in entries]
@@ -77,6 +78,7 @@ def test_keep_every_duration():
 
 @SETTINGS
 @given(entries=entry_lists, seconds=st.floats(1, 1e5), drop=st.data())
+@pytest.mark.slow
 def test_keep_every_duration_is_stable(entries, seconds, drop):
     policy = KeepEveryDuration(seconds=seconds)
     kept = policy.keep(entries)

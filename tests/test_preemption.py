@@ -87,8 +87,9 @@ def _run(root, options, *, async_save=False, signal_at=None, sig=signal.SIGTERM,
 
 
 def _final(root, options):
-    mgr = CheckpointManager(root, storage_options=options, lock=False, save_on_preemption=False)
-    return ckptcore.load_state(mgr.step_url(mgr.latest_step()), storage_options=options)
+    with CheckpointManager(root, storage_options=options, lock=False,
+                           save_on_preemption=False) as mgr:
+        return ckptcore.load_state(mgr.step_url(mgr.latest_step()), storage_options=options)
 
 
 def _assert_bitwise_equal(a, b):
@@ -121,6 +122,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.slow
 def test_sigterm_mid_epoch_saves_that_step_and_the_resumed_run_is_exact(tmp_path, reference,
                                                                           async_save):
     ref_records, ref_final = reference
@@ -130,8 +132,8 @@ def test_sigterm_mid_epoch_saves_that_step_and_the_resumed_run_is_exact(tmp_path
     saved = records[-1]["preempted"]
     assert 15 <= saved < 24 and saved % 6, records[-1]  # mid epoch 1, not a periodic save
     assert "SIGTERM: saved step" in err
-    mgr = CheckpointManager(root, lock=False, save_on_preemption=False)
-    assert mgr.latest_step() == saved  # the step it was at: no step lost
+    with CheckpointManager(root, lock=False, save_on_preemption=False) as mgr:
+        assert mgr.latest_step() == saved  # the step it was at: no step lost
     code, resumed, err = _run(root, None, async_save=async_save)
     assert code == 0, err
     assert resumed[0] == {"resumed": saved}
@@ -139,6 +141,7 @@ def test_sigterm_mid_epoch_saves_that_step_and_the_resumed_run_is_exact(tmp_path
     _assert_bitwise_equal(_final(root, None), ref_final)
 
 
+@pytest.mark.slow
 def test_sigkill_then_sigterm_on_s3_resumes_at_once_and_exactly(s3_backend, reference):
     ref_records, ref_final = reference
     root, options = s3_backend.url("run"), s3_backend.storage_options
@@ -159,6 +162,7 @@ def test_sigkill_then_sigterm_on_s3_resumes_at_once_and_exactly(s3_backend, refe
     _assert_bitwise_equal(_final(root, options), ref_final)
 
 
+@pytest.mark.slow
 def test_a_loop_that_never_checks_still_terminates_on_sigterm(tmp_path):
     # Only a loop that asks (preempted / save_if_preempted) can save and stop; for any other,
     # SIGTERM keeps its usual effect instead of being swallowed.
@@ -272,6 +276,7 @@ FORKED = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.slow
 def test_a_forked_worker_still_ends_on_sigterm(tmp_path):
     out = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path / "run")], capture_output=True,
                          text=True, timeout=60, env=subprocess_env(HERE))

@@ -287,6 +287,7 @@ def _s3_env(request, code: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+@pytest.mark.slow
 def test_readme_block_runs_as_written_twice(block, request, tmp_path):
     framework = block.framework
     if framework is not None:
@@ -336,6 +337,7 @@ def _bucket_note() -> str:
     return text[start:text.index("```\n", text.index("```bash", start) + 7)]
 
 
+@pytest.mark.slow
 def test_the_bucket_note_sets_up_what_the_s3_blocks_need(s3_storage_options, tmp_path):
     """The README's "Trying the bucket examples locally" steps, run as shown (the moto server is
     the session's, on its own port): the environment they export and their bucket command are

@@ -93,6 +93,7 @@ def check(run_python, tmp_path: Path, site: Path, body: str) -> dict:
     return json.loads(run_python(str(script)).strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_fake_adapter_is_found_and_chosen(run_python, tmp_path, site):
     out = check(run_python, tmp_path, site, '''
         import fakefw_ckpt
@@ -104,6 +105,7 @@ def test_fake_adapter_is_found_and_chosen(run_python, tmp_path, site):
     assert "fakefw_broken" not in out["available"] and "fakefw_half" not in out["available"]
 
 
+@pytest.mark.slow
 def test_fake_adapter_saves_and_loads_through_the_api(run_python, tmp_path, site):
     out = check(run_python, tmp_path, site, f'''
         import ckptcore, fakefw_ckpt
@@ -118,6 +120,7 @@ def test_fake_adapter_saves_and_loads_through_the_api(run_python, tmp_path, site
     assert out["framework"] == "fakefw" and out["w"] == [0.0, 1.0, 2.0, 3.0]
 
 
+@pytest.mark.slow
 def test_adapter_failing_to_import_is_reported_and_logged(run_python, tmp_path, site):
     out = check(run_python, tmp_path, site, '''
         try:
@@ -133,6 +136,7 @@ def test_adapter_failing_to_import_is_reported_and_logged(run_python, tmp_path, 
     assert any("fakefw_broken" in r and "libfake 2.0" in r for r in out["log"]), out["log"]
 
 
+@pytest.mark.slow
 def test_adapter_lacking_contract_members_is_reported(run_python, tmp_path, site):
     out = check(run_python, tmp_path, site, '''
         try:
@@ -146,6 +150,7 @@ def test_adapter_lacking_contract_members_is_reported(run_python, tmp_path, site
     assert any("fakefw_half" in r for r in out["log"])
 
 
+@pytest.mark.slow
 def test_unknown_names_and_objects_are_adapter_not_found(run_python, tmp_path, site):
     out = check(run_python, tmp_path, site, '''
         try:
@@ -163,6 +168,7 @@ def test_unknown_names_and_objects_are_adapter_not_found(run_python, tmp_path, s
     assert "__main__.Stranger" in out["object"] and "fakefw" in out["object"]
 
 
+@pytest.mark.slow
 def test_import_ckptcore_loads_no_adapter(run_python, tmp_path, site):
     out = check(run_python, tmp_path, site, '''
         import ckptcore

@@ -65,6 +65,7 @@ def _state() -> TrainingState:
 
 
 @pytest.mark.parametrize("concurrency", [1, 3, 8])
+@pytest.mark.slow
 def test_multipart_round_trip_bit_for_bit(s3_backend, tiny_parts, concurrency):
     state = _state()
     url, opts = s3_backend.url("ck"), s3_backend.storage_options
@@ -105,6 +106,7 @@ def test_store_writer_sizes_and_request_shapes(s3_backend, tiny_parts, size):
     assert _uploads(s3_backend) == []
 
 
+@pytest.mark.slow
 def test_concurrency_one_and_many_writers_share_the_buffers(s3_backend, tiny_parts):
     """Eight shards, each several parts, through one part buffer: no deadlock, exact bytes."""
     state = TrainingState(model={f"t{i}": _rng_array(3 * PART + i, 10 + i) for i in range(8)},
@@ -135,6 +137,7 @@ def test_failed_completion_aborts_and_commits_nothing(s3_backend, caplog):
     assert not [n for n in s3_backend.listdir("ck") if n.startswith("shard-")]
 
 
+@pytest.mark.slow
 def test_a_part_failing_mid_upload_aborts_the_upload(s3_backend, tiny_parts, caplog):
     """The multipart upload vanishes under the writer (aborted through the S3 API, as a bucket
     lifecycle rule would): the next part or the completion fails, naming the object; nothing is
@@ -171,6 +174,7 @@ def test_abandoned_writer_can_abort(s3_backend, tiny_parts):
 
 
 @pytest.mark.parametrize("piece", [1, 777, 4096, 1 << 20])
+@pytest.mark.slow
 def test_concurrent_ranged_reads_are_exact(s3_backend, piece):
     store = Store(s3_backend.url("r"), s3_backend.storage_options)
     data = _rng_array(300_000, 5).tobytes()
@@ -252,6 +256,7 @@ def test_concurrent_saves_share_nothing(s3_backend, tiny_parts):
         assert got.model["w"].tobytes() == states[k].model["w"].tobytes()
 
 
+@pytest.mark.slow
 def test_a_save_spreads_over_part_sized_shards_read_back_together(s3_backend, tiny_parts):
     """On S3 a shard is at most one part (a single PUT each); a save of many tensors has many
     shards written at once, and a load fetches all of them in one concurrent read, exactly."""
@@ -269,6 +274,7 @@ def test_a_save_spreads_over_part_sized_shards_read_back_together(s3_backend, ti
         assert got.model[k].tobytes() == arr.tobytes(), k
 
 
+@pytest.mark.slow
 def test_damage_in_one_of_many_remote_shards_is_named(s3_backend, tiny_parts):
     """A truncated shard and a flipped byte in another: load names the first; verify reports
     both and nothing about the intact shards."""
@@ -310,6 +316,7 @@ def _captured_uploads(store: Store) -> list[tuple[str, dict, bytes]]:
 
 
 @pytest.mark.parametrize("size", [3 * PART // 2, 5 * PART])  # a single PUT, a multipart upload
+@pytest.mark.slow
 def test_uploads_carry_the_crc32c_of_their_bytes(s3_backend, tiny_parts, size):
     """S3 checks each upload against a CRC32C computed by the writer (botocore then computes no
     CRC32 of its own on the shared event loop); a client configured to send checksums only when
@@ -346,6 +353,7 @@ def cutting_proxy(s3_storage_options):
     proxy.close()
 
 
+@pytest.mark.slow
 def test_a_body_broken_off_is_fetched_again_and_logged(s3_backend, cutting_proxy, caplog):
     """A ranged read whose body breaks off mid-transfer is fetched again (logged) and the load is
     bit for bit; one that keeps breaking fails as a StorageError naming the shard."""

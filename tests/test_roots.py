@@ -44,7 +44,8 @@ def test_keep_is_not_undone_by_an_aliased_backup_keep(tmp_path, monkeypatch):
             mgr.save(s, ckptcore.TrainingState(model={"w": np.zeros(3)}, step=s))
     with pytest.raises(ValueError):
         CheckpointManager("run", backup=ckptcore.Backup("./run", keep=1), lock=False)
-    assert CheckpointManager("run", lock=False).steps() == [1, 2, 3]
+    with CheckpointManager("run", lock=False) as reader:
+        assert reader.steps() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("url", ["a::b", "zip::x", "simplecache::memory://x"])

@@ -306,6 +306,7 @@ SECTIONS = ["model", "optimizer", "schedule", "accumulation", "params", "rng", "
 EXAMPLES = {"local": 40, "memory": 40, "s3": 12, "gcs": 12, "azure": 12}  # ~10 ms per request
 
 
+@pytest.mark.slow
 def test_hypothesis_roundtrip(backend):
     opts = backend.storage_options
 

@@ -178,6 +178,7 @@ def test_two_ranks_parts_merged_into_one_checkpoint_load_whole(tmp_path):
     assert ckptcore.verify(folder) == []
 
 
+@pytest.mark.slow
 def test_a_table_too_irregular_to_check_is_refused_quickly():
     """Chunks that do not overlap, arranged so that every dimension has billions of candidate
     pairs: a typed error in a moment, not minutes of checking."""

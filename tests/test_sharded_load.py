@@ -228,6 +228,7 @@ def test_damage_in_a_block_read_is_found_and_outside_it_is_not_read(tmp_path):
 
 # ----------------------------------------------------------------------------- S3 server
 @pytest.mark.parametrize("saved, loaded", [(3, 2), (1, 4)])
+@pytest.mark.slow
 def test_resharding_on_s3(s3_backend, saved, loaded):
     url, opts = s3_backend.url("c"), s3_backend.storage_options
     _save_cut(url, saved, storage_options=opts)

@@ -13,29 +13,26 @@ Against the real moto S3 server (``s3_storage_options``), through s3fs:
 
 from __future__ import annotations
 
-import socket
 import uuid
 
-import numpy as np
 import pytest
 
 import ckptcore
-from ckptcore import TrainingState, _knobs
+from ckptcore import _knobs
 from ckptcore._storage import Store
 from ckptcore.errors import CheckpointError, CheckpointNotFoundError, StorageError
 
-
-def _state() -> TrainingState:
-    return TrainingState(model={"w": np.arange(10, dtype=np.float32)}, step=1)
+from _support import dead_s3_options, tiny_state
 
 
 def _steps(url, opts):
-    return ckptcore.CheckpointManager(url, storage_options=opts, lock=False).steps()
+    with ckptcore.CheckpointManager(url, storage_options=opts, lock=False) as reader:
+        return reader.steps()
 
 
 def _manager_save(url, opts):
     with ckptcore.CheckpointManager(url, storage_options=opts) as mgr:
-        mgr.save(1, _state())
+        mgr.save(1, tiny_state(1, n=10))
 
 
 def _listdir(url, opts):
@@ -50,7 +47,7 @@ READS = {
     "listdir": _listdir,
 }
 WRITES = {
-    "save_state": lambda url, opts: ckptcore.save_state(url, _state(), storage_options=opts),
+    "save_state": lambda url, opts: ckptcore.save_state(url, tiny_state(1, n=10), storage_options=opts),
     "manager.save": _manager_save,
 }
 
@@ -62,6 +59,7 @@ def missing_bucket(s3_storage_options):
 
 
 @pytest.mark.parametrize("op", list(READS))
+@pytest.mark.slow
 def test_reading_from_a_missing_bucket(missing_bucket, op):
     bucket, url, opts = missing_bucket
     with pytest.raises(CheckpointNotFoundError) as info:
@@ -99,16 +97,11 @@ def test_a_missing_object_in_an_existing_bucket_is_still_plain_not_found(s3_back
 def dead_endpoint():
     """Options for an S3 endpoint on a port nobody listens on, failing fast."""
     pytest.importorskip("s3fs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
-            "key": "testing", "secret": "testing", "skip_instance_cache": True,
-            "config_kwargs": {"connect_timeout": 1, "read_timeout": 1,
-                              "retries": {"max_attempts": 1}}}
+    return dead_s3_options(read_timeout=1)
 
 
 @pytest.mark.parametrize("op", list(READS) + list(WRITES))
+@pytest.mark.slow
 def test_a_dead_endpoint_is_a_storage_error(dead_endpoint, op):
     botocore = pytest.importorskip("botocore.exceptions")
     url = f"s3://some-bucket/run-{uuid.uuid4().hex[:8]}/ckpt"
@@ -121,6 +114,7 @@ def test_a_dead_endpoint_is_a_storage_error(dead_endpoint, op):
     assert isinstance(e.__cause__, botocore.BotoCoreError), repr(e.__cause__)
 
 
+@pytest.mark.slow
 def test_store_operations_on_a_dead_endpoint_each_raise_storage_error(dead_endpoint):
     botocore = pytest.importorskip("botocore.exceptions")
     store = Store("s3://some-bucket/x", dead_endpoint)

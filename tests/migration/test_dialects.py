@@ -45,6 +45,7 @@ def test_every_dialect_satisfies_the_protocol_and_imports_no_framework():
     assert not {"tensorflow", "keras", "paddle"} & {m.split(".")[0] for m in sys.modules}
 
 
+@pytest.mark.slow
 def test_dialect_modules_import_no_framework_in_a_fresh_interpreter():
     import subprocess
 

@@ -77,6 +77,7 @@ def convert(state, template, **kw):
     return out, [str(w.message) for w in caught if issubclass(w.category, MigrationWarning)]
 
 
+@pytest.mark.slow
 def test_import_stays_framework_free():
     code = ("import sys, ckptcore, ckptcore.migrate; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras', 'paddle')))")

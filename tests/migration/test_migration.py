@@ -97,6 +97,7 @@ def test_inexact_schedule_pair_raises_unless_approximate(migration_results):
     assert r["last_epoch"] == STEPS
 
 
+@pytest.mark.slow
 def test_reseeded_paddle_generator_is_paddle_seed(migration_results):
     r = task(migration_results, "paddle", "rng")
     assert r == {"engine_equal": True, "seed_equal": True, "draws_equal": True}
