@@ -190,3 +190,37 @@ def test_a_taker_whose_record_does_not_read_back_still_restores_and_hides_nothin
     monkeypatch.setattr(_fence, "read_record", real)
     with _reader(root, {}) as r:
         assert r.steps() == [3, 4]
+
+
+def test_a_restore_whose_listed_steps_all_vanish_lists_again(monkeypatch):
+    """Listing a root is not atomic (its step folders, then each one's manifest): a restorer
+    paused in between (SIGSTOP, a loaded machine) can find every step it listed deleted by the
+    holder's retention meanwhile, and none of the holder's newer steps.  restore() lists again
+    instead of reporting "no committed checkpoints" (a restarted writer of the fencing loop
+    found no checkpoint although steps were acknowledged)."""
+    import uuid
+
+    from ckptcore._storage import RemoteStore
+
+    root = f"memory://fencing-relist-{uuid.uuid4().hex}/run"
+    a = CheckpointManager(root, keep=2, **LEASE)
+    for s in range(4):
+        a.save(s, _state(s))
+    real = RemoteStore.listdir
+    armed = [True]
+
+    def listdir(self, rel=""):
+        out = real(self, rel)
+        if armed[0] and rel == "" and self.url.rstrip("/") == root:
+            armed[0] = False  # the holder saves two steps; its retention deletes 2 and 3
+            a.save(4, _state(4))
+            a.save(5, _state(5))
+        return out
+
+    monkeypatch.setattr(RemoteStore, "listdir", listdir)
+    try:
+        with _reader(root, {}) as r:
+            assert r.restore().step == 5
+    finally:
+        a.close()
+    assert not armed[0]
