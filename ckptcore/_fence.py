@@ -159,10 +159,14 @@ def accepted_steps(root: Store) -> list[int]:
     return [s for s, _ in split(root, step_folders(root))[0]] if root.exists() else []
 
 
-def claim(root: Store, holder: str, *, extra: Iterable[int] = ()) -> int:
+def claim(root: Store, holder: str, *, extra: Iterable[int] = ()) -> tuple[int, list[int]]:
     """Claim the next generation of ``root`` for ``holder`` (who holds its lock or lease) and
-    return it; ``LockedError`` if another writer claimed it first.  Its record lists the steps
-    readers accept now (and ``extra``: a step this holder just committed)."""
+    return it with the steps its record accepts; ``LockedError`` if another writer claimed it
+    first.  The record lists the steps readers accept now (and ``extra``: a step this holder
+    just committed).  The caller keeps the list returned here: reading the record back could
+    fail (a timeout, a stale listing), and a holder that took its accepted steps as none would
+    hide every earlier step from its own restore, then write that empty list into the record
+    with its first commit, hiding them from every reader."""
     gens = generations(root)
     g = (gens[-1] if gens else 0) + 1
     accepted = sorted(set(accepted_steps(root)) | set(extra))
@@ -178,7 +182,7 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = ()) -> int:
     for old in gens[:max(0, len(gens) + 1 - _KEEP_RECORDS)]:
         log.debug("%s: pruning the record of writer generation %d", root.url, old)
         root.delete(gen_name(old))
-    return g
+    return g, accepted
 
 
 def record(root: Store, g: int, holder: str, accepted: Iterable[int],

@@ -245,15 +245,14 @@ class WriterLock:
     # -- fencing --------------------------------------------------------------------------------
     def _claim(self, extra: tuple[int, ...] = ()) -> None:
         """Claim the root's next generation (the caller holds the flock or the lease)."""
-        g = _fence.claim(self.store, self.holder, extra=extra)
+        g, accepted = _fence.claim(self.store, self.holder, extra=extra)
         if self.generation is not None:
             log.warning("%s: this writer's lease renewal was overdue (%.1f s since the last one, "
                         "lease %s s), so it may have been taken over meanwhile; nobody had: "
                         "claimed the root again as writer generation %d", self.store.url,
                         time.monotonic() - self._renewed, self.lease_seconds, g)
         self.generation = g
-        record = _fence.read_record(self.store, g) or {}
-        self._accepted = set(record.get("accepted") or ()) | set(extra)
+        self._accepted = set(accepted)  # what the claim wrote, not read back (see claim)
         self._committed = set()
 
     def _overdue(self) -> bool:

@@ -11,7 +11,8 @@ a step's local copy before its replicas, and takes the first that loads:
   of reach: an older step would be no better); on a backup tier it only means there is no
   replica to fall back on (logged);
 * a listing whose every step was deleted while it was read (another writer's retention) is
-  made again, a few times.
+  made again, a few times; so is one that comes out empty (a listing paused between the step
+  folders and their manifests can miss every step).
 
 With a group, rank 0 lists the tiers and every rank tries the same candidates in the same
 order; every rank follows rank 0's verdict after a failure, so none falls back while another
@@ -140,6 +141,11 @@ class Restorer:
         for attempt in range(_RELISTS):
             plan = {int(s): [int(i) for i in tiers] for s, tiers in self._everyone(self._plan)}
             if not plan:
+                # A listing is not atomic (step folders, then each one's manifest): one paused
+                # in between can find every listed step deleted by the holder's retention and
+                # none of its newer steps.  Empty only if a listing made now is empty too.
+                if attempt + 1 < _RELISTS:
+                    continue
                 where = " or ".join(t.url for t in self.tiers)
                 raise CheckpointNotFoundError(f"{where}: no committed checkpoints")
             found, last, gone = self._try(plan, load, apply)

@@ -159,3 +159,69 @@ def test_an_explicit_restore_of_a_fenced_step_is_refused(s3_backend, spawn_pytho
     s3_backend.fs.invalidate_cache()
     assert not s3_backend.fs.exists(s3_backend.path("run", "step-000000000030", "manifest.msgpack"))
     assert _reader(root, options).steps() == [20, 21, 22]
+
+
+def test_a_taker_whose_record_does_not_read_back_still_restores_and_hides_nothing(monkeypatch):
+    """A new holder keeps the accepted steps its claim wrote: reading its own generation record
+    back right after the claim can fail (a timeout, a stale listing), and a holder that took
+    that as "no step accepted" restored nothing although steps were committed, then wrote the
+    empty list into its record with its first commit, hiding every earlier step from every
+    reader (a restarted writer "found no checkpoint" in the fencing loop)."""
+    import sys
+    import uuid
+
+    from ckptcore import _fence
+
+    root = f"memory://fencing-readback-{uuid.uuid4().hex}/run"
+    with CheckpointManager(root, keep=2, **LEASE) as a:
+        for s in range(4):
+            a.save(s, _state(s))
+    real = _fence.read_record
+
+    def fails_right_after_the_claim(store, g):  # the read-back of the record just written
+        if sys._getframe(1).f_code.co_name == "_claim":
+            return None
+        return real(store, g)
+
+    monkeypatch.setattr(_fence, "read_record", fails_right_after_the_claim)
+    with CheckpointManager(root, keep=2, **LEASE) as b:
+        b.gc(grace=3600)  # takes the lease: claims generation 2
+        assert b.restore().step == 3
+        b.save(4, _state(4))
+    monkeypatch.setattr(_fence, "read_record", real)
+    with _reader(root, {}) as r:
+        assert r.steps() == [3, 4]
+
+
+def test_a_restore_whose_listed_steps_all_vanish_lists_again(monkeypatch):
+    """Listing a root is not atomic (its step folders, then each one's manifest): a restorer
+    paused in between (SIGSTOP, a loaded machine) can find every step it listed deleted by the
+    holder's retention meanwhile, and none of the holder's newer steps.  restore() lists again
+    instead of reporting "no committed checkpoints" (a restarted writer of the fencing loop
+    found no checkpoint although steps were acknowledged)."""
+    import uuid
+
+    from ckptcore._storage import RemoteStore
+
+    root = f"memory://fencing-relist-{uuid.uuid4().hex}/run"
+    a = CheckpointManager(root, keep=2, **LEASE)
+    for s in range(4):
+        a.save(s, _state(s))
+    real = RemoteStore.listdir
+    armed = [True]
+
+    def listdir(self, rel=""):
+        out = real(self, rel)
+        if armed[0] and rel == "" and self.url.rstrip("/") == root:
+            armed[0] = False  # the holder saves two steps; its retention deletes 2 and 3
+            a.save(4, _state(4))
+            a.save(5, _state(5))
+        return out
+
+    monkeypatch.setattr(RemoteStore, "listdir", listdir)
+    try:
+        with _reader(root, {}) as r:
+            assert r.restore().step == 5
+    finally:
+        a.close()
+    assert not armed[0]
