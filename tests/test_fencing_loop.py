@@ -47,6 +47,10 @@ LEASE, BEAT = 6.0, 2.0
 LOOP_SECONDS = 70.0  # pauses are sent for this long (longer if fewer than MIN_PAUSES so far)
 MAX_LOOP_SECONDS = 110.0
 MIN_PAUSES = 50
+# Saves must go on under the pauses (else the loop proves nothing).  Alone a store acknowledges
+# 15-140 saves in the loop; on two cores shared with the other suites, as few as 6 (the writers
+# spend the loop paused or waiting out leases): a floor, not a throughput target.
+MIN_ACKS = 5
 MAX_LONG_PAUSED = 2  # writers stopped at once before the third may be, and then only briefly
 SHORT_PAUSE = 2.0
 HOLDER_AIM = {False: 0.3, True: 0.8}  # chance to aim a pause (below, above the lease) at the holder
@@ -289,7 +293,7 @@ def test_writers_paused_at_random_commit_nothing_fenced_and_lose_no_step(
     assert not lost, lost
     assert sent["pauses"] >= MIN_PAUSES
     assert takeovers >= 1, figures  # the root did change hands under the pauses
-    assert len(acks) >= 15, figures
+    assert len(acks) >= MIN_ACKS, figures
     # A writer told "its commit ... landed after that, and readers ignore it" must be right:
     # no later holder may have restored from that very save.
     assert not restored_landed, (restored_landed, figures)
