@@ -175,7 +175,7 @@ def test_a_taker_whose_record_does_not_read_back_still_restores_and_hides_nothin
     root = f"memory://fencing-readback-{uuid.uuid4().hex}/run"
     with CheckpointManager(root, keep=2, **LEASE) as a:
         for s in range(4):
-            a.save(s, _state(s))
+            a.save(s, tiny_state(s))
     real = _fence.read_record
 
     def fails_right_after_the_claim(store, g):  # the read-back of the record just written
@@ -187,7 +187,7 @@ def test_a_taker_whose_record_does_not_read_back_still_restores_and_hides_nothin
     with CheckpointManager(root, keep=2, **LEASE) as b:
         b.gc(grace=3600)  # takes the lease: claims generation 2
         assert b.restore().step == 3
-        b.save(4, _state(4))
+        b.save(4, tiny_state(4))
     monkeypatch.setattr(_fence, "read_record", real)
     with _reader(root, {}) as r:
         assert r.steps() == [3, 4]
@@ -206,7 +206,7 @@ def test_a_restore_whose_listed_steps_all_vanish_lists_again(monkeypatch):
     root = f"memory://fencing-relist-{uuid.uuid4().hex}/run"
     a = CheckpointManager(root, keep=2, **LEASE)
     for s in range(4):
-        a.save(s, _state(s))
+        a.save(s, tiny_state(s))
     real = RemoteStore.listdir
     armed = [True]
 
@@ -214,8 +214,8 @@ def test_a_restore_whose_listed_steps_all_vanish_lists_again(monkeypatch):
         out = real(self, rel)
         if armed[0] and rel == "" and self.url.rstrip("/") == root:
             armed[0] = False  # the holder saves two steps; its retention deletes 2 and 3
-            a.save(4, _state(4))
-            a.save(5, _state(5))
+            a.save(4, tiny_state(4))
+            a.save(5, tiny_state(5))
         return out
 
     monkeypatch.setattr(RemoteStore, "listdir", listdir)
