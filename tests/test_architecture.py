@@ -38,5 +38,12 @@ def test_the_adapter_module_map_names_every_adapter_module():
     assert named - tree == set(), f"the module map names modules no adapter has: {named - tree}"
 
 
+def test_tests_readme_maps_every_core_module():
+    text = (ROOT / "tests" / "README.md").read_text()
+    tree = {p.name for p in (ROOT / "ckptcore").glob("*.py")}
+    missing = {m for m in tree if m not in _named(text)}
+    assert not missing, f"tests/README.md does not say which tests cover: {sorted(missing)}"
+
+
 def test_the_checker_can_fail():
     assert _named("`_io.py` and manager.py, not ckptcore") == {"_io.py", "manager.py"}
