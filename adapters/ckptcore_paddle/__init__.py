@@ -85,7 +85,7 @@ class _AsIfUnconfigured(logging.Handler):
         last = logging.lastResort
         if last is None or record.levelno < last.level or not _is_ckptcore(record):
             return
-        if record.funcName == "warn_and_log" and record.module == "adapter":
+        if record.funcName == "warn_and_log" and record.module == "errors":  # ckptcore/errors.py
             return  # also a Python warning: without logging set up it is a DEBUG record (shown once)
         logger: logging.Logger | None = logging.getLogger(record.name)
         while logger is not None:
