@@ -108,7 +108,8 @@ class _Sync:
                 self._copy(step, name)
         if keep is not None:
             target = Tier(dst, self.dso, lock=self.lock, what="replica")
-            report.deleted = target.retain(as_policy(keep), dry_run=self.dry_run)
+            report.deleted = target.retain(as_policy(keep), dry_run=self.dry_run,
+                                           missing_ok=True)
         if report.deleted and self.dedup and not self.dry_run:
             report.swept = sweep(dst, _knobs.gc_grace(), fence=self.lock)
         return report

@@ -168,15 +168,17 @@ class Tier:
 
     def retain(self, policy: RetentionPolicy, *, skip: Iterable[int] = (),
                hold: Callable[[list[int]], set[int]] | None = None,
-               dry_run: bool = False) -> list[int]:
+               dry_run: bool = False, missing_ok: bool = False) -> list[int]:
         """Apply ``policy`` to the committed steps; delete (oldest first) and return the others.
 
         ``skip``: steps neither judged nor counted as the newest (damaged ones a restore fell
         back over: else one would hold the newest slot and the resumed run's saves below it
         would go).  ``hold(doomed)``: steps among those the policy would delete that must stay
         for now (a step not replicated yet), logged by the caller.  ``dry_run``: only say which.
+        ``missing_ok``: the root may not exist (a sync target); after this tier's own commit it
+        does, and asking would cost a request per save on object stores.
         """
-        steps = self.steps(missing_ok=True)
+        steps = self.steps(missing_ok=missing_ok)
         skipped = set(skip)
         good = [s for s in steps if s not in skipped]
         if len(good) < 2:
