@@ -45,7 +45,7 @@ from typing import Any
 
 from . import _fence, _knobs
 from ._storage import Store, file_kind
-from .errors import (FencedError, LockedError, LockTakeoverWarning, UnsafeCheckpointError,
+from .errors import (CheckpointError, FencedError, LockedError, LockTakeoverWarning, UnsafeCheckpointError,
                      caller_level, warn_and_log)
 
 __all__ = ["WriterLock", "LockTakeoverWarning", "LOCK_NAME"]
@@ -293,6 +293,25 @@ class WriterLock:
                 raise self._fenced(who, what)
             if self._overdue():
                 self._reclaim()
+
+    def check_current(self, what: str) -> None:
+        """Raise :class:`FencedError` if another writer superseded this holder, without renewing
+        anything: called before an error that a stale view of the root would explain (a step
+        below the newest, a step already there), so that a writer that lost the root is told
+        so rather than given a misleading reason.  A store that cannot be asked leaves the
+        caller's own error standing."""
+        if not self._held and self._lost:
+            raise self._fenced(self._lost, what)
+        if self.store.local or self.generation is None:
+            return
+        try:
+            with self._mutex:
+                who = self._lost or self._superseded()
+        except (CheckpointError, OSError) as e:
+            log.debug("%s: could not ask whether this writer was superseded: %s", self.store.url, e)
+            return
+        if who:
+            raise self._fenced(who, what)
 
     def before_delete(self) -> None:
         """As :meth:`before_commit`, right before a step is deleted: a superseded writer deletes

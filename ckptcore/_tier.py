@@ -27,7 +27,8 @@ from ._read import inspect
 from ._replica import copy_checkpoint
 from ._steps import STEP, committed_steps, fenced_steps, is_committed, step_name
 from ._storage import Store
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, LockedError, StorageError,
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError,
+                     LockedError, StorageError,
                      UnsafeCheckpointError, UnsupportedCheckpointError)
 from .policies import CheckpointEntry, RetentionPolicy, saved_metrics
 
@@ -117,6 +118,8 @@ class Tier:
                     raise
                 return save()
         except CheckpointExistsError as e:
+            # A writer that lost the root sees the new holder's steps: say that, not this.
+            self.check_current(f"step {step} was not committed")
             if step not in self.steps():
                 raise CheckpointExistsError(
                     f"{e}. The folder of step {step} under {self.url} holds the leftovers of an "
@@ -127,6 +130,14 @@ class Tier:
                 f"a manager replaces only the steps it saved itself: to resume from it, call "
                 f"mgr.restore() and save the steps after it; to discard it, call mgr.rewind({step}) "
                 "(deletes it and every newer checkpoint) and save again") from e
+        except IncompleteCheckpointError:
+            self.check_current(f"step {step} was not committed")  # as above
+            raise
+
+    def check_current(self, what: str) -> None:
+        """Raise ``FencedError`` if this tier's writer was superseded (nothing for readers)."""
+        if self.lock is not None:
+            self.lock.check_current(what)
 
     # -- what retention knows of a step ---------------------------------------------------------
     def remember(self, step: int, created: float, metadata: Any) -> None:

@@ -188,6 +188,7 @@ class CheckpointManager:
         steps = self.local.committed()
         good = [s for s in steps if s not in self._fell_back]
         if good and step < good[-1]:
+            self.local.check_current(f"save({step}) was refused")  # a stale view, if superseded
             raise StepOrderError(
                 f"save({step}): step {step} is below the newest committed step {good[-1]} under "
                 f"{self.root.url}, so a restore() would resume from step {good[-1]}, not from this "

@@ -192,9 +192,11 @@ def test_writers_paused_at_random_commit_nothing_fenced_and_lose_no_step(
     # but for writers that had already been superseded when they failed, counted apart: their
     # view of the root is stale, and the library does not always say so with FencedError (a
     # restore() whose listed candidates the new holder's retention deleted meanwhile reports
-    # CorruptCheckpointError "none of the N checkpoints verifies"; a save of a step the new
-    # holder committed meanwhile reports CheckpointExistsError before any fence check; one
-    # whose shards the new holder's retention deleted reports IncompleteCheckpointError).
+    # CorruptCheckpointError "none of the N checkpoints verifies").  A save whose step order,
+    # step in the way or missing shards a stale view explains asks whether it was superseded
+    # and raises FencedError then (StepOrderError came through once, in a CI run under load);
+    # CheckpointExistsError and IncompleteCheckpointError stay allowed for a store that could
+    # not be asked.
     others = [e for e in errors + [e for e in events if e["ev"] == "close_error"
                                    and not e.get("repeat")]
               if e["type"] not in EXPECTED_ERRORS]
@@ -286,7 +288,8 @@ def test_writers_paused_at_random_commit_nothing_fenced_and_lose_no_step(
     figures["unexpected_errors"] = len(unexpected)
     print("\nFENCING LOOP", json.dumps(figures))
     assert all(e["checkpoint_error"] for e in others), others[:5]
-    assert not unexpected, unexpected[:5]
+    assert not unexpected, [(e["where"], e["type"], e.get("superseded"), e.get("step"), e["msg"])
+                            for e in unexpected[:5]]
     assert not fenced_visible, fenced_visible
     assert not unacked_visible, unacked_visible
     assert not mismatched, mismatched
