@@ -252,7 +252,10 @@ class RestrictedUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets 
         if not isinstance(cls, RecordClass) or args != ():
             raise self.refuse(f"the NEWOBJ opcode on {brief(cls)} ({self.writer} never writes it)")
         self.charge(256, f"a {cls.name} record")
-        self.append(Record(cls.name))
+        rec = Record(cls.name)
+        if not cls.fields:  # a dataclass without fields is pickled without a BUILD
+            rec.fields = {}
+        self.append(rec)
 
     def key(self, key: Any) -> Any:
         if type(key) in PLAIN_KEYS or isinstance(key, np.generic) or \

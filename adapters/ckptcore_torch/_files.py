@@ -464,3 +464,71 @@ def _optimizer_dict(state: TrainingState, tensor: Any, param_names: Sequence[str
     st = {index[name]: {slot: tensor(f"optimizer/{name}/{slot}", v) for slot, v in slots.items()}
           for name, slots in sorted(opt.slots.items(), key=lambda kv: index[kv[0]])}
     return {"state": st, "param_groups": out_groups}
+
+
+# ----------------------------------------------------------------------------- ckpt import / export
+
+_OPTIONS = {"optimizer-path": "a torch.save file of the optimizer's state dict, when apart",
+            "param-names": "the model's parameter names in optimizer order, comma-separated",
+            "optimizer-kind": "the optimizer's class in lower case, when the file leaves it ambiguous"}
+
+
+def _names(text: Any) -> list[str] | None:
+    return None if text is None else [n for n in str(text).split(",") if n]
+
+
+def _read(src: str | os.PathLike, model: Any = None, optimizer: Any = None, *,
+          optimizer_path: Any = None, param_names: Any = None, optimizer_kind: Any = None) -> TrainingState:
+    """``ckpt import --from torch``: a live ``model`` (``--model``) names the parameters."""
+    names = _names(param_names)
+    if names is None and model is not None:
+        names = [n for n, _ in model.named_parameters()]
+    return import_torch_files(src, optimizer_path, param_names=names, optimizer_kind=optimizer_kind)
+
+
+def _write(state: TrainingState, dst: str | os.PathLike, model: Any = None, optimizer: Any = None, *,
+           optimizer_path: Any = None, param_names: Any = None, optimizer_kind: Any = None) -> str:
+    """``ckpt export --to torch``."""
+    if optimizer_path is not None or optimizer_kind is not None:
+        raise TypeError("--optimizer-path and --optimizer-kind apply to ckpt import")
+    names = _names(param_names)
+    if names is None and model is not None:
+        names = [n for n, _ in model.named_parameters()]
+    return export_torch_files(state, dst, param_names=names)
+
+
+def _is_torch_file(path: str | os.PathLike) -> bool:
+    try:
+        with open(os.fspath(path), "rb") as f:
+            head = f.read(4)
+            if head == b"PK\x03\x04":
+                return any(n.endswith("/data.pkl") for n in zipfile.ZipFile(f).namelist())
+            return head[:1] == b"\x80" and os.fspath(path).endswith((".pt", ".pth", ".bin", ".ckpt"))
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _is_dcp(path: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), ".metadata"))
+
+
+def _read_dcp(src: str | os.PathLike, model: Any = None, optimizer: Any = None, **options: Any) -> TrainingState:
+    from ._dcp import import_dcp
+    return import_dcp(src, **options)
+
+
+def _write_dcp(state: TrainingState, dst: str | os.PathLike, model: Any = None, optimizer: Any = None,
+               **options: Any) -> str:
+    from ._dcp import export_dcp
+    return export_dcp(state, dst, **options)
+
+
+FORMATS = (
+    FileFormat(name="torch", framework="torch",
+               description="torch.save files (zip or legacy) of a state dict, or of "
+                           "{'model': ..., 'optimizer': ...}; read without PyTorch",
+               detect=_is_torch_file, read=_read, write=_write, options=_OPTIONS),
+    FileFormat(name="torch-dcp", framework="torch",
+               description="a torch.distributed.checkpoint folder (.metadata, *.distcp)",
+               detect=_is_dcp, read=_read_dcp, write=_write_dcp),
+)

@@ -137,6 +137,8 @@ class TorchUnpickler(RestrictedUnpickler):
             for name in DTYPES:
                 admitted[("torch", name)] = TorchDType(name)
             admitted[("torch.serialization", "_get_layout")] = self._layout
+            admitted[("pathlib", "PosixPath")] = self._path  # StorageMeta.checkpoint_id
+            admitted[("pathlib", "WindowsPath")] = self._path
             admitted[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = self._mem_format
             for (module, name), fields in DCP_RECORDS.items():
                 admitted[(module, name)] = RecordClass(name, fields)
@@ -215,6 +217,11 @@ class TorchUnpickler(RestrictedUnpickler):
         if name != "torch.strided":
             raise self.refuse(f"torch layout {brief(name)} (only strided tensors are read)")
         return "strided"
+
+    def _path(self, *parts: Any) -> str:
+        if not all(type(p) is str for p in parts):
+            raise self.refuse(f"pathlib path of {brief(parts)}")
+        return "/".join(parts)
 
     def _mem_format(self, code: Any) -> int:
         if type(code) is not int or code not in (0, 1, 2):
