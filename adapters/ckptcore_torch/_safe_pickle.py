@@ -319,7 +319,7 @@ def _load_zip(f: BinaryIO, size: int, source: str) -> Any:
     try:
         zf = zipfile.ZipFile(_Window(f, size))
         infos = {i.filename: i for i in zf.infolist()}
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error) as e:
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error, NotImplementedError) as e:
         raise CorruptCheckpointError(f"{source}: not a readable zip ({type(e).__name__}: "
                                      f"{brief_error(e)})", file=source) from e
     for name, info in infos.items():
@@ -339,7 +339,7 @@ def _load_zip(f: BinaryIO, size: int, source: str) -> Any:
     def record(name: str) -> bytes:
         try:
             return zf.read(infos[name])
-        except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error) as e:
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error, NotImplementedError) as e:
             raise CorruptCheckpointError(f"{source}: record {name} is damaged ({type(e).__name__}: "
                                          f"{brief_error(e)})", file=source) from e
 
