@@ -64,6 +64,7 @@ import os
 from typing import Any, Mapping
 
 import lightning.pytorch as pl
+from lightning.pytorch.loops import _Loop
 
 from ckptcore.adapter import CALLBACK_KEEP, check_url, tiers
 from ckptcore.cursor import CursorShard, DataCursor
@@ -254,6 +255,11 @@ class Checkpoint(pl.callbacks.Callback):
                 scaler=scaler, warn_data=cursor is None)
         trainer.fit_loop.load_state_dict(_plain(progress["loops"]))
         if progress.get("epoch_end"):
+            # The epoch has ended: nothing of it is to be restarted.  FitLoop decides so itself
+            # for max_epochs, but with max_steps it marks every loaded loop as restarting, and
+            # the next epoch would then continue the old one's batch_idx and skip its
+            # on_train_epoch_start.
+            _Loop.restarting.fset(trainer.fit_loop, False)
             _put_rng(state.rng)  # before the resumed fit's first iter(), as the killed fit had it
         else:
             self._rng = dict(state.rng)
