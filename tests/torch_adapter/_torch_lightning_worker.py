@@ -40,7 +40,7 @@ class Net(L.LightningModule):
         if self.log_path:
             record = {"epoch": self.current_epoch, "batch_idx": batch_idx, "global_step": self.global_step,
                       "ids": ids.tolist(), "lr": self.optimizers().param_groups[0]["lr"],
-                      "loss": float(loss), "draw": float(torch.rand(()))}
+                      "loss": float(loss.detach()), "draw": float(torch.rand(()))}
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         return loss
@@ -80,6 +80,8 @@ def fit(root: str, *, log: str | None = None, signal_at: tuple[int, int] | None 
     """One ``trainer.fit``: ``options`` are the Trainer's ``max_epochs``/``max_steps`` and the
     callback's keywords."""
     torch.manual_seed(0)
+    if log:
+        os.makedirs(os.path.dirname(log), exist_ok=True)
     limits = {k: options.pop(k) for k in ("max_epochs", "max_steps") if k in options}
     cursor = ckptcore.DataCursor(N, BS, seed=3)
     ckpt = ckptcore_torch.Checkpoint(root, cursor=cursor, keep=None, **options)
