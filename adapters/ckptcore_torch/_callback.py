@@ -187,7 +187,8 @@ class Checkpoint(pl.callbacks.Callback):
                 raise ValueError(
                     f"Checkpoint(cursor=...): Lightning counts {n} batches an epoch but the cursor's epoch "
                     f"has {c.batches_per_epoch}; leave limit_train_batches at 1.0 and train on a loader "
-                    "whose len() is the whole epoch (ckptcore_torch.DataLoader)")
+                    "whose len() is the whole epoch while iter() yields the rest of it (what Lightning "
+                    "expects of a resumable loader: it counts the batches already done itself)")
             self._expect = DataCursor.from_state(c.state_dict())
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
