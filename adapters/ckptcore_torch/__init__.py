@@ -36,10 +36,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._loader import DataLoader
 
 __all__ = ["ADAPTER", "capture", "restore", "import_torch_files", "export_torch_files",
-           "import_dcp", "export_dcp", "DataLoader", "process_group"]
+           "import_dcp", "export_dcp", "DataLoader", "Checkpoint", "process_group"]
 
 # Public classes, imported on first access (DataLoader subclasses a torch class).
-_LAZY = {"DataLoader": "._loader"}
+_LAZY = {"DataLoader": "._loader", "Checkpoint": "._callback"}
 
 # The framework objects capture and restore take besides model and optimizer (the contract's
 # cursor, rng, copy and strict are flags); anything else passed through ADAPTER is a TypeError.
