@@ -242,6 +242,7 @@ def main(out_dir: str, steps: list[str]) -> None:
     out: dict = {"rank": rank, "world": world}
     try:
         for spec in steps:
+            Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))  # kept if killed next
             kind, *args = spec.split(":")
             if kind == "ddp":
                 do_ddp(out, args[0])
