@@ -151,3 +151,82 @@ def dtensor_block(t: Any, name: str, value: Any) -> np.ndarray:
         raise RestoreError(f"{name}: the checkpoint holds {value.dtype}{list(value.shape)}, the "
                            f"DTensor is {list(gshape)}")
     return value[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
+
+
+# ------------------------------------------------------------------ hooks of the capture/restore
+#
+# ``_tensors.to_numpy`` hands a DTensor to :func:`capture_leaf` (so the model's tensors and the
+# optimizer's slots of an FSDP2 model become Shards wherever the capture converts them);
+# ``_capture`` routes each restored DTensor through :func:`restore_target` (model entries and
+# gradients: the plan checks and assigns this rank's block into the local tensor),
+# :func:`set_grad` and, after the optimizer's load, :func:`reshard_optimizer`.
+
+
+def capture_leaf(t: Any, copy: bool) -> Any:
+    """A DTensor's leaf for the capture (see :func:`dtensor_leaf`)."""
+    from ._tensors import to_numpy
+
+    return dtensor_leaf(t, "a DTensor", lambda local: to_numpy(local, copy))
+
+
+def restore_target(t: Any, name: str, value: Any) -> tuple[Any, Any]:
+    """What the restore plan checks and assigns for target ``t``: ``(t, value)`` for a plain
+    tensor, ``(its local tensor, this rank's block of value)`` for a DTensor."""
+    if not is_dtensor(t):
+        return t, value
+    return local_tensor(t), dtensor_block(t, name, value)
+
+
+def _like(p: Any, local: Any) -> Any:
+    """``local`` (this rank's block) as a DTensor placed like parameter ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def set_grad(t: Any, block: np.ndarray) -> None:
+    """Give DTensor parameter ``t`` the gradient whose local block is ``block``."""
+    from ._tensors import assign, new_tensor
+
+    g = t.grad
+    if is_dtensor(g) and tuple(local_tensor(g).shape) == block.shape and g.placements == t.placements:
+        assign(local_tensor(g), block)
+    else:
+        t.grad = _like(t, new_tensor(block, local_tensor(t)))
+
+
+def reshard_optimizer(opt: Any) -> None:
+    """After an optimizer's ``load_state_dict``: each slot loaded as a whole (global) tensor for
+    a DTensor parameter becomes a DTensor holding this rank's block, placed like the parameter
+    (FSDP2's optimizer states are DTensors; torch's step refuses a plain tensor beside one)."""
+    import torch
+
+    for p, st in opt.state.items():
+        if not is_dtensor(p):
+            continue
+        for slot, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and not is_dtensor(v) and tuple(v.shape) == tuple(p.shape) \
+                    and v.dim() > 0:
+                block = dtensor_block(p, f"optimizer/{slot}", v.detach().cpu().numpy())
+                local = torch.from_numpy(np.ascontiguousarray(block)).to(local_tensor(p).device)
+                st[slot] = _like(p, local.to(v.dtype))
+
+
+def has_dtensors(tensors: Any) -> bool:
+    return any(is_dtensor(t) for t in tensors)
+
+
+def template(model: Any) -> Any:
+    """A ``like=`` for ``ckptcore.load_state``/``CheckpointManager.restore``: the model's DTensors
+    as ``Shard``s of this rank's blocks (so a rank reads only its own bytes of them); every other
+    entry (and the optimizer: its slots are restored whole, then cut by :func:`reshard_optimizer`)
+    as saved.  The names are the capture's."""
+    from ckptcore.state import TrainingState
+
+    from ._tensors import named_tensors, numpy_dtype
+
+    tensors, _ = named_tensors(model)
+    return TrainingState(model={n: dtensor_template(t, n, numpy_dtype(t)) if is_dtensor(t)
+                                else np.empty(tuple(t.shape), numpy_dtype(t))
+                                for n, t in tensors.items()})

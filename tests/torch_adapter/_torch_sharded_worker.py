@@ -43,18 +43,12 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import ckptcore  # noqa: E402
 import ckptcore_torch  # noqa: E402
-from ckptcore import OptimizerState, TrainingState  # noqa: E402
 from ckptcore.errors import GroupError  # noqa: E402
-from ckptcore_torch._sharding import (dtensor_block, dtensor_leaf, dtensor_template,  # noqa: E402
-                                      is_dtensor, local_tensor)
+from ckptcore_torch._sharding import is_dtensor, template  # noqa: E402
 
 
 def to_numpy(t):
     return t.detach().cpu().numpy().copy()
-
-
-def leaf(t, name):
-    return dtensor_leaf(t, name, to_numpy) if is_dtensor(t) else to_numpy(t)
 
 
 def _net(seed: int):
@@ -87,44 +81,6 @@ def _slots(net, opt):
     return {names[id(p)]: s for p, s in opt.state.items()}
 
 
-def capture(net, opt, step: int) -> TrainingState:
-    slots = {n: {k: leaf(v, f"optimizer/{n}/{k}") for k, v in s.items()} for n, s in _slots(net, opt).items()}
-    return TrainingState(model={k: leaf(v, f"model/{k}") for k, v in net.state_dict().items()},
-                         optimizer=OptimizerState("adam", step=step, slots=slots), step=step,
-                         framework="torch")
-
-
-def _template_of(t, name):
-    dtype = np.dtype(str(t.dtype).removeprefix("torch."))
-    return dtensor_template(t, name, dtype) if is_dtensor(t) else np.empty(tuple(t.shape), dtype)
-
-
-def template(net, opt) -> TrainingState:
-    for n, p in net.named_parameters():  # Adam's states exist after a first step; make them now
-        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                        "exp_avg_sq": torch.zeros_like(p)}
-    slots = {n: {k: _template_of(v, f"optimizer/{n}/{k}") for k, v in s.items()}
-             for n, s in _slots(net, opt).items()}
-    return TrainingState(model={k: _template_of(v, k) for k, v in net.state_dict().items()},
-                         optimizer=OptimizerState("adam", step=0, slots=slots))
-
-
-def restore(state: TrainingState, net, opt) -> None:
-    with torch.no_grad():
-        for k, t in net.state_dict().items():
-            _assign(t, state.model[k], f"model/{k}")
-        for n, s in _slots(net, opt).items():
-            for k, t in s.items():
-                _assign(t, state.optimizer.slots[n][k], f"optimizer/{n}/{k}")
-
-
-def _assign(t, value, name) -> None:
-    if is_dtensor(t):
-        local_tensor(t).copy_(torch.from_numpy(np.ascontiguousarray(dtensor_block(t, name, value))))
-    else:
-        t.copy_(torch.from_numpy(np.asarray(value)))
-
-
 def full(net, opt) -> dict[str, np.ndarray]:
     """Every parameter and optimizer state as a global array (collective: every rank calls)."""
     out = {}
@@ -153,9 +109,9 @@ def do_ddp(out: dict, url: str) -> None:
         opt.step()
         opt.zero_grad()
     assert all(k.startswith("module.") for k in ddp.state_dict())
-    state = capture(ddp.module, opt, 2)
     group = ckptcore_torch.process_group()
-    ckptcore.save_state(url, state, group=group)
+    ckptcore.save_state(url, model=ddp, optimizer=opt, group=group)
+    state = ckptcore_torch.capture(ddp, opt)
     if rank == 0:
         by_rank: dict[str, int] = {}
         for f in Path(url).iterdir():
@@ -163,9 +119,13 @@ def do_ddp(out: dict, url: str) -> None:
             if f.name.startswith("shard") and part:
                 by_rank[part[0]] = by_rank.get(part[0], 0) + f.stat().st_size
         out["ddp_bytes"] = by_rank
-    got = ckptcore.load_state(url, group=group)
-    out["ddp_same"] = all(got.model[k].tobytes() == v.tobytes() for k, v in state.model.items()) and \
-        all(got.optimizer.slots[n][k].tobytes() == v.tobytes()
+    torch.manual_seed(1)  # a fresh DDP model and optimizer, restored from the checkpoint
+    again = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8)))
+    opt2 = torch.optim.Adam(again.parameters(), lr=0.01)
+    got = ckptcore.load_state(url, group=group, model=again, optimizer=opt2)
+    now = ckptcore_torch.capture(again, opt2)
+    out["ddp_same"] = all(now.model[k].tobytes() == v.tobytes() for k, v in state.model.items()) and \
+        all(now.optimizer.slots[n][k].tobytes() == v.tobytes()
             for n, s in state.optimizer.slots.items() for k, v in s.items())
     out["ddp_keys"] = sorted(got.model)
 
@@ -173,18 +133,17 @@ def do_ddp(out: dict, url: str) -> None:
 def do_save(out: dict, url: str, mesh: str) -> None:
     net, opt = _fsdp(0, mesh)
     _train(net, opt, range(2))
-    state = capture(net, opt, 2)
-    out["save_leaves"] = {k: repr(v) for k, v in state.model.items()}
-    ckptcore.save_state(url, state, group=ckptcore_torch.process_group())
+    out["save_leaves"] = {k: repr(v) for k, v in ckptcore_torch.capture(net, opt, rng=False).model.items()}
+    ckptcore.save_state(url, model=net, optimizer=opt, rng=False, group=ckptcore_torch.process_group())
     _npz(f"{url}.npz", full(net, opt))
 
 
 def do_load(out: dict, url: str, mesh: str) -> None:
     net, opt = _fsdp(123, mesh)  # other weights: the load must replace every value
-    like = template(net, opt)
-    got = ckptcore.load_state(url, like=like, group=ckptcore_torch.process_group())
+    got = ckptcore.load_state(url, like=template(net), group=ckptcore_torch.process_group(),
+                              model=net, optimizer=opt)
     out[f"load_leaves_{world}"] = {k: repr(v) for k, v in got.model.items()}
-    restore(got, net, opt)
+    out["slot_types"] = sorted({type(v).__name__ for s in opt.state.values() for v in s.values()})
     _npz(f"{url}.loaded-{world}.npz", full(net, opt))
 
 
@@ -208,13 +167,12 @@ class _DieInGather:
 def do_killsave(out: dict, url: str) -> None:
     net, opt = _fsdp(0, "1d")
     _train(net, opt, range(1))
-    state = capture(net, opt, 1)
     group = ckptcore_torch.process_group()
     if rank == world - 1:
         group = _DieInGather(group)
     t0 = time.monotonic()
     try:
-        ckptcore.save_state(url, state, group=group)
+        ckptcore.save_state(url, model=net, optimizer=opt, rng=False, group=group)
         out["killsave"] = "committed"
     except GroupError as e:
         out["killsave"] = f"{type(e).__name__}: {e}"
@@ -226,12 +184,12 @@ def do_train(out: dict, root: str, steps: int, kill: int) -> None:
     mgr = ckptcore.CheckpointManager(root, group=ckptcore_torch.process_group())
     start = mgr.latest_step() or 0
     if start:
-        restore(mgr.restore(like=template(net, opt)), net, opt)
+        mgr.restore(like=template(net), model=net, optimizer=opt)
     out["start"] = start
     for step in range(start + 1, steps + 1):
         _train(net, opt, range(step, step + 1))
         if step % 2 == 0:
-            mgr.save(step, capture(net, opt, step))
+            mgr.save(step, model=net, optimizer=opt, rng=False)
         if step == kill and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
     mgr.close()
