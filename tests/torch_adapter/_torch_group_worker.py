@@ -2,8 +2,8 @@
 
 ``basic``: gathers of unequal (and empty) byte strings, a 100 KB broadcast and barriers, checked
 here and timed; with more than two ranks the same over ``new_group([1, world - 1])``, which the
-other ranks must be refused.  ``killed``: the last rank SIGKILLs itself while the others wait in a gather.  ``hung``:
-the last rank stops answering (sleeps) while the others wait in a gather with a 2 s deadline.
+other ranks must be refused.  ``killed`` and ``hung`` do the same, then the last rank SIGKILLs itself (``killed``) or
+stops answering (``hung``: it sleeps) while the others wait in a gather (``hung``: 2 s deadline).
 Every rank reports a JSON line (its checks and timings).
 """
 
@@ -94,14 +94,14 @@ def main(mode: str) -> None:
         report(out)
     elif mode in ("killed", "hung"):
         g = ckptcore_torch.process_group()
+        out = _exercise(g, rank, world)  # everything works until the peer is lost
         g.barrier(timeout=T)
         if rank == world - 1:
             time.sleep(0.5)  # the others are waiting in their gather by now
             if mode == "killed":
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(600)  # hung: alive, sockets open, never answering
-        out = _wait_for_failure(g, T if mode == "killed" else 2.0)
-        report(out)
+        report({**out, **_wait_for_failure(g, T if mode == "killed" else 2.0)})
         sys.stdout.flush()
         sys.exit(0)  # a normal exit must not wait for the abandoned collective
     else:

@@ -129,7 +129,9 @@ def _steps(log: Path) -> dict[int, list[int]]:
 
 def test_a_run_sigkilled_mid_epoch_with_two_workers_resumes_at_the_next_unseen_sample(
         tmp_path, run_python, spawn_python):
-    run_python("_torch_loader_worker.py", "train", tmp_path / "ref", tmp_path / "ref-root", 2, 0)
+    # The uninterrupted run, here (no workers: the same batches in the same order, one process less)
+    from _torch_loader_worker import train
+    train(str(tmp_path / "ref"), str(tmp_path / "ref-root"), 0, 0)
     victim = spawn_python("_torch_loader_worker.py", "train", tmp_path / "run", tmp_path / "root", 2, 17)
     assert victim.wait(timeout=120) == -signal.SIGKILL, victim.stderr.read()
     victim.stdout.close()
