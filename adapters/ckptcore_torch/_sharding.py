@@ -143,8 +143,8 @@ def dtensor_block(t: Any, name: str, value: Any) -> np.ndarray:
     if isinstance(value, Shard):
         if value.global_shape != gshape or value.offsets != offsets or value.shape != shape:
             raise RestoreError(f"{name}: loaded {value!r}, but this rank holds the block of shape "
-                               f"{list(shape)} at {list(offsets)} of {list(gshape)}; load with "
-                               "like= built from this run's model (dtensor_template), or without like=")
+                               f"{list(shape)} at {list(offsets)} of {list(gshape)}; load with like= built "
+                               "from this run's model (ckptcore_torch._sharding.template(model)), or without like=")
         return value.data
     value = np.asarray(value)
     if value.shape != gshape:
@@ -166,7 +166,8 @@ def capture_leaf(t: Any, copy: bool) -> Any:
     """A DTensor's leaf for the capture (see :func:`dtensor_leaf`)."""
     from ._tensors import to_numpy
 
-    return dtensor_leaf(t, "a DTensor", lambda local: to_numpy(local, copy))
+    name = f"a DTensor of shape {list(t.shape)} on {t.placements}"  # the capture names none here
+    return dtensor_leaf(t, name, lambda local: to_numpy(local, copy))
 
 
 def restore_target(t: Any, name: str, value: Any) -> tuple[Any, Any]:

@@ -14,6 +14,7 @@ job costs seconds to start, so one job does several things); each reports into t
   OUT/URL-name.loaded-W.npz.
 * ``killsave:URL``: every rank saves; the last rank SIGKILLs itself in the gather after writing
   its shards (mid-save); the others report the error they get and how long it took.
+* ``refusals``: a Partial DTensor is refused by the capture, another rank's block by the restore.
 * ``train:ROOT:STEPS:KILL``: an FSDP2 run with a CheckpointManager(group=) saving every 2 steps,
   resuming from its newest step; rank 1 SIGKILLs itself after step KILL (0: never); rank 0 writes
   the final global tensors to OUT/ROOT-name.final.npz.
@@ -196,6 +197,31 @@ def do_train(out: dict, root: str, steps: int, kill: int) -> None:
     _npz(f"{root}.final.npz", full(net, opt))
 
 
+def do_refusals(out: dict) -> None:
+    """A Partial DTensor cannot be captured; a block loaded for another rank is not assigned."""
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    from ckptcore.errors import CaptureError, RestoreError
+
+    mesh = init_device_mesh("cpu", (world,))
+    net = torch.nn.Linear(3, 4)
+    net.weight = torch.nn.Parameter(distribute_tensor(net.weight.detach(), mesh, [Partial()]))
+    try:
+        ckptcore_torch.capture(net, rng=False)
+        out["partial"] = None
+    except CaptureError as e:
+        out["partial"] = str(e)
+    net.weight = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
+    state = ckptcore_torch.capture(net, rng=False)
+    wrong = state.model["weight"]  # this rank's block, offered at another rank's offsets
+    state.model["weight"] = ckptcore.Shard(wrong.data, wrong.global_shape, (2 - wrong.offsets[0], 0))
+    try:
+        ckptcore_torch.restore(state, net, rng=False)
+        out["wrong_block"] = None
+    except RestoreError as e:
+        out["wrong_block"] = str(e)
+
+
 def main(out_dir: str, steps: list[str]) -> None:
     out: dict = {"rank": rank, "world": world}
     try:
@@ -210,6 +236,8 @@ def main(out_dir: str, steps: list[str]) -> None:
                 do_load(out, *args)
             elif kind == "killsave":
                 do_killsave(out, args[0])
+            elif kind == "refusals":
+                do_refusals(out)
             elif kind == "train":
                 do_train(out, args[0], int(args[1]), int(args[2]))
             dist.barrier() if kind != "killsave" else None

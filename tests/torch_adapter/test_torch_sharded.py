@@ -52,7 +52,7 @@ def jobs(tmp_path_factory):
     and run the training that is killed, 2 ranks resume it."""
     d = tmp_path_factory.mktemp("sharded")
     reports = {
-        "w2": _job(d, "w2", 2, f"ddp:{d}/ddp", f"save:{d}/w2:1d", f"train:{d}/ref:6:0"),
+        "w2": _job(d, "w2", 2, f"ddp:{d}/ddp", f"save:{d}/w2:1d", f"train:{d}/ref:6:0", "refusals"),
         "w4": _job(d, "w4", 4, f"load:{d}/w2:2d", f"save:{d}/w4:2d"),
         "w3": _job(d, "w3", 3, f"load:{d}/w4:1d", f"killsave:{d}/dead", expect_killed=(2,)),
         "kill": _job(d, "kill", 2, f"load:{d}/w4:1d", f"train:{d}/run:6:5", expect_killed=(1,), any_rc=(0,)),
@@ -125,3 +125,13 @@ def test_a_sharded_run_killed_and_resumed_equals_the_uninterrupted_run(jobs):
     assert [r["start"] for r in reports["resumed"]] == [4, 4]  # saved at 2 and 4, killed after 5
     assert ckptcore.CheckpointManager(str(d / "run"), lock=False).steps()[-1] == 6
     _same_npz(d / "ref.final.npz", d / "run.final.npz")
+
+
+def test_a_partial_dtensor_and_another_ranks_block_are_refused(jobs):
+    d, reports = jobs
+    for r in reports["w2"]:
+        assert "a Partial DTensor holds a summand, not a block" in r["partial"]
+        assert r["partial"].startswith("a DTensor of shape [4, 3]")
+        mine = "[0, 0]" if r["rank"] == 0 else "[2, 0]"
+        assert f"weight: loaded Shard(float32[2, 3] at" in r["wrong_block"]
+        assert f"this rank holds the block of shape [2, 3] at {mine} of [4, 3]" in r["wrong_block"]
