@@ -37,10 +37,10 @@ def _reference(epochs: int = 1, **kw) -> list[list[int]]:
     return [b.tolist() for _ in range(epochs) for b in c.iter_epoch()]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_the_cursor_counts_batches_handed_to_the_loop_not_prefetched(workers):
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_the_cursor_counts_batches_handed_to_the_loop_not_prefetched(workers, persistent):
     cursor = ckptcore.DataCursor(N, BS, seed=5)
-    kw = {"num_workers": workers, "prefetch_factor": 2} if workers else {}
+    kw = {"num_workers": workers, "prefetch_factor": 2, "persistent_workers": persistent} if workers else {}
     loader = ckptcore_torch.DataLoader(Ids(), cursor, **kw)
     assert isinstance(loader, torch.utils.data.DataLoader) and len(loader) == 10
     it = iter(loader)
