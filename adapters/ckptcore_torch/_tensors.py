@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _sharding  # [sharding hook] DTensors (FSDP2) in to_numpy
+
 try:  # bfloat16/float8 have no numpy dtype of their own; ml_dtypes provides them
     import ml_dtypes
 except ImportError:  # pragma: no cover - ml_dtypes comes with the core's dependencies
@@ -119,6 +121,8 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
 def to_numpy(t: torch.Tensor, copy: bool = True) -> np.ndarray:
     """``t``'s values: a copy later training cannot change, or with ``copy=False`` a view of a CPU
     tensor's own buffer where one exists (valid until the tensor changes)."""
+    if _sharding.is_dtensor(t):  # [sharding hook] a DTensor: this rank's block, as a ckptcore.Shard
+        return _sharding.capture_leaf(t, copy)
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
