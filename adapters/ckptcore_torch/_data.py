@@ -86,10 +86,11 @@ class CursorBatches:
             yield batch.tolist()
 
     def __len__(self) -> int:
-        p = self._pass
-        if p is not None and p.expect[0] == self.cursor.epoch and p.advanced < p.length:
-            return p.length  # the pass in progress
-        return self.cursor.steps_remaining_in_epoch
+        # The whole epoch, as torch's own loaders (and resumable ones) report it, while a pass
+        # that starts mid-epoch yields only its rest: what ``OneCycleLR(steps_per_epoch=
+        # len(loader))`` must see in a resumed process too, and what Lightning counts a resumed
+        # epoch against (it adds the batches already done itself).
+        return self.cursor.batches_per_epoch
 
     def advance(self, p: _Pass | None = None) -> None:
         """The loop has received one more batch of pass ``p`` (default: the latest ``iter()``):

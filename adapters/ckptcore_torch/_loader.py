@@ -126,6 +126,14 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError(f"the dataset has {n} samples but the cursor walks {base.num_samples}; "
                              "build the cursor with DataCursor(len(dataset), batch_size, ...)")
         init = _WorkerInit(dataloader_kwargs.pop("worker_init_fn", None))
+        # torch draws each iter()'s worker base seed from ``generator``, or else from the
+        # global generator: one draw the uninterrupted run did at the start of the epoch and a
+        # resumed one does mid-epoch, so the global stream (Dropout, init) would differ after a
+        # resume.  Without a generator of the caller's, the loader keeps its own, seeded at each
+        # iter() from the cursor's seed and position (worker seeds reproducible too).
+        self._own_generator = dataloader_kwargs.get("generator") is None
+        if self._own_generator:
+            dataloader_kwargs["generator"] = torch.Generator()
         super().__init__(dataset, batch_sampler=sampler, worker_init_fn=init, **dataloader_kwargs)
         self.cursor = base
 
@@ -134,6 +142,9 @@ class DataLoader(torch.utils.data.DataLoader):
             # torch starts the workers in this call (from this process and thread): they watch
             # this pid.  (Persistent workers started by an earlier iter() keep theirs.)
             self.worker_init_fn.parent = os.getpid()
+        if self._own_generator:
+            c = self.cursor
+            self.generator.manual_seed(hash((c.seed, c.epoch, c.position)) & 0x7FFF_FFFF_FFFF_FFFF)
         it = super().__iter__()  # draws iter(batch_sampler): the pass this iterator serves
         return _Handing(it, self.batch_sampler, self.batch_sampler._pass)
 
@@ -164,7 +175,7 @@ class _Handing:
         return batch
 
     def __len__(self) -> int:
-        return len(self._it)
+        return self._pass.length  # this pass: the rest of the epoch it started in
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._it, name)  # e.g. _shutdown_workers of torch's iterators

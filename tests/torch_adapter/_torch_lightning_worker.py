@@ -58,9 +58,9 @@ def dataset() -> torch.utils.data.Dataset:
 
 
 def loader(cursor: ckptcore.DataCursor) -> torch.utils.data.DataLoader:
-    # The cursor as batch sampler: with num_workers=0 torch draws a batch's indices as it hands
-    # the batch out, so the cursor moves exactly with training; len() is the whole epoch.
-    return torch.utils.data.DataLoader(dataset(), batch_sampler=cursor, num_workers=0)
+    # The cursor's own loader: it moves the cursor as each batch reaches Lightning's loop, and
+    # its len() is the whole epoch while a resumed pass yields the rest.
+    return ckptcore_torch.DataLoader(dataset(), cursor)
 
 
 class Signal(L.Callback):

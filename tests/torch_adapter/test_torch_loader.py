@@ -58,7 +58,30 @@ def test_the_cursor_counts_batches_handed_to_the_loop_not_prefetched(workers, pe
     rest = [ids.tolist() for ids in loader]  # a new iter() starts at the first batch not received
     assert seen + rest == _reference() and (cursor.epoch, cursor.position) == (1, 0)
     resumed = ckptcore_torch.DataLoader(Ids(), ckptcore.DataCursor.from_state(saved), **kw)
-    assert len(resumed) == 7 and [ids.tolist() for ids in resumed] == rest
+    # len(loader) is the whole epoch (what torch's loaders, OneCycleLR(steps_per_epoch=) and
+    # Lightning expect); the pass that starts mid-epoch yields its rest.
+    rit = iter(resumed)
+    assert len(resumed) == 10 and len(rit) == 7 and [ids.tolist() for ids in rit] == rest
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iter_leaves_the_global_torch_generator_alone_and_seeds_workers_by_position(workers):
+    """torch draws each iter()'s worker base seed from the global generator unless the loader
+    has one: a resumed run's extra mid-epoch iter() would shift Dropout's stream."""
+    kw = {"num_workers": workers} if workers else {}
+    cursor = ckptcore.DataCursor(N, BS, seed=5)
+    loader = ckptcore_torch.DataLoader(Ids(), cursor, **kw)
+    before = torch.get_rng_state()
+    it = iter(loader)
+    next(it)
+    assert torch.equal(torch.get_rng_state(), before)
+    seed_a = it._base_seed
+    del it
+    again = ckptcore_torch.DataLoader(Ids(), ckptcore.DataCursor(N, BS, seed=5), **kw)
+    assert iter(again)._base_seed == seed_a  # same cursor position, same worker seeds
+    mine = torch.Generator().manual_seed(1)
+    own = ckptcore_torch.DataLoader(Ids(), ckptcore.DataCursor(N, BS, seed=5), generator=mine)
+    assert own.generator is mine  # a caller's generator is used as given
 
 
 def test_epochs_follow_the_cursor_and_the_loader_is_a_cursor():
