@@ -256,7 +256,9 @@ def _structure(model: Any, owners: dict[int, str]) -> dict[str, tuple[int, list[
     if cached is not None and cached[0] == key:
         return cached[1]
     result = None
-    for probe in _probe_inputs(model, owners):
+    # A compiled block inside would compile on the probe (seconds, and a C compiler): not traced.
+    compiled = any(type(m).__name__ == "OptimizedModule" for m in model.modules())
+    for probe in [] if compiled else _probe_inputs(model, owners):
         result = _trace(model, owners, probe)
         if result is not None:
             break
