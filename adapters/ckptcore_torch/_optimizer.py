@@ -49,6 +49,7 @@ SLOTS = {
     "ASGD": ("step", "eta", "mu", "ax"),
     "Rprop": ("step", "prev", "step_size"),
 }
+_KINDS = {name.lower(): name for name in SLOTS}
 SCALAR_SLOTS = frozenset({"step", "mu_product", "eta", "mu"})  # 0-d, whatever the parameter's shape
 _NOT_HYPER = ("params", "param_names")
 
@@ -137,6 +138,12 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
         plan.missing(qualified("optimizer"))
         return
     base = builtin_class(opt, RestoreError)
+    if state.kind in _KINDS and state.kind != base.lower():
+        # Adam and AdamW share slots but not semantics (decoupled_weight_decay is a group
+        # hyperparameter): loading one into the other would silently change the update rule.
+        raise RestoreError(f"{qualified('optimizer')}: the state holds {_KINDS[state.kind]} state but the "
+                           f"optimizer given is a {type(opt).__name__}; build the same optimizer (or "
+                           "convert the state with ckptcore.migrate)")
     key_of = {id(t): n for n, t in tensors.items()}
     targets = [[key_of.get(id(p)) for p in g["params"]] for g in opt.param_groups]
     if any(n is None for g in targets for n in g):

@@ -305,6 +305,18 @@ def _tensors(value: Any) -> list[Any]:
     return [value] if isinstance(value, torch.Tensor) else []
 
 
+def _probe_tensor(model: Any, probe: tuple[str, list[int]]) -> torch.Tensor:
+    """A zero input on the model's device (float: of its parameters' dtype, requiring grad, so
+    every op on the way gets a grad node even with frozen weights)."""
+    dtype, shape = probe
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    if dtype == "long":
+        return torch.zeros(shape, dtype=torch.long, device=device)
+    fdtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
+    return torch.zeros(shape, dtype=fdtype, device=device, requires_grad=True)
+
+
 def _trace(model: Any, owners: dict[int, str], probe: tuple[str, list[int]]
            ) -> dict[str, tuple[int, list[str]]] | None:
     produced: dict[Any, str] = {}  # grad node of a module's output -> that module's path
@@ -340,21 +352,14 @@ def _trace(model: Any, owners: dict[int, str], probe: tuple[str, list[int]]
 
     modules = [(m, m.training) for m in model.modules()]
     hooks = []
-    dtype, shape = probe
     try:
-        first = next((p for p in model.parameters()), None)
-        device = first.device if first is not None else torch.device("cpu")
-        fdtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
+        x = _probe_tensor(model, probe)
         for mod, _ in modules:
             if id(mod) in owners:
                 hooks.append(mod.register_forward_pre_hook(pre))
                 hooks.append(mod.register_forward_hook(post))
         model.eval()
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            if dtype == "long":
-                x = torch.zeros(shape, dtype=torch.long, device=device)
-            else:  # every op on the way gets a grad node, even with frozen weights
-                x = torch.zeros(shape, dtype=fdtype, device=device, requires_grad=True)
             model(x)
     except Exception as e:  # noqa: BLE001 - a probe that does not fit the model: try the next
         _log.debug("ckptcore: structure probe %s failed on %s: %s", probe, type(model).__name__, e)

@@ -198,6 +198,8 @@ def test_refusals_change_nothing():
     with pytest.raises(RestoreError, match="ExponentialLR schedule but the scheduler given is a StepLR"):
         ckptcore_torch.restore(state, fresh, make_optimizer("adam", fresh), scheduler=sched)
     assert_same(before, model_arrays(fresh), "a refused restore")
+    with pytest.raises(RestoreError, match="holds Adam state but the optimizer given is a AdamW"):
+        ckptcore_torch.restore(state, fresh, make_optimizer("adamw", fresh))
     one_group = torch.optim.Adam(fresh.parameters())
     with pytest.raises(RestoreError, match="2 parameter groups"):
         ckptcore_torch.restore(state, fresh, one_group)
