@@ -106,7 +106,7 @@ def capture_optimizer(opt: Any, key_of: dict[int, str], *, step: int | None, sch
         step_value, extra["step_source"] = max(schedule_step(scheduler), 0), "scheduler"
     else:
         step_value, extra["step_source"] = 0, "none"
-    return OptimizerState(kind=base.lower(), step=step_value, hyperparams=dict(groups[0]) if groups else {},
+    return OptimizerState(kind=base.lower(), step=step_value, hyperparams={k: v for k, v in groups[0].items() if k != "params"} if groups else {},
                           slots=slots, extra=extra)
 
 
@@ -120,9 +120,7 @@ def _slot_array(v: Any, copy: bool, name: str, key: str) -> np.ndarray:
 
 def hyper_of(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's hyperparameters as plain values (a tensor lr as its number)."""
-    hyper = {k: tree_plain(v, f"param group {k}") for k, v in group.items() if k not in _NOT_HYPER}
-    hyper.pop("params", None)
-    return hyper
+    return {k: tree_plain(v, f"param group {k}") for k, v in group.items() if k not in _NOT_HYPER}
 
 
 def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,

@@ -110,6 +110,7 @@ def test_layout(tmp_path):
     assert set(state.optimizer.slots["fc.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
     step = state.optimizer.slots["fc.weight"]["step"]
     assert step.shape == () and step.dtype == np.float32 and float(step) == 2.0
+    assert "params" not in state.optimizer.hyperparams
     assert state.optimizer.hyperparams["lr"] == 0.01 and state.optimizer.hyperparams["betas"] == [0.9, 0.999]
     assert state.optimizer.extra["param_groups"][1]["params"] == ["head.weight", "head.bias"]
     assert state.rng["torch"].dtype == np.uint8 and {"python", "numpy"} <= set(state.rng)
@@ -326,3 +327,22 @@ def test_unapplied_parts_warn_and_lambdas_stay_live(tmp_path):
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, live)
     ckptcore_torch.restore(state, m2, opt2, scheduler=sched2)
     assert sched2.lr_lambdas == [live] and sched2.last_epoch == 2 and sched2.get_last_lr() == sched.get_last_lr()
+
+
+def test_wrapped_either_way():
+    """Names without wrapper components: a compiled model (never called: only its names matter),
+    a DataParallel inside a Sequential, and a plain model restore into each other."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    inner = torch.nn.Sequential(torch.nn.DataParallel(torch.nn.Linear(3, 2)), torch.nn.BatchNorm1d(2))
+    assert "0.module.weight" in inner.state_dict()
+    state = ckptcore_torch.capture(plain)
+    assert list(ckptcore_torch.capture(inner).model) == list(state.model) == list(plain.state_dict())
+    ckptcore_torch.restore(state, inner)
+    compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)))
+    assert next(iter(compiled.state_dict())).startswith("_orig_mod.")
+    ckptcore_torch.restore(ckptcore_torch.capture(inner), compiled)
+    back = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    ckptcore_torch.restore(ckptcore_torch.capture(compiled), back)
+    for k, v in plain.state_dict().items():
+        assert v.numpy().tobytes() == back.state_dict()[k].numpy().tobytes(), k
