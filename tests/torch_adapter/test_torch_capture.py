@@ -134,6 +134,10 @@ def test_unsupported_optimizers_are_capture_errors():
     train(m, opt, 1)
     with pytest.raises(CaptureError, match=r"Custom keeps optimizer state \['ema'\]"):
         ckptcore_torch.capture(m, opt)
+    with pytest.raises(CaptureError, match="lazy"):
+        ckptcore_torch.capture(torch.nn.LazyLinear(2))
+    with pytest.raises(RestoreError, match="meta device"):
+        ckptcore_torch.restore(ckptcore_torch.capture(torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2, device="meta"))
     other = torch.nn.Linear(2, 2)
     with pytest.raises(CaptureError, match="not part of the model"):
         ckptcore_torch.capture(m, torch.optim.SGD(other.parameters(), lr=0.1))
