@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 import ckptcore  # noqa: E402
 import ckptcore_torch  # noqa: E402
 from ckptcore.errors import CaptureError, RestoreError  # noqa: E402
-from _torch_models import (OPTIMIZERS, SCHEDULERS, Mixed, Reordered, assert_same, make_optimizer,  # noqa: E402
+from _torch_models import (OPTIMIZERS, SCHEDULERS, X, Y, Reordered, assert_same, make_optimizer,  # noqa: E402
                            mixed, mlp, model_arrays, optimizer_arrays, train)
 
 
@@ -350,3 +350,38 @@ def test_wrapped_either_way():
     ckptcore_torch.restore(ckptcore_torch.capture(compiled), back)
     for k, v in plain.state_dict().items():
         assert v.numpy().tobytes() == back.state_dict()[k].numpy().tobytes(), k
+
+
+def test_checkpoint_manager_with_every_object(tmp_path):
+    """CheckpointManager.save/restore dispatch to the torch adapter with scheduler=, scaler= and
+    cursor=; the newest step comes back into fresh objects, which then train on identically."""
+    def build(seed):
+        m = mlp(seed)
+        opt = make_optimizer("adamw", m)
+        return {"model": m, "optimizer": opt, "scheduler": SCHEDULERS["OneCycleLR"](opt),
+                "scaler": torch.amp.GradScaler("cpu", init_scale=256.0), "cursor": ckptcore.DataCursor(8, 4, seed=1)}
+
+    def steps(objs, n):
+        for _ in range(n):
+            idx = torch.from_numpy(np.asarray(objs["cursor"].next_batch(), dtype=np.int64))
+            loss = torch.nn.functional.cross_entropy(objs["model"](X[idx]), Y[idx])
+            objs["scaler"].scale(loss).backward()
+            objs["scaler"].step(objs["optimizer"])
+            objs["scaler"].update()
+            objs["optimizer"].zero_grad()
+            objs["scheduler"].step()
+
+    fresh = build(1)
+    objs = build(0)
+    mgr = ckptcore.CheckpointManager(str(tmp_path / "run"))
+    for step in (2, 4):
+        steps(objs, 2)
+        mgr.save(step, **objs)
+    steps(objs, 3)
+    assert mgr.restore(**fresh).step == 4
+    steps(fresh, 3)
+    assert_same(model_arrays(objs["model"]), model_arrays(fresh["model"]), "weights")
+    assert_same(optimizer_arrays(objs["optimizer"]), optimizer_arrays(fresh["optimizer"]), "optimizer")
+    assert fresh["scaler"].state_dict() == objs["scaler"].state_dict()
+    assert fresh["cursor"].state_dict() == objs["cursor"].state_dict()
+    mgr.close()
