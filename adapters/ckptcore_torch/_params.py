@@ -38,7 +38,7 @@ import torch
 from ckptcore.state import ParamInfo
 from ckptcore.vocab import Kind, Role, plain
 
-from ._tensors import WRAPPERS, canonical_name
+from ._tensors import canonical_name, wrapper_components
 
 _log = logging.getLogger("ckptcore")
 
@@ -87,7 +87,7 @@ def describe_params(model: Any, tensors: Mapping[str, Any], aliases: Mapping[str
     ``index`` counts only modules that own at least one described entry.  The structure trace is
     cached on the model (one forward pass per set of modules, not one per save).
     """
-    components = {c for c in _wrapper_paths(model)}
+    components = wrapper_components(model)
     out: dict[str, ParamInfo] = {}
     owners: dict[int, str] = {}  # id(module) -> path, for modules owning described entries
     index = 0
@@ -116,15 +116,6 @@ def describe_params(model: Any, tensors: Mapping[str, Any], aliases: Mapping[str
         for info in out.values():
             order, inputs = structure.get(info.layer, (-1, []))
             info.attrs["order"], info.attrs["inputs"] = order, list(inputs)
-    return out
-
-
-def _wrapper_paths(model: Any) -> set[str]:
-    out = set()
-    for path, mod in model.named_modules(remove_duplicate=False):
-        attr = WRAPPERS.get(type(mod).__name__)
-        if attr is not None:
-            out.add(f"{path}.{attr}" if path else attr)
     return out
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.register_assert_rewrite("ckptcore.testing")  # before the import: its asserts explain themselves
