@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ckptcore.adapter import RestorePlan, qualified, warn_unapplied
-from ckptcore.errors import RestoreError, UnappliedStateWarning
+from ckptcore.errors import CaptureError, RestoreError, UnappliedStateWarning
 from ckptcore.rng import capture_rng, restore_rng
 from ckptcore.state import AccumulationState, RestoreReport, TrainingState
 
@@ -77,6 +77,8 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
         >>> ckptcore_torch.restore(state, new_net, new_opt, scheduler=new_sched)      # doctest: +SKIP
     """
     tensors, aliases = named_tensors(model)
+    for name, t in tensors.items():
+        _check_materialised(name, t, CaptureError)
     arrays = {n: to_numpy(t, copy) for n, t in tensors.items()}
     state = TrainingState(framework="torch", model=arrays, params=describe_params(unwrap(model), tensors, aliases))
     extra: dict[str, Any] = {}
@@ -256,14 +258,21 @@ def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, tensors: d
         if src is None:
             plan.missing(qualified("model", canonical))
             continue
+        _check_materialised(canonical, tensors[canonical], RestoreError)
         t, value = restore_target(tensors[canonical], canonical, saved[src])  # [sharding hook]
-        if t.is_meta:
-            raise RestoreError(f"{canonical}: the target tensor is on the meta device (uninitialised); "
-                               "materialise the model (e.g. to_empty) before restoring")
         plan.assign(qualified("model", canonical), value, shape=tuple(t.shape), dtype=numpy_dtype(t),
                     put=functools.partial(assign, t, value))
         used.add(src)
     plan.unexpected_from(saved, used)
+
+
+def _check_materialised(name: str, t: torch.Tensor, error: type[Exception]) -> None:
+    if torch.nn.parameter.is_lazy(t):
+        raise error(f"{name} is an uninitialised lazy tensor (nn.LazyLinear and the like): run one "
+                    "forward pass first, so it has a shape")
+    if t.is_meta:
+        raise error(f"{name} is on the meta device (no values): materialise the model (e.g. "
+                    "to_empty(device=...)) first")
 
 
 def _plan_grads(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ import torch
 from ckptcore.state import ParamInfo
 from ckptcore.vocab import Kind, Role, plain
 
-from ._tensors import WRAPPERS, canonical_name
+from ._tensors import canonical_name, wrapper_components
 
 _log = logging.getLogger("ckptcore")
 
@@ -87,7 +87,7 @@ def describe_params(model: Any, tensors: Mapping[str, Any], aliases: Mapping[str
     ``index`` counts only modules that own at least one described entry.  The structure trace is
     cached on the model (one forward pass per set of modules, not one per save).
     """
-    components = {c for c in _wrapper_paths(model)}
+    components = wrapper_components(model)
     out: dict[str, ParamInfo] = {}
     owners: dict[int, str] = {}  # id(module) -> path, for modules owning described entries
     index = 0
@@ -116,15 +116,6 @@ def describe_params(model: Any, tensors: Mapping[str, Any], aliases: Mapping[str
         for info in out.values():
             order, inputs = structure.get(info.layer, (-1, []))
             info.attrs["order"], info.attrs["inputs"] = order, list(inputs)
-    return out
-
-
-def _wrapper_paths(model: Any) -> set[str]:
-    out = set()
-    for path, mod in model.named_modules(remove_duplicate=False):
-        attr = WRAPPERS.get(type(mod).__name__)
-        if attr is not None:
-            out.add(f"{path}.{attr}" if path else attr)
     return out
 
 
@@ -256,7 +247,9 @@ def _structure(model: Any, owners: dict[int, str]) -> dict[str, tuple[int, list[
     if cached is not None and cached[0] == key:
         return cached[1]
     result = None
-    for probe in _probe_inputs(model, owners):
+    # A compiled block inside would compile on the probe (seconds, and a C compiler): not traced.
+    compiled = any(type(m).__name__ == "OptimizedModule" for m in model.modules())
+    for probe in [] if compiled else _probe_inputs(model, owners):
         result = _trace(model, owners, probe)
         if result is not None:
             break
@@ -303,6 +296,18 @@ def _tensors(value: Any) -> list[Any]:
     return [value] if isinstance(value, torch.Tensor) else []
 
 
+def _probe_tensor(model: Any, probe: tuple[str, list[int]]) -> torch.Tensor:
+    """A zero input on the model's device (float: of its parameters' dtype, requiring grad, so
+    every op on the way gets a grad node even with frozen weights)."""
+    dtype, shape = probe
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    if dtype == "long":
+        return torch.zeros(shape, dtype=torch.long, device=device)
+    fdtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
+    return torch.zeros(shape, dtype=fdtype, device=device, requires_grad=True)
+
+
 def _trace(model: Any, owners: dict[int, str], probe: tuple[str, list[int]]
            ) -> dict[str, tuple[int, list[str]]] | None:
     produced: dict[Any, str] = {}  # grad node of a module's output -> that module's path
@@ -338,21 +343,14 @@ def _trace(model: Any, owners: dict[int, str], probe: tuple[str, list[int]]
 
     modules = [(m, m.training) for m in model.modules()]
     hooks = []
-    dtype, shape = probe
     try:
-        first = next((p for p in model.parameters()), None)
-        device = first.device if first is not None else torch.device("cpu")
-        fdtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
+        x = _probe_tensor(model, probe)
         for mod, _ in modules:
             if id(mod) in owners:
                 hooks.append(mod.register_forward_pre_hook(pre))
                 hooks.append(mod.register_forward_hook(post))
         model.eval()
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            if dtype == "long":
-                x = torch.zeros(shape, dtype=torch.long, device=device)
-            else:  # every op on the way gets a grad node, even with frozen weights
-                x = torch.zeros(shape, dtype=fdtype, device=device, requires_grad=True)
             model(x)
     except Exception as e:  # noqa: BLE001 - a probe that does not fit the model: try the next
         _log.debug("ckptcore: structure probe %s failed on %s: %s", probe, type(model).__name__, e)

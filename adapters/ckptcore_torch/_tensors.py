@@ -54,7 +54,7 @@ def unwrap(model: Any) -> Any:
     return model
 
 
-def _wrapper_components(model: Any) -> set[str]:
+def wrapper_components(model: Any) -> set[str]:
     """The dotted paths (as state_dict spells them) of every component a wrapper adds."""
     out: set[str] = set()
     for path, mod in model.named_modules(remove_duplicate=False):
@@ -65,7 +65,7 @@ def _wrapper_components(model: Any) -> set[str]:
 
 
 def canonical_name(key: str, components: set[str]) -> str:
-    """``key`` without the wrapper components in ``components`` (see :func:`_wrapper_components`)."""
+    """``key`` without the wrapper components in ``components`` (see :func:`wrapper_components`)."""
     if not components:
         return key
     parts, kept, path = key.split("."), [], ""
@@ -78,7 +78,7 @@ def canonical_name(key: str, components: set[str]) -> str:
 
 def named_tensors(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``state_dict()`` tensors by canonical name, each tensor once, and the aliases of repeated ones."""
-    components = _wrapper_components(model)
+    components = wrapper_components(model)
     first: dict[int, str] = {}
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -173,6 +173,3 @@ def assign(target: torch.Tensor, value: np.ndarray) -> None:
     with torch.no_grad():
         target.copy_(from_numpy(value).reshape(target.shape))
 
-
-def values(tensors: list[torch.Tensor], copy: bool) -> list[np.ndarray]:
-    return [to_numpy(t, copy) for t in tensors]
