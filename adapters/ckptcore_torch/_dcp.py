@@ -37,7 +37,7 @@ from ckptcore.errors import (CheckpointError, CheckpointNotFoundError, CorruptCh
                              IncompleteCheckpointError, SchemaError, StorageError)
 from ckptcore.state import TrainingState
 
-from ._files import (OPTIMIZER_KEYS, _param_order, _set_step, model_entries, optimizer_state)
+from ._files import OPTIMIZER_KEYS, model_entries, optimizer_state, param_order, set_step
 from ._safe_pickle import DTYPES, TorchDType, TorchUnpickler, load_torch
 
 __all__ = ["import_dcp", "export_dcp"]
@@ -208,9 +208,9 @@ def _to_state(nested: dict, folder: str, model_key: Any, optimizer_key: Any, par
     opt = nested.get(optimizer_key) if optimizer_key else next(
         (nested[k] for k in ("optim",) + OPTIMIZER_KEYS if k in nested), None)
     if isinstance(opt, dict):
-        names = _param_order(model, opt, param_names, folder)
+        names = param_order(model, opt, param_names, folder)
         state.optimizer = optimizer_state(opt, names, model, folder, kind=optimizer_kind)
-    _set_step(state, step, {})
+    set_step(state, step, {})
     state.extra = {"torch": {"aliases": aliases}} if aliases else {}
     return state
 
