@@ -143,6 +143,9 @@ class TorchUnpickler(RestrictedUnpickler):
             for (module, name), fields in DCP_RECORDS.items():
                 admitted[(module, name)] = RecordClass(name, fields)
         super().__init__(file, source, size, admitted)
+        if dcp:  # (for refusals' messages)
+            self.writer, self.holds = "torch.distributed.checkpoint's .metadata", "its records and plain values"
+            self.loader = "torch.distributed.checkpoint.load"
         # The bytes all storages together may declare: what the file (or its data section) holds.
         self.data_limit, self.declared = data_limit, 0
         self.storages = {} if storages is None else storages
