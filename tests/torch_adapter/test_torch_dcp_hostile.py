@@ -181,3 +181,66 @@ def test_import_dcp_leaves_torch_unloaded(tmp_path):
     assert out.returncode == 0, out.stderr
     model, _ = build()
     assert out.stdout.strip().split(maxsplit=2) == ["adamw", "2", repr(sorted(model.state_dict()))]
+
+
+_MEASURE = """
+import os, re, resource, sys
+import ckptcore, ckptcore_torch
+from ckptcore_torch import _dcp, _files
+# Address space capped at 1 GiB above what is mapped now: a huge allocation fails even when the
+# kernel would hand it out lazily, so refusing must come before allocating.
+mapped = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), resource.RLIM_INFINITY))
+
+def rss(field):
+    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+for path in sys.argv[1:]:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the current size
+    before = rss("VmRSS")
+    try:
+        (ckptcore_torch.import_dcp if os.path.isdir(path) else _files.load_torch_file)(path)
+        outcome = "read"
+    except ckptcore.CheckpointError as e:
+        outcome = type(e).__name__
+    print(os.path.basename(path), outcome, rss("VmHWM") - before, "torch" in sys.modules)
+"""
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
+
+
+def test_huge_declared_sizes_stay_within_memory_bounds(tmp_path):
+    """Each import's peak memory (VmHWM, reset before each) grows by less than twice the files' size plus 100 MB, in one
+    subprocess (no torch) whose address space is capped; hostile sizes declared in each place one
+    can be, then a real file whose reading must show up in the measure."""
+    big = torch.arange(1 << 22, dtype=torch.float32)  # 16 MiB of real data
+    torch.save({"w": big[: 1 << 18].as_strided((1 << 28,), (0,))}, tmp_path / "expanded.pt")  # a 1 GiB view
+    buf = io.BytesIO()
+    torch.save({"w": big[: 1 << 18].clone()}, buf, _use_new_zipfile_serialization=False)
+    legacy = bytearray(buf.getvalue())
+    at = legacy.rfind((1 << 18).to_bytes(8, "little"))  # the storage's element count
+    legacy[at:at + 8] = (1 << 40).to_bytes(8, "little")
+    (tmp_path / "legacy.pt").write_bytes(bytes(legacy))
+    memo = b"\x80\x02]q\x000" + (b"(" + b"h\x00" * 8 + b"lq\x000") * 12 + b"h\x00."
+    import zipfile
+    with zipfile.ZipFile(tmp_path / "memo.pt", "w") as zf:
+        zf.writestr("archive/data.pkl", memo)
+    _folder(tmp_path / "dcp_huge", shape=(1 << 15, 1 << 15), chunks=[((0, 0), (4, 3))],
+            data=b"\0" * (1 << 20))
+    _folder(tmp_path / "dcp_ok")
+    torch.save({"w": big}, tmp_path / "plain.pt")
+    expected = {"expanded.pt": "UnsafeCheckpointError", "legacy.pt": "CorruptCheckpointError",
+                "memo.pt": "UnsafeCheckpointError", "dcp_huge": "SchemaError", "dcp_ok": "read",
+                "plain.pt": "read"}
+    out = subprocess.run([sys.executable, "-c", _MEASURE] + [str(tmp_path / n) for n in expected],
+                         env=ENV, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rows = {name: (outcome, int(grown)) for name, outcome, grown, torch_loaded in
+            map(str.split, out.stdout.splitlines()) if torch_loaded == "False"}
+    assert {n: r[0] for n, r in rows.items()} == expected
+    for name, (_, grown) in rows.items():
+        assert grown < 2 * _size(tmp_path / name) + (100 << 20), (name, grown >> 20, "MiB")
+    assert rows["plain.pt"][1] >= 16 << 20, out.stdout  # the measure sees a real file's 16 MiB
