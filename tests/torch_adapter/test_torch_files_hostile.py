@@ -177,4 +177,5 @@ def test_fuzzed_byte_flips_give_typed_errors_or_the_right_values(tmp_path, legac
         outcomes["same" if same else "other values"] += 1
         # A flip inside legacy raw storage bytes (no checksum there) changes values, never shapes.
         assert same or legacy, f"flip {i}: zip records are CRC-checked, yet other values came back"
+    print("torch.save fuzz:", "legacy" if legacy else "zip", outcomes)
     assert outcomes["error"] > 30, outcomes
