@@ -87,8 +87,8 @@ def import_torch_files(path: str | os.PathLike, optimizer_path: str | os.PathLik
 
 
 def export_torch_files(state: TrainingState, path: str | os.PathLike, **options: Any) -> Any:
-    """Write a file ``torch.load(path, weights_only=True)`` accepts (see ``_files.py``)."""
-    from ._files import export_torch_files as _export
+    """Write a file ``torch.load(path, weights_only=True)`` accepts (see ``_export.py``)."""
+    from ._export import export_torch_files as _export
     return _export(state, path, **options)
 
 
