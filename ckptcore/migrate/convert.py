@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import AdapterNotFoundError, MigrationError, MigrationWarning
 from ..state import AccumulationState, OptimizerState, TrainingState
-from ..vocab import Role
+from ..vocab import Kind, Role
 from .dialect import Dialect, Neutral
 from .layouts import MERGED_BIAS, NORM_KINDS, SPLIT_BIAS, Move, Unit, layer_hyperparams
 from .match import match_units, plan_moves, units_of
@@ -142,6 +142,13 @@ def _layer_hyperparams(pairs: list[tuple[Unit, Unit]], notes: list[str]) -> dict
             continue
         sh, dh = layer_hyperparams(s), layer_hyperparams(d)
         out[d.layer] = {"source_layer": s.layer, **sh}
+        sv, dv = _variance_update(s), _variance_update(d)
+        if s.kind == Kind.BATCH_NORM and sv != dv:
+            notes.append(f"{d.layer}: the source's {s.layer} updates its moving variance with the {sv} batch "
+                         f"variance, the target with the {dv} one; outputs at the moment of conversion are "
+                         "exact, but in training the moving variance drifts by about momentum-weight/(n-1) "
+                         "of the batch variance per step (n values per channel in a batch); trainable "
+                         "weights are unaffected")
         for key, value in sh.items():
             if key in dh and not np.isclose(value, dh[key], rtol=1e-6, atol=0):
                 effect = ("outputs change" if key == "epsilon" else
@@ -150,6 +157,13 @@ def _layer_hyperparams(pairs: list[tuple[Unit, Unit]], notes: list[str]) -> dict
                              f"{value}; {effect} (build the target layer with {key}={value} to match; "
                              "momentum as in moving = moving*momentum + batch*(1-momentum))")
     return out
+
+
+def _variance_update(unit: Unit) -> str:
+    """How a BatchNorm's moving variance takes in a batch: ``"biased"`` (divided by n, the
+    convention unless ``attrs["variance_update"]`` says otherwise) or ``"unbiased"`` (by n-1)."""
+    info = next(iter(unit.infos.values()), None)
+    return str((info.attrs if info is not None else {}).get("variance_update", "biased"))
 
 
 def _training(state: TrainingState, template: TrainingState, moves: list[Move], src_d: Dialect,
@@ -173,6 +187,8 @@ def _training(state: TrainingState, template: TrainingState, moves: list[Move], 
         if template.optimizer is not None:
             notes.append("optimizer: the source state has no optimizer state; the target optimizer starts fresh")
         return None, schedule, sched_extra, None
+    if const_lr is None and schedule is not None and schedule.last_lr is not None:
+        const_lr = schedule.last_lr   # the rate at the migrated step: the target continues from it
     optimizer = _optimizer(state, template, moves, src_n, src_d, dst_d, state.schedule is not None,
                            const_lr, approximate, notes, problems)
     accumulation = _accumulation(state, template, moves, every, src_d, dst_d, approximate, notes, problems)
