@@ -203,6 +203,8 @@ def _layer_facts(mod: Any, cls: str, spatial: int | None) -> tuple[str, str | No
 def _param(index: int, path: str, kind: str, layout: str | None, attrs: dict, short: str) -> ParamInfo:
     attrs = plain(attrs)  # a fresh dict of plain values
     if kind in _NORMS:
+        if short == "num_batches_tracked":   # migration (H6): torch's own counter, nothing else needs it
+            attrs["optional"] = True
         return ParamInfo(index, path, kind, _NORM_ROLES.get(short, short), None, attrs)
     if kind == Kind.EMBEDDING:
         return ParamInfo(index, path, kind, Role.EMBEDDINGS if short == "weight" else short,

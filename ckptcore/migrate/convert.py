@@ -16,7 +16,7 @@ from ..errors import AdapterNotFoundError, MigrationError, MigrationWarning
 from ..state import AccumulationState, OptimizerState, TrainingState
 from ..vocab import Kind, Role
 from .dialect import Dialect, Neutral
-from .layouts import MERGED_BIAS, NORM_KINDS, SPLIT_BIAS, Move, Unit, layer_hyperparams
+from .layouts import MERGED_BIAS, NORM_KINDS, SPLIT_BIAS, Move, Unit, layer_hyperparams, optional
 from .match import match_units, plan_moves, units_of
 from .optimizers import compare
 from .rng import convert_rng, derive_seed
@@ -128,6 +128,9 @@ def _weights(state: TrainingState, template: TrainingState, moves: list[Move], s
             seed = derive_seed(state.rng, state.step, salt=f"{name}/{seed_step}")
             seed_step += 1
             model[name] = dst_d.layer_seed_state(seed, template.model[name])
+    for name, info in template.params.items():   # the target's own counters keep their values
+        if name not in model and name in template.model and optional(info) and info.index >= 0:
+            model[name] = template.model[name]
     for name, why in dst_loose.items():
         if name not in model:
             problems.append(f"target {name} {list(template.model[name].shape)}: nothing in the source "
@@ -137,6 +140,7 @@ def _weights(state: TrainingState, template: TrainingState, moves: list[Move], s
 
 def _layer_hyperparams(pairs: list[tuple[Unit, Unit]], notes: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    drift: list[tuple[str, str, str]] = []
     for s, d in pairs:
         if s.kind not in NORM_KINDS:
             continue
@@ -144,11 +148,7 @@ def _layer_hyperparams(pairs: list[tuple[Unit, Unit]], notes: list[str]) -> dict
         out[d.layer] = {"source_layer": s.layer, **sh}
         sv, dv = _variance_update(s), _variance_update(d)
         if s.kind == Kind.BATCH_NORM and sv != dv:
-            notes.append(f"{d.layer}: the source's {s.layer} updates its moving variance with the {sv} batch "
-                         f"variance, the target with the {dv} one; outputs at the moment of conversion are "
-                         "exact, but in training the moving variance drifts by about momentum-weight/(n-1) "
-                         "of the batch variance per step (n values per channel in a batch); trainable "
-                         "weights are unaffected")
+            drift.append((d.layer, sv, dv))
         for key, value in sh.items():
             if key in dh and not np.isclose(value, dh[key], rtol=1e-6, atol=0):
                 effect = ("outputs change" if key == "epsilon" else
@@ -156,6 +156,13 @@ def _layer_hyperparams(pairs: list[tuple[Unit, Unit]], notes: list[str]) -> dict
                 notes.append(f"{d.layer}: the target's {key} is {dh[key]} but the source's {s.layer} used "
                              f"{value}; {effect} (build the target layer with {key}={value} to match; "
                              "momentum as in moving = moving*momentum + batch*(1-momentum))")
+    if drift:
+        _, sv, dv = drift[0]
+        notes.append(f"batch normalization: the source updates moving variances with the {sv} batch variance, "
+                     f"the target with the {dv} one ({len(drift)} layers: {', '.join(x[0] for x in drift)}); "
+                     "outputs at the moment of conversion are exact and trainable weights continue exactly, "
+                     "but in training each moving variance moves by (1-momentum)·var/(n-1) differently per "
+                     "step (n values per channel in a batch)")
     return out
 
 

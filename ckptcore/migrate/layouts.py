@@ -195,16 +195,24 @@ def _kernel_fn(kind: str, s: ParamInfo, d: ParamInfo, s_shape: tuple, d_shape: t
     return _same, ""
 
 
+def optional(info: ParamInfo | None) -> bool:
+    """An array its framework alone keeps and nothing else needs (``attrs["optional"]``, e.g. a
+    BatchNorm's count of batches seen): a source's is left behind, a target's keeps its own value."""
+    return bool(info is not None and info.attrs.get("optional"))
+
+
 def _plain_moves(src: Unit, dst: Unit) -> list[Move]:
     moves = []
     for role, dname in dst.params.items():
+        if role not in src.params and optional(dst.infos[role]):
+            continue
         if role not in src.params:
             raise LayoutProblem(f"the target's {role!r} ({dname}) has no counterpart in the source layer "
                                 f"{src.layer} (roles {sorted(src.params)})")
         s, d = src.infos[role], dst.infos[role]
         fn, note = _kernel_fn(dst.kind, s, d, src.shapes[role], dst.shapes[role], src, dst)
         moves.append(Move(dname, (src.params[role],), fn, fn, note))
-    extra = set(src.params) - set(dst.params)
+    extra = {r for r in set(src.params) - set(dst.params) if not optional(src.infos[r])}
     if extra:
         raise LayoutProblem(f"the source's {sorted(extra)} have no counterpart in the target layer "
                             f"{dst.layer} (roles {sorted(dst.params)})")
