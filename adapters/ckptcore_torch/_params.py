@@ -10,9 +10,11 @@ Recurrent weights are ``(gates*hidden, in)`` (``attrs["axes"] == "oi"``) and the
 gate order: torch's LSTM ``i, f, g, o`` is the vocabulary's ``ifco`` (``g`` is the cell
 candidate), its GRU ``r, z, n`` is ``rzc`` (with the reset gate applied after the recurrent
 matmul: ``attrs["reset_after"]``).  ``MultiheadAttention``'s packed ``in_proj_weight``
-``[3e, e]`` is a kernel of layout ``oi`` with ``attrs["projection"] == "qkv"`` (query, key and
-value stacked on ``o``); its ``out_proj`` belongs to it (``projection == "attention_output"``).
-BatchNorm's ``momentum`` is torch's (the weight of the new batch: Keras's is ``1 - momentum``).
+``[3e, e]`` is its ``qkv_kernel`` of layout ``oi`` (query, key and value stacked on ``o``,
+``attrs["projection"] == "qkv"``), ``in_proj_bias`` its ``qkv_bias``; its ``out_proj`` belongs to
+it (``output_kernel``/``output_bias``, ``projection == "attention_output"``).
+BatchNorm's ``attrs["momentum"]`` is the neutral one, ``1 - torch's`` (moving = moving·momentum +
+batch·(1-momentum); torch's own is ``torch_momentum``), and ``variance_update == "unbiased"``.
 
 A module family the vocabulary has no word for keeps its class name in snake case as its kind.
 
@@ -54,11 +56,15 @@ _RNN = {"LSTM": (Kind.LSTM, "ifco"), "GRU": (Kind.GRU, "rzc"), "RNN": (Kind.SIMP
 _RNN_ROLES = {"weight_ih": Role.KERNEL, "weight_hh": Role.RECURRENT_KERNEL, "bias_ih": Role.BIAS,
               "bias_hh": Role.RECURRENT_BIAS, "weight_hr": "projection_kernel"}
 _RNN_NAME = re.compile(r"^(weight_ih|weight_hh|bias_ih|bias_hh|weight_hr)(?:_l(\d+))?(_reverse)?$")
-_MHA_PROJ = {"in_proj_weight": (Role.KERNEL, "oi", "qkv"), "in_proj_bias": (Role.BIAS, "o", "qkv"),
-             "q_proj_weight": (Role.KERNEL, "oi", "query"), "k_proj_weight": (Role.KERNEL, "oi", "key"),
-             "v_proj_weight": (Role.KERNEL, "oi", "value"), "bias_k": ("bias_k", None, "key"),
-             "bias_v": ("bias_v", None, "value"), "out_proj.weight": (Role.KERNEL, "oi", "attention_output"),
-             "out_proj.bias": (Role.BIAS, "o", "attention_output")}
+# --- migration (H6): MultiheadAttention roles are "<projection>_kernel"/"<projection>_bias", the
+# packed in_proj "qkv_kernel"/"qkv_bias" (query, key, value stacked on the output axis), as
+# ckptcore.migrate.layouts reads attention layers; bias_k/bias_v have no counterpart elsewhere.
+_MHA_PROJ = {"in_proj_weight": ("qkv_kernel", "oi", "qkv"), "in_proj_bias": ("qkv_bias", "o", "qkv"),
+             "q_proj_weight": ("query_kernel", "oi", "query"), "k_proj_weight": ("key_kernel", "oi", "key"),
+             "v_proj_weight": ("value_kernel", "oi", "value"), "bias_k": ("bias_k", None, "key"),
+             "bias_v": ("bias_v", None, "value"), "out_proj.weight": ("output_kernel", "oi", "attention_output"),
+             "out_proj.bias": ("output_bias", "o", "attention_output")}
+# --- end migration (H6)
 _KNOWN = {"Linear", "Bilinear", "Embedding", "EmbeddingBag", "LayerNorm", "GroupNorm", "PReLU",
           "MultiheadAttention", "RMSNorm", *_CONV, *_BATCH_NORM, *_INSTANCE_NORM, *_RNN}
 _NORMS = (Kind.BATCH_NORM, Kind.LAYER_NORM, Kind.GROUP_NORM, Kind.INSTANCE_NORM)
@@ -142,7 +148,15 @@ def _layer_facts(mod: Any, cls: str, spatial: int | None) -> tuple[str, str | No
         return kind, layout, attrs
     if cls in _BATCH_NORM or cls in _INSTANCE_NORM:
         kind = Kind.BATCH_NORM if cls in _BATCH_NORM else Kind.INSTANCE_NORM
-        return kind, None, {"momentum": plain(mod.momentum), "epsilon": float(mod.eps),
+        # --- migration (H6): ParamInfo's momentum is the neutral one (moving = moving*momentum +
+        # batch*(1-momentum)); torch's is the weight of the batch (running = (1-m)*running + m*batch),
+        # kept as torch_momentum (None: a cumulative average, no momentum at all).  torch updates
+        # running_var with the unbiased (n-1) batch variance.
+        m = mod.momentum
+        attrs = {"momentum": None if m is None else 1.0 - float(m), "torch_momentum": plain(m),
+                 "variance_update": "unbiased"}
+        # --- end migration (H6)
+        return kind, None, {**attrs, "epsilon": float(mod.eps),
                             "affine": bool(mod.affine), "track_running_stats": bool(mod.track_running_stats),
                             "num_features": int(mod.num_features), "data_format": "channels_first"}
     if cls in ("LayerNorm", "RMSNorm"):
@@ -180,6 +194,8 @@ def _layer_facts(mod: Any, cls: str, spatial: int | None) -> tuple[str, str | No
 def _param(index: int, path: str, kind: str, layout: str | None, attrs: dict, short: str) -> ParamInfo:
     attrs = plain(attrs)  # a fresh dict of plain values
     if kind in _NORMS:
+        if short == "num_batches_tracked":   # migration (H6): torch's own counter, nothing else needs it
+            attrs["optional"] = True
         return ParamInfo(index, path, kind, _NORM_ROLES.get(short, short), None, attrs)
     if kind == Kind.EMBEDDING:
         return ParamInfo(index, path, kind, Role.EMBEDDINGS if short == "weight" else short,
@@ -271,8 +287,8 @@ def _probe_inputs(model: Any, owners: dict[int, str]) -> list[tuple[str, list[in
         if id(mod) not in owners:
             continue
         cls = _family(mod)
-        if cls == "Linear":
-            shapes = [("float", [2, int(mod.in_features)])]
+        if cls == "Linear":   # a feature vector, or (migration, H6) a sequence of them
+            shapes = [("float", [2, int(mod.in_features)]), ("float", [2, 5, int(mod.in_features)])]
         elif cls in ("Conv1d", "Conv2d", "Conv3d"):
             nd, c = int(cls[4]), int(mod.in_channels)
             shapes = [("float", [2, c] + [s] * nd) for s in ((32, 28, 64, 224) if nd == 2 else (32, 16, 64))]
