@@ -264,8 +264,11 @@ def _structure(model: Any, owners: dict[int, str]) -> dict[str, tuple[int, list[
         return cached[1]
     result = None
     # A compiled block inside would compile on the probe (seconds, and a C compiler): not traced.
-    compiled = any(type(m).__name__ == "OptimizedModule" for m in model.modules())
-    for probe in [] if compiled else _probe_inputs(model, owners):
+    # Nor a model with DTensor parameters (FSDP2, tensor parallel): its forward is a collective,
+    # which a capture on some ranks only (or at different times) would hang in.
+    skip = any(type(m).__name__ == "OptimizedModule" for m in model.modules()) or any(
+        type(p).__name__ == "DTensor" for p in model.parameters())
+    for probe in [] if skip else _probe_inputs(model, owners):
         result = _trace(model, owners, probe)
         if result is not None:
             break
