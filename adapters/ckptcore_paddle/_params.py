@@ -6,7 +6,12 @@ framework's by order, kind and shape.  Layouts name the axes of Paddle's arrays:
 ``oik`` / ``oihw`` / ``oidhw`` for convolutions (a depthwise one is a grouped ``oihw``:
 ``(in*M, 1, h, w)``), ``iok`` / ``iohw`` for transposed ones, ``o`` for biases, ``vd`` for
 embeddings.  Recurrent weights are ``(gates*hidden, in)`` (``attrs["axes"] == "oi"``) and their
-layout is the gate order: ``ifco`` for LSTM, ``rzc`` for GRU.
+layout is the gate order: ``ifco`` for LSTM, ``rzc`` for GRU.  A ``MultiHeadAttention`` is one
+layer, as the torch and Keras adapters describe theirs: its ``q_proj``/``k_proj``/``v_proj``/
+``out_proj`` Linear sublayers belong to it, with roles ``query_kernel``/``query_bias``, ``key_*``,
+``value_*`` and ``output_kernel``/``output_bias`` (layout ``io``, ``[in, heads*head_dim]`` flattened
+head-major, and ``o``), ``attrs["projection"]`` ``query``/``key``/``value``/``attention_output``, and
+``embed_dim``, ``num_heads``, ``head_dim``, ``kdim``, ``vdim`` from the layer.
 
 A layer family the vocabulary has no word for keeps its class name in snake case as its kind, so two
 Paddle models still match each other.
@@ -44,6 +49,10 @@ _RNN = {"LSTM": (Kind.LSTM, "ifco"), "GRU": (Kind.GRU, "rzc"), "SimpleRNN": (Kin
 _RNN_ROLES = {"weight_ih": Role.KERNEL, "weight_hh": Role.RECURRENT_KERNEL,
               "bias_ih": Role.BIAS, "bias_hh": Role.RECURRENT_BIAS}
 _RNN_NAME = re.compile(r"^(weight_ih|weight_hh|bias_ih|bias_hh)(?:_l(\d+))?(_reverse)?$")
+# MultiHeadAttention's Linear sublayers, as the projections of the one attention layer:
+# sublayer -> (role prefix, attrs["projection"]).  Their weights are [in, out] ("io").
+_MHA_PROJ = {"q_proj": ("query", "query"), "k_proj": ("key", "key"), "v_proj": ("value", "value"),
+             "out_proj": ("output", "attention_output")}
 # Layers that keep a feature map's channel count: a Linear after them still reads that map.
 # Paddle's InstanceNorm layers: a family the shared vocabulary has no word for (see the docstring).
 _NORMS = (Kind.BATCH_NORM, Kind.LAYER_NORM, Kind.GROUP_NORM, Kind.INSTANCE_NORM)
@@ -75,11 +84,18 @@ def describe_params(model: Any, canonical: Iterable[str] | Mapping[str, Any]) ->
     owners: dict[int, str] = {}   # id(layer) -> path, for the layers that own described parameters
     facts: list[tuple[Any, str, Any, tuple]] = []  # (layer ref, class, spatial, facts) per owner
     spatial: tuple[int, str] | None = None  # (channels, data_format) of the last 2-D feature map
+    claimed: set[int] = set()   # sublayers described as part of another layer (attention projections)
     for path, layer in model.named_sublayers(include_self=True):
+        if id(layer) in claimed:
+            continue
         cls = type(layer).__name__
-        own = [n for n, _ in layer.named_parameters(include_sublayers=False)]
-        own += [n for n, _ in layer.named_buffers(include_sublayers=False)
-                if n not in getattr(layer, "_non_persistable_buffer_names_set", ())]
+        own = _own_entries(layer)
+        if cls == "MultiHeadAttention":
+            for sub in _MHA_PROJ:
+                part = getattr(layer, sub, None)
+                if part is not None and hasattr(part, "named_parameters"):
+                    claimed.add(id(part))
+                    own += [f"{sub}.{n}" for n in _own_entries(part)]
         names = [(n, f"{path}.{n}" if path else n) for n in own]
         names = [(n, full) for n, full in names if full in wanted]
         if names:
@@ -98,6 +114,12 @@ def describe_params(model: Any, canonical: Iterable[str] | Mapping[str, Any]) ->
     if key is not None:
         _remember(model, key, facts, out)
     return out
+
+
+def _own_entries(layer: Any) -> list[str]:
+    own = [n for n, _ in layer.named_parameters(include_sublayers=False)]
+    return own + [n for n, _ in layer.named_buffers(include_sublayers=False)
+                  if n not in getattr(layer, "_non_persistable_buffer_names_set", ())]
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -152,8 +174,10 @@ def _probe_inputs(model: Any, owners: dict[int, str]) -> list[Any]:
         if id(layer) not in owners:
             continue
         cls = type(layer).__name__
-        if cls == "Linear":
-            shapes: list[Any] = [[2, int(layer.weight.shape[0])]]
+        if cls == "Linear":   # a feature vector, or a sequence of them
+            shapes: list[Any] = [[2, int(layer.weight.shape[0])], [2, 5, int(layer.weight.shape[0])]]
+        elif cls == "MultiHeadAttention":   # self-attention on a sequence
+            shapes = [[2, 5, int(layer.embed_dim)]]
         elif cls in ("Conv1D", "Conv2D", "Conv3D"):
             c, last = int(layer._in_channels), str(layer._data_format).endswith("C")
             nd = {"Conv1D": 1, "Conv2D": 2, "Conv3D": 3}[cls]
@@ -302,6 +326,10 @@ def _layer_facts(layer: Any, cls: str, spatial: tuple[int, str] | None) -> tuple
             if isinstance(getattr(layer, a, None), int):
                 attrs[a] = getattr(layer, a)
         return kind, gates, attrs
+    if cls == "MultiHeadAttention":
+        e, h = int(layer.embed_dim), int(layer.num_heads)
+        return Kind.MULTI_HEAD_ATTENTION, None, {"embed_dim": e, "num_heads": h, "head_dim": int(layer.head_dim),
+                                                 "kdim": int(layer.kdim), "vdim": int(layer.vdim)}
     return _snake(cls), None, {"class": cls}
 
 
@@ -320,6 +348,14 @@ def _param(index: int, path: str, kind: str, layout: str | None, attrs: dict, sh
             attrs["direction"] = "reverse" if m.group(3) else "forward"
             return ParamInfo(index, path, kind, _RNN_ROLES[m.group(1)], layout, attrs)
         return ParamInfo(index, path, kind, short, layout, attrs)
+    if kind == Kind.MULTI_HEAD_ATTENTION:
+        sub, _, what = short.partition(".")
+        if sub in _MHA_PROJ and what in ("weight", "bias"):
+            prefix, attrs["projection"] = _MHA_PROJ[sub]
+            if what == "weight":
+                return ParamInfo(index, path, kind, f"{prefix}_kernel", "io", attrs)
+            return ParamInfo(index, path, kind, f"{prefix}_bias", "o", attrs)
+        return ParamInfo(index, path, kind, short.lstrip("_"), None, attrs)
     if short == "weight":
         return ParamInfo(index, path, kind, Role.KERNEL, layout, attrs)
     if short == "bias":
@@ -347,6 +383,8 @@ def _flatten_facts(in_features: int, channels: int, data_format: str) -> dict[st
 
 
 def _next_spatial(layer: Any, cls: str, spatial: tuple[int, str] | None) -> tuple[int, str] | None:
+    if cls == "MultiHeadAttention":   # its projections (claimed sublayers) are Linear layers
+        return None
     if cls in ("Conv2D", "Conv2DTranspose"):
         return int(layer._out_channels), str(layer._data_format)
     if cls in _BATCH_NORM or cls in _PASS_THROUGH or cls.startswith("InstanceNorm") or cls == "GroupNorm":

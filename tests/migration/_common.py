@@ -163,6 +163,9 @@ TORCH_OPTS: dict[str, dict[str, tuple[str, dict]]] = {
               "paddle": ("AdamW", {"learning_rate": 1e-3, "weight_decay": 0.05})},
 }
 SEQ_LEN, SEQ_FEAT, SEQ_EMBED, SEQ_HEADS = 6, 4, 8, 2
+# The Transformer block between Keras and Paddle (test_migration.py): Keras AdamW and Paddle's
+# KerasAdamW (Keras' epsilon placement), so the continued runs must agree exactly.
+KP_TRANSFORMER_OPT = {"keras": OPT_CASES["adamw"]["keras"], "paddle": OPT_CASES["adamw"]["paddle"]}
 
 
 def seq_batches(seed: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -123,6 +123,26 @@ def twins_source(d: str, opts: dict) -> dict:
     return {"layers": {name: [layer.name for layer in km.twin(name).layers] for name in TWINS}}
 
 
+def transformer_source(d: str, opts: dict) -> dict:
+    """The Transformer block, Keras side of the Keras <-> Paddle pair: 5 AdamW steps, save, logits;
+    5 more on the same data, logits (inference and training mode)."""
+    from _common import KP_TRANSFORMER_OPT, pair_batches, pair_probe
+
+    probe = pair_probe("transformer", nchw=False)
+    m = km.twin("transformer", 45)
+    opt = km.optimizer(*KP_TRANSFORMER_OPT["keras"])
+    data = pair_batches("transformer", 1100, 2 * STEPS, nchw=False)
+    for x, y in data[:STEPS]:
+        km.train_step(m, opt, x, y)
+    ckptcore.save_state(f"{d}/kp_transformer_k", model=m, optimizer=opt)
+    np.save(f"{d}/kp_transformer_k_logits0.npy", km.logits(m, probe))
+    for x, y in data[STEPS:]:
+        km.train_step(m, opt, x, y)
+    np.save(f"{d}/kp_transformer_k_logits1.npy", km.logits(m, probe))
+    np.save(f"{d}/kp_transformer_k_logits1t.npy", km.logits(m, probe, training=True))
+    return {"ok": True}
+
+
 # ----------------------------------------------------------------------------- target (phase 2)
 
 
@@ -196,6 +216,23 @@ def twins_target(d: str, opts: dict) -> dict:
     return out
 
 
+def transformer_target(d: str, opts: dict) -> dict:
+    """The Transformer block, Paddle -> Keras: load, logits; 5 AdamW steps on the Paddle run's data."""
+    from _common import KP_TRANSFORMER_OPT, pair_batches, pair_probe
+
+    probe = pair_probe("transformer", nchw=False)
+    m = km.twin("transformer", 48)
+    opt = km.optimizer(*KP_TRANSFORMER_OPT["keras"])
+    _, warns = _caught(lambda: ckptcore.load_state(f"{d}/kp_transformer_p", model=m, optimizer=opt))
+    before = max_diff(km.logits(m, probe), np.load(f"{d}/kp_transformer_p_logits0.npy"))
+    for x, y in pair_batches("transformer", 1200, 2 * STEPS, nchw=False)[STEPS:]:
+        km.train_step(m, opt, x, y)
+    return {"logits_diff": before, "warnings": warns,
+            "after_eval_diff": max_diff(km.logits(m, probe), np.load(f"{d}/kp_transformer_p_logits1.npy")),
+            "after_train_diff": max_diff(km.logits(m, probe, training=True),
+                                         np.load(f"{d}/kp_transformer_p_logits1t.npy"))}
+
+
 def cli_back(d: str, opts: dict) -> dict:
     """Acceptance 5: Keras -> Paddle (the Paddle worker ran that leg) -> Keras with ``ckpt convert``."""
     from ckptcore import cli
@@ -261,9 +298,11 @@ def torch_pairs(d: str, opts: dict) -> dict:
     return out
 
 
-PHASES = {"source": [cnn_source, opt_source, sched_source, zoo_source, twins_source, e2e_source],
+PHASES = {"source": [cnn_source, opt_source, sched_source, zoo_source, twins_source, transformer_source,
+                     e2e_source],
           "torch": [torch_pairs],
-          "target": [cnn_target, opt_target, sched_target, zoo_target, twins_target, cli_back]}
+          "target": [cnn_target, opt_target, sched_target, zoo_target, twins_target, transformer_target,
+                     cli_back]}
 
 
 def main(phase: str, d: str, options: str = "{}") -> None:

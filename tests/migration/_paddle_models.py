@@ -275,8 +275,8 @@ def twin(name: str, seed: int = 0) -> nn.Layer:
 
 
 class TransformerTwin(nn.Layer):
-    """The torch/Keras Transformer encoder block with ``paddle.nn.MultiHeadAttention`` (separate
-    q_proj/k_proj/v_proj/out_proj Linear layers)."""
+    """The torch/Keras Transformer encoder block with ``paddle.nn.MultiHeadAttention`` (its
+    q_proj/k_proj/v_proj/out_proj Linear sublayers, which the adapter describes as one attention layer)."""
 
     def __init__(self):
         super().__init__()

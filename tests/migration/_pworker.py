@@ -232,6 +232,38 @@ def twins(d: str, opts: dict) -> dict:
     return out
 
 
+def transformer(d: str, opts: dict) -> dict:
+    """The Transformer block, Keras -> Paddle (load, logits, 5 AdamW steps on the Keras run's data),
+    and the Paddle run the Keras worker continues.  ``KerasAdamW``: Keras' epsilon placement."""
+    from _common import KP_TRANSFORMER_OPT, pair_batches, pair_probe
+
+    probe = pair_probe("transformer", nchw=True)
+    net = pm.twin("transformer", 46)
+    opt = pm.optimizer(*KP_TRANSFORMER_OPT["paddle"], net.parameters())
+    _, warns = _caught(lambda: ckptcore.load_state(f"{d}/kp_transformer_k", model=net, optimizer=opt))
+    before = max_diff(pm.logits(net, probe), np.load(f"{d}/kp_transformer_k_logits0.npy"))
+    for x, y in pair_batches("transformer", 1100, 2 * STEPS, nchw=True)[STEPS:]:
+        pm.train_step(net, opt, x, y)
+    out = {"logits_diff": before, "warnings": warns,
+           "after_eval_diff": max_diff(pm.logits(net, probe), np.load(f"{d}/kp_transformer_k_logits1.npy")),
+           "after_train_diff": max_diff(pm.logits(net, probe, training=True),
+                                        np.load(f"{d}/kp_transformer_k_logits1t.npy")),
+           "roles": {k: (i.kind, i.role, i.layout, i.attrs.get("inputs"))
+                     for k, i in ckptcore_paddle.capture(model=net).params.items()}}
+    src = pm.twin("transformer", 47)
+    sopt = pm.optimizer(*KP_TRANSFORMER_OPT["paddle"], src.parameters())
+    data = pair_batches("transformer", 1200, 2 * STEPS, nchw=True)
+    for x, y in data[:STEPS]:
+        pm.train_step(src, sopt, x, y)
+    ckptcore.save_state(f"{d}/kp_transformer_p", model=src, optimizer=sopt)
+    np.save(f"{d}/kp_transformer_p_logits0.npy", pm.logits(src, probe))
+    for x, y in data[STEPS:]:
+        pm.train_step(src, sopt, x, y)
+    np.save(f"{d}/kp_transformer_p_logits1.npy", pm.logits(src, probe))
+    np.save(f"{d}/kp_transformer_p_logits1t.npy", pm.logits(src, probe, training=True))
+    return out
+
+
 def torch_pairs(d: str, opts: dict) -> dict:
     """PyTorch <-> Paddle: continue the torch worker's runs here, and train the runs it continues."""
     from _common import TORCH_OPTS, TORCH_TWIN_OPT, TORCH_TWINS, pair_batches, pair_probe
@@ -275,7 +307,8 @@ def torch_pairs(d: str, opts: dict) -> dict:
     return out
 
 
-TASKS = [rng, cnn, opt_k2p, opt_source, sched_k2p, sched_source, sched_mismatch, zoo, twins, e2e, cli_to_paddle]
+TASKS = [rng, cnn, opt_k2p, opt_source, sched_k2p, sched_source, sched_mismatch, zoo, twins, transformer, e2e,
+         cli_to_paddle]
 
 
 def main(d: str, options: str = "{}", mode: str = "keras") -> None:

@@ -169,6 +169,24 @@ def test_structure_twin_paddle_to_keras(migration_results, name):
     assert r["warnings"] == []
 
 
+@pytest.mark.parametrize("worker, name", [("paddle", "transformer"), ("keras_target", "transformer_target")])
+def test_transformer_block_continues_exactly(migration_results, worker, name):
+    """A Transformer encoder block (Keras MultiHeadAttention <-> paddle.nn.MultiHeadAttention),
+    AdamW (KerasAdamW in Paddle): logits after migration and after 5 more steps."""
+    r = task(migration_results, worker, name)
+    assert r["logits_diff"] <= 1e-5, r
+    assert r["after_eval_diff"] <= 1e-5 and r["after_train_diff"] <= 1e-5, r
+    assert r["warnings"] == []
+
+
+def test_paddle_describes_its_attention_as_one_layer(migration_results):
+    roles = task(migration_results, "paddle", "transformer")["roles"]
+    assert roles["attn.q_proj.weight"] == ["multi_head_attention", "query_kernel", "io", ["embed"]]
+    assert roles["attn.v_proj.bias"] == ["multi_head_attention", "value_bias", "o", ["embed"]]
+    assert roles["attn.out_proj.weight"] == ["multi_head_attention", "output_kernel", "io", ["embed"]]
+    assert roles["ln1.weight"][3] == ["attn", "embed"]
+
+
 def test_paddle_trace_records_what_feeds_the_residual_block(migration_results):
     inputs = task(migration_results, "paddle", "twins")["resnet"]["inputs"]
     assert inputs["stem"] == [] and inputs["short_bn"] == ["short_conv"] and inputs["b2_bn2"] == ["b2_conv2"]
