@@ -277,7 +277,8 @@ def test_param_info_kinds_roles_layouts_and_structure():
     attrs = seq.params["lstm.weight_hh_l1_reverse"].attrs
     assert (attrs["layer_index"], attrs["direction"], attrs["axes"]) == (1, "reverse", "oi")
     assert _info(seq, "gru.bias_ih_l0") == ("gru", "bias", "rzc")
-    assert _info(seq, "mha.in_proj_weight") == ("multi_head_attention", "kernel", "oi")
+    assert _info(seq, "mha.in_proj_weight") == ("multi_head_attention", "qkv_kernel", "oi")
+    assert _info(seq, "mha.out_proj.bias") == ("multi_head_attention", "output_bias", "o")
     assert seq.params["mha.in_proj_weight"].attrs["projection"] == "qkv"
     assert seq.params["mha.out_proj.weight"].attrs["projection"] == "attention_output"
     assert seq.params["mha.in_proj_weight"].attrs["inputs"] == ["gru"]
