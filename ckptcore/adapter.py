@@ -36,6 +36,9 @@ checks).  Besides the contract and the planning above it offers:
 * :func:`open_regular` -- a local file opened for reading without following links (native
   checkpoint readers share the core's containment).
 * :func:`parse_dtype` -- the NumPy dtype a stored dtype name denotes (``SchemaError`` if unknown).
+* :class:`RestrictedUnpickler` (with :func:`restricted_load`, :func:`check_plain`,
+  :func:`plain_records`, :class:`Record`, :func:`brief`) -- native files that are pickles
+  (``paddle.save``, ``torch.save``, distributed checkpoints' metadata) read without running code.
 * ``knobs`` -- the tunables, read through typed accessors: ``knobs.group_timeout()`` (seconds a
   collective may wait), ``knobs.threads()``, ``knobs.shard_size()``, ... (one per knob, each
   with its ``CKPTCORE_<NAME>`` environment override).
@@ -57,12 +60,16 @@ from ._contract import Adapter, DemoProgram, FileFormat
 from ._convert import convert_for
 from ._localfs import open_regular
 from ._storage import check_url
+from ._unpickle import (MAX_DEPTH, PLAIN_KEYS, Record, RecordClass, RestrictedUnpickler, brief,
+                        brief_error, check_plain, plain_records, restricted_load)
 from .errors import RestoreError, UnappliedStateWarning, warn_and_log
 from .state import RestoreReport
 
 __all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified",
            "mismatch_message", "warn_unapplied", "warn_and_log", "CALLBACK_KEEP", "open_regular",
-           "check_url", "convert_for", "parse_dtype", "knobs", "tiers"]
+           "check_url", "convert_for", "parse_dtype", "knobs", "tiers", "RestrictedUnpickler",
+           "Record", "RecordClass", "restricted_load", "plain_records", "check_plain", "brief",
+           "brief_error", "PLAIN_KEYS", "MAX_DEPTH"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
 # every adapter, so switching frameworks does not change how much disk a run uses.

@@ -25,8 +25,11 @@ CORE = REPO / "ckptcore"
 ADAPTERS = REPO / "adapters"
 
 # Private names of other libraries the core calls on purpose: the standard library's frame
-# access (warning stack levels) and its atexit hook that runs before threads are joined.
-STDLIB_PRIVATE = {("sys", "_getframe"), ("threading", "_register_atexit")}
+# access (warning stack levels), its atexit hook that runs before threads are joined, and the
+# pure-Python unpickler (ckptcore/_unpickle.py checks each opcode of a native checkpoint file
+# that is a pickle; the C unpickler offers no such hook) with its end-of-pickle signal.
+STDLIB_PRIVATE = {("sys", "_getframe"), ("threading", "_register_atexit"),
+                  ("pickle", "_Unpickler"), ("pickle", "_Stop")}
 # fsspec's async filesystem API (``_cat_file``: one coroutine per piece of a ranged read) and
 # s3fs's request call (``_call_s3``: the multipart upload API): documented for implementers and
 # callers of async filesystems, underscore-named by fsspec's convention, not ckptcore's.

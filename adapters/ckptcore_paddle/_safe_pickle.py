@@ -25,37 +25,23 @@ writes (``INST``/``OBJ``/``NEWOBJ``, sets, protocol-5 buffers) raises
 :class:`~ckptcore.errors.UnsafeCheckpointError` naming the file and what was asked for, before it
 can run.
 
-Resources.  A hostile file must not cost much more memory or time than its size:
-
-* a length field can ask only for bytes the file still has (:class:`_BoundedReader`);
-* what the stand-ins allocate in proportion to their input (``_codecs.encode``, array data copied by
-  ``BUILD``, ``tuple(...)``) is charged to a byte budget of ``2 x file size + 1 MiB``, so reusing one
-  memoized string thousands of times is refused instead of multiplying it;
-* dict keys must be numbers, strings or flat tuples of them (hashing a tuple nested a million
-  levels deep overflows the C stack), and ``SETITEM``/``APPEND`` fill only dicts and lists;
-* after loading, the result is walked as the tree every later step treats it as: a few bytes of
-  memo references can make a list that holds itself, or a chain of lists each holding the next one
-  twice, whose tree is exponentially large; both are refused;
-* error messages use :func:`brief`, which never builds the full repr of a large object.
-
-The unpickler's own bookkeeping (the stack, the memo, a fresh empty container per opcode) is not
-charged: it is at most about 80 bytes per byte of the file.
+The opcode-level restrictions and the resource bounds (a byte budget of twice the file size, key
+types, the tree walk after loading) are the core's :class:`ckptcore.adapter.RestrictedUnpickler`;
+this module adds the stand-ins for what ``paddle.save`` writes.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
-import pickle
-import reprlib
-import struct
 from collections import OrderedDict
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from ckptcore.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ckptcore.adapter import (MAX_DEPTH, PLAIN_KEYS, Record, RecordClass, RestrictedUnpickler, brief,
+                              brief_error, check_plain, plain_records, restricted_load)
+from ckptcore.errors import CorruptCheckpointError
 
 __all__ = ["load_paddle_pickle", "load_dcp_metadata", "Record", "brief", "brief_error"]
 
@@ -71,138 +57,20 @@ DCP_RECORDS = {
                                    "flattened_range", "replica_id", "local_shape"}),
 }
 
-
-class _RecordClass:
-    """What ``find_class`` returns for an admitted dataclass: only NEWOBJ may instantiate it."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"<record class {self.name}>"
-
-
-class Record:
-    """A plain stand-in for one of Paddle's metadata dataclasses: its class name and fields."""
-
-    __slots__ = ("kind", "fields", "_hash")
-
-    def __init__(self, kind: str) -> None:
-        self.kind, self.fields, self._hash = kind, None, None
-
-    def __hash__(self) -> int:  # (a LocalTensorIndex is a dict key, once built)
-        if self._hash is None:
-            self._hash = hash((self.kind, tuple(sorted((self.fields or {}).items()))))
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Record) and (self.kind, self.fields) == (other.kind, other.fields)
-
-    def __repr__(self) -> str:
-        return f"{self.kind}({brief(self.fields)})"
-
 _NUMERIC_KINDS = "biufc"
-_SCALARS = (str, bytes, int, float, bool, type(None), np.generic)
-_KEY_SCALARS = (str, bytes, int, float, bool, type(None))
-_MAX_DEPTH = 64
 _MAX_DIM = 1 << 62  # larger than any array numpy can hold; keeps shape arithmetic small
-_SLACK = 1 << 20
+
+# What _dcp.py uses under its historical names.
+_check_plain, _plain_records = check_plain, plain_records
 
 
-class _BriefRepr(reprlib.Repr):
-    """reprlib with small limits, extended so that no branch builds the full repr of a large object
-    (reprlib itself falls back to ``repr()`` for bytes, arrays and dict subclasses)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel, self.maxstring, self.maxother = 3, 60, 60
-        self.maxtuple = self.maxlist = self.maxdict = 4
-
-    def repr1(self, x: Any, level: int) -> str:
-        if isinstance(x, np.ndarray):
-            return f"array(shape={self.repr1(x.shape, level)}, dtype={x.dtype})"
-        if isinstance(x, (bytes, bytearray)):
-            head = bytes(x[:self.maxstring])
-            return repr(head) + ("..." if len(x) > len(head) else "")
-        if type(x) is int and x.bit_length() > 128:  # repr() refuses ints of more than 4300 digits
-            return f"<int of {x.bit_length()} bits>"
-        if isinstance(x, dict):
-            return self.repr_dict(x, level)
-        if isinstance(x, (str, int, float, tuple, list, type(None), np.generic, np.dtype)):
-            return super().repr1(x, level)
-        return f"<{type(x).__name__}>"
-
-    def repr_dict(self, x: dict, level: int) -> str:  # reprlib sorts every key first: not for a big dict
-        if not x:
-            return "{}"
-        if level <= 0:
-            return "{...}"
-        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
-                 for k, v in itertools.islice(x.items(), self.maxdict)]
-        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
-
-
-brief = _BriefRepr().repr
-
-
-def _cut(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def brief_error(e: BaseException) -> str:
-    """An exception's message, cut short (``str(KeyError(key))`` would repr the whole key)."""
-    args = e.args
-    if len(args) == 1:
-        return _cut(args[0]) if isinstance(args[0], str) else brief(args[0])
-    return brief(args) if args else ""
-
-
-class _BoundedReader:
-    """The file as the unpickler reads it: a length field asking for more than is left is an error
-    at once, instead of a read (or ``bytearray(n)``) that allocates the declared size first."""
-
-    def __init__(self, f: BinaryIO, size: int):
-        self._f, self._left = f, size
-
-    def read(self, n: int) -> bytes:
-        if n > self._left:
-            if self._left == 0 and n == 1:
-                return b""  # the next opcode is missing: pickle reports "Ran out of input"
-            raise EOFError(f"a record needs {n} bytes but the file has only {self._left} left")
-        data = self._f.read(n)
-        self._left -= len(data)
-        return data
-
-    def readline(self) -> bytes:
-        line = self._f.readline()
-        self._left -= len(line)
-        return line
-
-
-def _refusing(what: str) -> Any:
-    def load(self: _SafeUnpickler) -> None:
-        raise self.refuse(what)
-    return load
-
-
-def _invalid(code: int) -> Any:
-    def load(self: _SafeUnpickler) -> None:
-        raise pickle.UnpicklingError(f"invalid opcode {code:#04x}")
-    return load
-
-
-class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us check each opcode
-    dispatch = dict(pickle._Unpickler.dispatch)
+class _SafeUnpickler(RestrictedUnpickler):
+    writer = "a paddle.save state dict"
+    holds = "numpy arrays and plain values"
+    loader = "paddle.load"
 
     def __init__(self, file: BinaryIO, source: str, size: int, *, records: bool = False):
-        super().__init__(_BoundedReader(file, size), encoding="latin1")
-        self.source, self.size = source, size
-        # Every copy a legitimate file makes is of data the file holds once: protocol 2 stores an
-        # array's bytes as a latin-1 string that _codecs.encode turns into bytes (one copy) which
-        # BUILD may copy again into the array (two).  Hence twice the file size; the MiB covers the
-        # fixed costs of small files (tuple() of a few items).
-        self.budget, self.spent = 2 * size + _SLACK, 0
-        self.globals = {
+        admitted: dict[tuple[str, str], Any] = {
             ("numpy._core.multiarray", "_reconstruct"): self._reconstruct,
             ("numpy.core.multiarray", "_reconstruct"): self._reconstruct,
             ("numpy._core.multiarray", "scalar"): self._scalar,
@@ -215,48 +83,19 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ch
             ("builtins", "bytes"): self._empty_bytes,
             ("builtins", "eval"): self._eval,
         }
-        self.callables = {id(f) for f in self.globals.values()}
         if records:
             for module in _DCP_MODULES:
-                for name in DCP_RECORDS:
-                    self.globals[(module, name)] = _RecordClass(name)
+                for name, fields in DCP_RECORDS.items():
+                    admitted[(module, name)] = RecordClass(name, fields)
+        super().__init__(file, source, size, admitted)
+        self.callables.discard(id(admitted[("numpy", "ndarray")]))  # only _reconstruct may use it
 
     def _ndarray_class(self) -> type:
         """Stands in for ``numpy.ndarray``: only ``_reconstruct`` may use it; calling it is refused."""
-        refuse = self.refuse
-
         class ndarray:  # noqa: N801 - named like what it replaces, for error messages
-            def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-                raise refuse("calling numpy.ndarray directly")
+            pass
 
         return ndarray
-
-    def refuse(self, what: str) -> UnsafeCheckpointError:
-        return UnsafeCheckpointError(
-            f"{self.source}: refused {what}; a paddle.save state dict holds only numpy arrays and plain "
-            "values, so this file may try to run code. Load it with paddle.load only if you trust its origin")
-
-    def corrupt(self, what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{self.source}: {what}", file=self.source)
-
-    def charge(self, n: int, what: str) -> None:
-        """Count ``n`` bytes about to be allocated for ``what``; refuse past the budget."""
-        self.spent += n
-        if self.spent > self.budget:
-            raise UnsafeCheckpointError(
-                f"{self.source}: refused {what}: the data unpickled so far would take more than "
-                f"{self.budget} bytes, which a paddle.save file of {self.size} bytes cannot hold "
-                "(its data appears once in the file and is copied at most twice); the file is built "
-                "to exhaust memory")
-
-    def find_class(self, module: str, name: str) -> Any:
-        module = "builtins" if module == "__builtin__" else module
-        if (module, name) not in self.globals:
-            raise self.refuse(f"global {_cut(module, 100)}.{_cut(name, 100)}")
-        return self.globals[(module, name)]
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise self.refuse(f"persistent id {brief(pid)}")
 
     # ---- stand-ins
 
@@ -272,7 +111,7 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ch
         return np.dtype(obj, copy=True)  # a fresh instance: BUILD must never touch numpy's singletons
 
     def _reconstruct(self, subtype: Any, shape: Any, typecode: Any) -> np.ndarray:
-        if subtype is not self.globals[("numpy", "ndarray")]:
+        if subtype is not self.admitted[("numpy", "ndarray")]:
             raise self.refuse(f"numpy _reconstruct of {brief(subtype)}")
         return np.empty((0,), dtype=np.uint8)  # BUILD gives it its real shape, dtype and data
 
@@ -314,118 +153,25 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ch
             return namespace[expr]
         raise self.refuse(f"builtins.eval({brief(expr)})")
 
-    # ---- opcodes
-
-    def load_reduce(self) -> None:
-        args = self.stack.pop()
-        func = self.stack[-1]
-        if id(func) not in self.callables:
-            raise self.refuse(f"calling {brief(func)}")
-        if type(args) is not tuple or len(args) > 3:  # pickle always writes a tuple; ours take <= 3
-            raise self.refuse(f"a call with arguments {brief(args)}")
-        self.stack[-1] = func(*args)
-
-    dispatch[pickle.REDUCE[0]] = load_reduce
-
-    def load_newobj(self) -> None:
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        if not isinstance(cls, _RecordClass) or args != ():
-            raise self.refuse(f"the NEWOBJ opcode on {brief(cls)} (paddle.save never writes it)")
-        self.charge(256, f"a {cls.name} record")
-        self.append(Record(cls.name))
-
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
-
-    def _key(self, key: Any) -> Any:
-        if type(key) in _KEY_SCALARS or isinstance(key, np.generic) or \
-                (type(key) is tuple and all(type(k) in _KEY_SCALARS for k in key)):
-            return key
-        if type(key) is Record and key.fields is not None:  # built from flat values: hashable
-            return key
-        raise self.refuse(f"a dict key of type {type(key).__name__} (keys are names, numbers or flat "
-                          "tuples of them)")
-
-    def _target(self, kind: type) -> Any:
-        target = self.stack[-1]
-        if not isinstance(target, kind):  # e.g. item assignment on an array would run numpy indexing
-            raise self.refuse(f"filling a {type(target).__name__} as a {kind.__name__}")
-        return target
-
-    def load_dict(self) -> None:
-        items = self.pop_mark()
-        self.append({self._key(items[i]): items[i + 1] for i in range(0, len(items), 2)})
-
-    def load_setitem(self) -> None:
-        value, key = self.stack.pop(), self.stack.pop()
-        self._target(dict)[self._key(key)] = value
-
-    def load_setitems(self) -> None:
-        items = self.pop_mark()
-        target = self._target(dict)
-        for i in range(0, len(items), 2):
-            target[self._key(items[i])] = items[i + 1]
-
-    def load_append(self) -> None:
-        value = self.stack.pop()
-        self._target(list).append(value)
-
-    def load_appends(self) -> None:
-        items = self.pop_mark()
-        self._target(list).extend(items)
-
-    def load_stop(self) -> None:
-        value = self.stack.pop()
-        if self.stack or self.metastack:  # pickle.dump leaves exactly one object
-            raise pickle.UnpicklingError(f"the pickle ends with {len(self.stack)} unused objects "
-                                         f"and {len(self.metastack)} open marks")
-        raise pickle._Stop(value)
-
-    for _op, _fn in ((pickle.DICT, load_dict), (pickle.SETITEM, load_setitem),
-                     (pickle.SETITEMS, load_setitems), (pickle.APPEND, load_append),
-                     (pickle.APPENDS, load_appends), (pickle.STOP, load_stop)):
-        dispatch[_op[0]] = _fn
-    for _op, _what in ((pickle.INST, "the INST opcode"), (pickle.OBJ, "the OBJ opcode"),
-                       (pickle.NEWOBJ_EX, "the NEWOBJ_EX opcode"),
-                       (pickle.EMPTY_SET, "a set"), (pickle.FROZENSET, "a frozenset"),
-                       (pickle.ADDITEMS, "a set"), (pickle.BYTEARRAY8, "a protocol-5 bytearray"),
-                       (pickle.NEXT_BUFFER, "a protocol-5 buffer"),
-                       (pickle.READONLY_BUFFER, "a protocol-5 buffer")):
-        dispatch[_op[0]] = _refusing(f"{_what} (paddle.save never writes it)")
-    del _op, _fn, _what
-    for _code in range(256):  # a byte that is no opcode: say so, not KeyError
-        dispatch.setdefault(_code, _invalid(_code))
-    del _code
-
     # ---- BUILD
 
-    def load_build(self) -> None:
-        state = self.stack.pop()
-        inst = self.stack[-1]
+    def build(self, inst: Any, state: Any) -> None:
         if isinstance(inst, np.dtype):
             self._build_dtype(inst, state)
         elif type(inst) is np.ndarray:
             self._build_array(inst, state)
-        elif type(inst) is Record:
-            self._build_record(inst, state)
         else:
-            raise self.refuse(f"setting the state of a {type(inst).__name__}")
+            super().build(inst, state)
 
-    dispatch[pickle.BUILD[0]] = load_build
-
-    def _build_record(self, rec: Record, state: Any) -> None:
-        allowed = DCP_RECORDS[rec.kind]
-        if rec.fields is not None or type(state) is not dict or \
-                not all(type(k) is str and k in allowed for k in state):
-            raise self.refuse(f"the state {brief(state)} of a {rec.kind} record (it takes one dict "
-                              f"of the fields {sorted(allowed)})")
+    def build_record(self, rec: Record, fields: frozenset[str], state: Any) -> dict[str, Any]:
+        out = super().build_record(rec, fields, state)
         if rec.kind != "Metadata":  # its fields are keys' parts: flat numbers, strings, tuples
-            for k, v in state.items():
-                if not (type(v) in _KEY_SCALARS or (type(v) is tuple and
-                                                    all(type(x) in _KEY_SCALARS for x in v))):
+            for k, v in out.items():
+                if not (type(v) in PLAIN_KEYS or (type(v) is tuple and
+                                                  all(type(x) in PLAIN_KEYS for x in v))):
                     raise self.refuse(f"field {k!r} of a {rec.kind} record holding a "
                                       f"{type(v).__name__}")
-        rec.fields = dict(state)
+        return out
 
     def _build_dtype(self, d: np.dtype, state: Any) -> None:
         def is_int(x: Any, *allowed: int) -> bool:
@@ -449,7 +195,7 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ch
             raise self.refuse(f"an array state with {type(raw).__name__} data and dtype {brief(dtype)} "
                               "(object arrays are refused)")
         if type(version) is not int or type(fortran) not in (bool, int) or type(shape) is not tuple \
-                or len(shape) > _MAX_DEPTH or not all(type(n) is int and 0 <= n < _MAX_DIM for n in shape):
+                or len(shape) > MAX_DEPTH or not all(type(n) is int and 0 <= n < _MAX_DIM for n in shape):
             raise self.corrupt(f"a malformed array state (version {brief(version)}, shape {brief(shape)}, "
                                f"fortran flag {brief(fortran)})")
         if len(raw) != math.prod(shape) * dtype.itemsize:
@@ -466,23 +212,16 @@ def load_paddle_pickle(path: str | os.PathLike, *, records: bool = False) -> Any
     ``records``: admit the metadata dataclasses of a distributed checkpoint (see
     :func:`load_dcp_metadata`, which is what callers use)."""
     source = os.fspath(path)
-    try:
-        with open(source, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            obj = _SafeUnpickler(f, source, size, records=records).load()
-    except CheckpointError:
-        raise
-    except (pickle.UnpicklingError, EOFError, struct.error, ValueError, TypeError, LookupError,
-            AttributeError, ArithmeticError, RecursionError, MemoryError) as e:
-        detail = brief_error(e) or ("the file ends before the pickle does" if isinstance(e, EOFError) else "")
-        raise CorruptCheckpointError(f"{source}: not a readable paddle.save file ({type(e).__name__}"
-                                     f"{': ' + detail if detail else ''})", file=source) from e
+    with open(source, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        obj = restricted_load(lambda f, s, n: _SafeUnpickler(f, s, n, records=records), f, source,
+                              size, "paddle.save file")
     if records:
-        obj = _plain_records(obj, source, 0)
+        obj = plain_records(obj, source, 0)
     # A tree-shaped pickle spends at least one byte per node (an array or a memo reference is one
     # node, and costs more); only containers referenced more than once, which paddle.save does not
     # write, make the tree larger than the file.  The slack admits a few small ones.
-    _check_plain(obj, source, size + (1 << 16))
+    check_plain(obj, source, size + (1 << 16))
     return obj
 
 
@@ -497,69 +236,3 @@ def load_dcp_metadata(path: str | os.PathLike) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{source}: holds a {type(obj).__name__}, not the Metadata "
                                      "of a paddle.distributed checkpoint", file=source)
     return obj
-
-
-def _plain_records(x: Any, source: str, depth: int) -> Any:
-    """Records as dicts (with their class under ``"__record__"``); dicts keyed by records as lists
-    of ``[key, value]`` pairs.  Containers are rebuilt: the walk's depth is bounded."""
-    if depth > _MAX_DEPTH:
-        raise CorruptCheckpointError(f"{source}: nested more than {_MAX_DEPTH} levels deep", file=source)
-    if type(x) is Record:
-        if x.fields is None:
-            raise UnsafeCheckpointError(f"{source}: refused a {x.kind} record that was never filled")
-        return {"__record__": x.kind, **{k: _plain_records(v, source, depth + 1)
-                                         for k, v in x.fields.items()}}
-    if isinstance(x, dict):
-        if any(type(k) is Record for k in x):
-            return [[_plain_records(k, source, depth + 1), _plain_records(v, source, depth + 1)]
-                    for k, v in x.items()]
-        return {k: _plain_records(v, source, depth + 1) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_plain_records(v, source, depth + 1) for v in x]
-    if type(x) is tuple:
-        return tuple(_plain_records(v, source, depth + 1) for v in x)
-    return x
-
-
-def _check_plain(obj: Any, source: str, max_nodes: int) -> None:
-    """Refuse what is not plain data, nesting past 64 levels, cycles, and trees of over ``max_nodes`` nodes.
-
-    Later steps (``plain()``, the state's codec) copy the value as a tree, so it is measured as one;
-    each container is walked once and remembered by identity, so measuring costs no more than the file.
-    """
-    walked: dict[int, tuple[int, int]] = {}  # id -> (nodes, height) of a container already measured
-    open_: set[int] = set()
-
-    def walk(x: Any, depth: int) -> tuple[int, int]:
-        if depth > _MAX_DEPTH:
-            raise CorruptCheckpointError(f"{source}: nested more than {_MAX_DEPTH} levels deep", file=source)
-        if isinstance(x, np.ndarray):
-            if x.dtype.hasobject:
-                raise UnsafeCheckpointError(f"{source}: refused an object array")
-            return 1, 0
-        if not isinstance(x, (dict, list, tuple)):
-            if not isinstance(x, _SCALARS) or (isinstance(x, np.generic) and x.dtype.hasobject):
-                raise UnsafeCheckpointError(f"{source}: refused a {type(x).__name__} value")
-            return 1, 0
-        key = id(x)
-        if key not in walked:
-            if key in open_:
-                raise CorruptCheckpointError(f"{source}: a {type(x).__name__} contains itself", file=source)
-            open_.add(key)
-            nodes, height = 1, 0
-            for child in (itertools.chain.from_iterable(x.items()) if isinstance(x, dict) else x):
-                n, h = walk(child, depth + 1)
-                nodes, height = nodes + n, max(height, h + 1)
-                if nodes > max_nodes:  # every container's count stays small, so this never overflows
-                    raise UnsafeCheckpointError(
-                        f"{source}: refused a structure of more than {max_nodes} values: containers "
-                        "referenced many times from a file this small would expand far beyond it "
-                        "when copied")
-            open_.discard(key)
-            walked[key] = (nodes, height)
-        nodes, height = walked[key]
-        if depth + height > _MAX_DEPTH:
-            raise CorruptCheckpointError(f"{source}: nested more than {_MAX_DEPTH} levels deep", file=source)
-        return nodes, height
-
-    walk(obj, 0)

@@ -1,0 +1,298 @@
+"""Capture a PyTorch training run as a TrainingState, and restore one bit for bit.
+
+Naming (a contract: checkpoints written today must restore tomorrow; the layout is the one the
+torch file import/export produce and consume too):
+
+* ``state.model``: every ``state_dict()`` entry by its key without wrapper components (see
+  ``_tensors.py``); a tensor reachable under several names (tied weights) is stored once, and
+  ``extra["torch"]["aliases"]`` maps the others to it.
+* ``state.optimizer``: slots keyed by parameter name and torch's slot names, every param group's
+  hyperparameters in ``extra["param_groups"]`` (see ``_optimizer.py``).  ``state.optimizer.step``
+  (and ``state.step``): the ``step`` argument; else the largest per-parameter ``step`` slot
+  (Adam and the like); else the scheduler's ``last_epoch``; else 0.  ``extra["step_source"]``
+  says which.
+* ``state.schedule``: ``ScheduleState(kind=<class name>, config={}, step=last_epoch,
+  last_lr=get_last_lr()[0], state=<its state_dict(), plain>)``.
+* ``optimizer.extra["grad_scaler"]``: a ``GradScaler``'s ``state_dict()`` (or
+  ``extra["torch"]["grad_scaler"]`` without an optimizer).
+* ``state.accumulation``: gradients in flight (``param.grad``) with any bit set, with
+  ``every``/``count`` from the ``accumulate_every``/``accumulated`` hints (0 when not given).
+  ``extra["torch"]["zero_grads"]`` lists parameters whose gradient exists but is all zero
+  (``zero_grad(set_to_none=False)``); restore recreates those and sets every other gradient to
+  None: None and zeros differ (an optimizer skips a parameter whose grad is None, but applies
+  weight decay and momentum to one with a zero gradient).
+* ``state.rng``: ckptcore's ``"python"`` and ``"numpy"`` plus ``"torch"`` (and ``"cuda"``), see
+  ``_rng.py``.
+* ``state.params``: a ParamInfo per entry of ``state.model`` (see ``_params.py``).
+
+Restoring goes through one :class:`ckptcore.adapter.RestorePlan`: every check first, then every
+assignment and action.  RestoreReport names follow :func:`ckptcore.adapter.qualified`: model
+tensors by their own name, ``optimizer/<param>/<slot>``, ``optimizer``, ``schedule``,
+``grad_scaler``, ``accumulation/<param>``, ``data``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptcore.adapter import RestorePlan, qualified, warn_unapplied
+from ckptcore.errors import RestoreError, UnappliedStateWarning
+from ckptcore.rng import capture_rng, restore_rng
+from ckptcore.state import AccumulationState, RestoreReport, TrainingState
+
+from ._optimizer import (capture_optimizer, capture_schedule, capture_scaler, plan_optimizer, plan_schedule,
+                         plan_scaler, schedule_step)
+from ._params import describe_params
+from ._rng import capture_framework_rng, restore_framework_rng
+from ._tensors import assign, named_tensors, new_tensor, numpy_dtype, to_numpy, unwrap
+
+log = logging.getLogger("ckptcore")
+
+
+def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,
+            scheduler: Any = None, scaler: Any = None, step: int | None = None,
+            accumulate_every: int | None = None, accumulated: int | None = None) -> TrainingState:
+    """Snapshot a PyTorch module, optimizer, LR scheduler, GradScaler, gradients, RNGs and a cursor.
+
+    ``model`` may be wrapped (DDP, DataParallel, ``torch.compile``): names are the plain
+    module's.  ``step`` overrides the derived update count; ``accumulate_every`` and
+    ``accumulated`` describe a gradient-accumulation window in progress.  ``copy=False`` returns
+    views of CPU tensors' own buffers instead of copies: for a synchronous save straight after
+    the capture, before training changes them; never for an asynchronous save.
+
+    Raises:
+        CaptureError: an optimizer ckptcore_torch cannot capture exactly (e.g. ``LBFGS``, or a
+            custom subclass with its own state keys), or one updating parameters outside the model.
+
+    Example:
+        >>> state = ckptcore_torch.capture(net, opt, scheduler=sched, cursor=cursor)  # doctest: +SKIP
+        >>> ckptcore_torch.restore(state, new_net, new_opt, scheduler=new_sched)      # doctest: +SKIP
+    """
+    tensors, aliases = named_tensors(model)
+    arrays = {n: to_numpy(t, copy) for n, t in tensors.items()}
+    state = TrainingState(framework="torch", model=arrays, params=describe_params(unwrap(model), tensors, aliases))
+    extra: dict[str, Any] = {}
+    if aliases:
+        extra["aliases"] = aliases
+    if optimizer is not None:
+        key_of = {id(t): n for n, t in tensors.items()}
+        state.optimizer = capture_optimizer(optimizer, key_of, step=step, scheduler=scheduler, copy=copy)
+        state.step = state.optimizer.step
+    elif step is not None:
+        state.step = int(step)
+    elif scheduler is not None:
+        state.step = max(schedule_step(scheduler), 0)
+    if scheduler is not None:
+        state.schedule = capture_schedule(scheduler)
+    if scaler is not None:
+        (state.optimizer.extra if state.optimizer else extra)["grad_scaler"] = capture_scaler(scaler)
+    buffers, extra["zero_grads"] = _capture_grads(tensors, copy)
+    if buffers or accumulate_every or accumulated:
+        state.accumulation = AccumulationState(every=int(accumulate_every or 0), count=int(accumulated or 0),
+                                               buffers=buffers)
+    if rng:
+        state.rng = {**capture_rng(), **capture_framework_rng()}
+    if cursor is not None:
+        state.data = dict(cursor.state_dict())
+    state.metadata = {"versions": {"torch": torch.__version__, "numpy": np.__version__},
+                      "model_class": type(unwrap(model)).__name__,
+                      "optimizer_class": None if optimizer is None else type(optimizer).__name__}
+    state.extra = {"torch": extra}
+    return state
+
+
+def _capture_grads(tensors: dict[str, Any], copy: bool = True) -> tuple[dict[str, np.ndarray], list[str]]:
+    buffers: dict[str, np.ndarray] = {}
+    zero: list[str] = []
+    for name, t in tensors.items():
+        g = t.grad if isinstance(t, torch.nn.Parameter) else None
+        if g is None:
+            continue
+        if g.is_sparse:
+            g = g.to_dense()
+        view = to_numpy(g, copy=False)  # look before copying: cleared gradients are all zero
+        if _any_bit(view):
+            buffers[name] = view.copy() if copy else view
+        else:
+            zero.append(name)
+    return buffers, zero
+
+
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _any_bit(arr: np.ndarray) -> bool:
+    """Whether any bit is set (so -0.0 counts as a value)."""
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    word = _WORDS.get(flat.dtype.itemsize)
+    if word is None:  # complex128 and the like: bytes
+        flat, word = flat.view(np.uint8), np.uint8
+    return bool(flat.view(word).max(initial=0))
+
+
+def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
+            strict: bool = True, rng: bool = True, scheduler: Any = None, scaler: Any = None,
+            warn_data: bool = True) -> RestoreReport:
+    """Put ``state`` back into ``model`` (and the other objects given), bit for bit, each tensor in
+    place on the live tensor's device.
+
+    Everything is checked before anything is assigned.  A shape or dtype mismatch is a RestoreError
+    naming the tensor, whatever ``strict`` says; names present on only one side raise RestoreError
+    when ``strict`` and are returned in the RestoreReport otherwise.  ``rng=False`` leaves every
+    RNG as it is.  Objects not passed are left alone.  A ``LambdaLR``'s (``MultiplicativeLR``'s)
+    lambdas are code, not state: the live scheduler's own are kept.
+
+    Saved parts with no target warn (:class:`ckptcore.errors.UnappliedStateWarning`) and never
+    raise: a data position without ``cursor`` (unless ``warn_data=False``), an optimizer section
+    without an optimizer, a schedule without a scheduler, a GradScaler state without ``scaler``.
+    A state saved without an optimizer leaves a target optimizer as it is (and warns).
+
+    Raises:
+        RestoreError: a mismatch as described.
+        MigrationError: a state captured from another framework that cannot be converted.
+    """
+    from ckptcore.adapter import convert_for
+
+    state = convert_for(state, "torch", {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                                         "scaler": scaler})
+    extra = (state.extra or {}).get("torch") or {}
+    plan = RestorePlan()
+    tensors, aliases = named_tensors(model)
+    _plan_model(plan, state, extra, tensors, aliases)
+    _plan_grads(plan, state, extra, tensors)
+    unapplied: dict[str, str] = {}
+    no_slots = _plan_optimizer_part(plan, state, extra, optimizer, scheduler, scaler, tensors,
+                                    strict=strict, unapplied=unapplied)
+    if cursor is not None:
+        if state.data:
+            plan.then(functools.partial(cursor.load_state_dict, state.data))
+        else:
+            plan.missing(qualified("data"))
+    elif state.data and warn_data:
+        unapplied["data"] = "pass cursor=... (the run's DataCursor) to continue at the saved sample"
+    if rng and state.rng:
+        plan.then(functools.partial(_restore_rng, state.rng))
+    report = plan.apply(strict)
+    warn_unapplied(unapplied, stacklevel=_user_level())
+    if no_slots:
+        _warn_no_slots(optimizer)
+    return report
+
+
+def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, extra: dict, optimizer: Any,
+                         scheduler: Any, scaler: Any, tensors: dict[str, Any], *, strict: bool,
+                         unapplied: dict[str, str]) -> bool:
+    """The optimizer, LR scheduler and GradScaler into the targets given; saved ones with no
+    target go in ``unapplied``.  Returns whether the state holds no optimizer section for a
+    target optimizer (which, and its scheduler unless a schedule was saved, stay as they are)."""
+    no_slots = optimizer is not None and state.optimizer is None
+    if optimizer is not None and not no_slots:
+        plan_optimizer(plan, optimizer, state.optimizer, tensors, saved_params=set(state.model))
+    elif state.optimizer is not None:
+        unapplied["optimizer"] = "pass optimizer=... (the torch.optim optimizer)"
+        if not strict:
+            plan.unexpected(qualified("optimizer"))
+    elif no_slots and not strict:
+        plan.missing(qualified("optimizer"))
+    if scheduler is not None and not (no_slots and state.schedule is None):
+        plan_schedule(plan, scheduler, state.schedule)
+    elif scheduler is None and state.schedule is not None:
+        unapplied["schedule"] = "pass scheduler=... (the torch.optim.lr_scheduler object)"
+    saved_scaler = (state.optimizer.extra if state.optimizer else {}).get("grad_scaler", extra.get("grad_scaler"))
+    if scaler is not None:
+        plan_scaler(plan, scaler, saved_scaler)
+    elif saved_scaler and saved_scaler.get("enabled"):
+        unapplied["grad scaler"] = "pass scaler=... (the torch.amp.GradScaler)"
+    return no_slots
+
+
+def _warn_no_slots(opt: Any) -> None:
+    message = (f"the checkpoint holds no optimizer state (it was saved without its optimizer), so the "
+               f"{type(opt).__name__} optimizer keeps its own state and schedule: the run does not "
+               "continue where it stopped. Save with optimizer=... to resume it; load with "
+               "keys=['model'] to restore the model alone on purpose.")
+    log.warning("%s", message)
+    warnings.warn(message, UnappliedStateWarning, stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """The ``stacklevel``, seen from a function this module calls, of the first frame outside
+    ckptcore and its adapters: the user's ``restore``/``load_state`` line."""
+    frame, level = sys._getframe(2), 3
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ckptcore"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _restore_rng(rng: dict[str, Any]) -> None:
+    restore_framework_rng(rng)  # checks its entries before it sets anything
+    restore_rng({k: v for k, v in rng.items() if k in ("python", "numpy", "numpy_generators")})
+
+
+def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any],
+                aliases: dict[str, str]) -> None:
+    """Pair each target tensor with the saved array under any of its names."""
+    saved = state.model
+    saved_alias = {a: c for a, c in (extra.get("aliases") or {}).items() if c in saved}
+    names_of: dict[str, list[str]] = {c: [c] for c in tensors}
+    for a, c in aliases.items():
+        names_of[c].append(a)
+    used: set[str] = set()
+    for canonical, names in names_of.items():
+        src = next((n if n in saved else saved_alias[n] for n in names if n in saved or n in saved_alias), None)
+        if src is None:
+            plan.missing(qualified("model", canonical))
+            continue
+        t, value = tensors[canonical], saved[src]
+        if t.is_meta:
+            raise RestoreError(f"{canonical}: the target tensor is on the meta device (uninitialised); "
+                               "materialise the model (e.g. to_empty) before restoring")
+        plan.assign(qualified("model", canonical), value, shape=tuple(t.shape), dtype=numpy_dtype(t),
+                    put=functools.partial(assign, t, value))
+        used.add(src)
+    plan.unexpected_from(saved, used)
+
+
+def _plan_grads(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any]) -> None:
+    """Gradients as captured: saved buffers, zero gradients, and None for every other parameter."""
+    buffers = state.accumulation.buffers if state.accumulation else {}
+    zero = extra.get("zero_grads")
+    if zero is None and not buffers:
+        return  # not captured by this adapter: leave the gradients alone
+    params = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
+    for name, arr in buffers.items():
+        if name not in params:
+            raise RestoreError(f"{qualified('accumulation', name)}: the target model has no such parameter")
+        # Checked here, set by an action: the gradient tensor may not exist until then.
+        plan.assign(qualified("accumulation", name), arr, shape=tuple(params[name].shape),
+                    dtype=numpy_dtype(params[name]), put=lambda: None)
+    zero = set(zero or ())
+    for name, t in params.items():
+        if name in buffers:
+            plan.then(functools.partial(_set_grad, t, buffers[name]))
+        elif name in zero:
+            plan.then(functools.partial(_zero_grad, t))
+        else:
+            plan.then(functools.partial(setattr, t, "grad", None))
+
+
+def _set_grad(t: torch.Tensor, value: np.ndarray) -> None:
+    g = t.grad
+    if g is not None and not g.is_sparse and g.shape == t.shape and g.dtype == t.dtype:
+        assign(g, value)  # in place: no new tensor of the parameter's size
+    else:
+        t.grad = new_tensor(value, t, dtype=t.dtype)
+
+
+def _zero_grad(t: torch.Tensor) -> None:
+    if t.grad is not None and not t.grad.is_sparse:
+        t.grad.detach().zero_()
+    else:
+        t.grad = torch.zeros_like(t, memory_format=torch.preserve_format)
