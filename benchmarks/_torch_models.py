@@ -192,10 +192,16 @@ def same(a: tuple, b: tuple) -> str | None:
 
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     """Bytes of distinct tensors (the tied head counted once)."""
-    seen, total = set(), 0
+    return sum(t.numel() * t.element_size() for t in distinct(model, opt))
+
+
+def distinct(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The distinct tensors of :func:`flat`, in its order (the tied head once): what a raw
+    one-file save writes and a raw load reads back into."""
+    seen, out = set(), []
     for t in flat(model, opt).values():
         key = (t.untyped_storage().data_ptr(), t.storage_offset())
         if key not in seen:
             seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
+            out.append(t)
+    return out
