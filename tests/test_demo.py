@@ -69,11 +69,11 @@ def test_demo_refuses_memory_root():
     assert out.returncode == 2 and "memory://" in out.stderr
 
 
-@pytest.mark.parametrize("framework", ["paddle", "keras"])
+@pytest.mark.parametrize("framework", ["paddle", "keras", "torch"])
 @pytest.mark.slow
 def test_framework_demo_resumes_bit_exactly(tmp_path, framework):
     # find_spec, not importorskip: this process must not import a framework (they clash).
-    if importlib.util.find_spec("paddle" if framework == "paddle" else "tensorflow") is None:
+    if importlib.util.find_spec({"keras": "tensorflow"}.get(framework, framework)) is None:
         pytest.skip(f"{framework} is not installed")
     out = run_demo(tmp_path, "--framework", framework)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -128,6 +128,24 @@ PRELUDES: dict[str, Prelude] = {
         model = paddle.Model(net)
         model.prepare(opt, loss_fn)
         """),
+    # A PyTorch classifier, its dataset, Adam on a StepLR schedule, and a LightningModule of it.
+    "torch-model": Prelude("torch", """
+        import numpy as np
+        import torch
+        import ckptcore, ckptcore_torch
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        _g = np.random.default_rng(0)
+        train_ds = torch.utils.data.TensorDataset(
+            torch.from_numpy(_g.standard_normal((128, 8)).astype(np.float32)),
+            torch.from_numpy(_g.integers(0, 3, 128)))
+        epochs = EPOCHS = E = 2
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                  torch.nn.Linear(16, 3))
+        opt = optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        """),
 }
 
 # Blocks known to be broken as they stand, by the sha256 of their exact text, with the reason: a
@@ -139,7 +157,8 @@ KNOWN_BROKEN: dict[str, str] = {
 MARKER = re.compile(r"^<!--\s*prelude:\s*(.+?)\s*-->$")
 CODE_MARKER = re.compile(r"^#\s*prelude:", re.MULTILINE)  # the old in-code marker: not shown any more
 FRAMEWORK_MODULES = {"keras": ("tensorflow", "keras", "ckptcore_keras"),
-                     "paddle": ("paddle", "ckptcore_paddle")}
+                     "paddle": ("paddle", "ckptcore_paddle"),
+                     "torch": ("torch", "ckptcore_torch", "lightning")}
 
 
 @dataclass(frozen=True)

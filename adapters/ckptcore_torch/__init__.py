@@ -36,10 +36,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._loader import DataLoader
 
 __all__ = ["ADAPTER", "capture", "restore", "import_torch_files", "export_torch_files",
-           "import_dcp", "export_dcp", "DataLoader", "process_group"]
+           "import_dcp", "export_dcp", "DataLoader", "Checkpoint", "process_group"]
 
 # Public classes, imported on first access (DataLoader subclasses a torch class).
-_LAZY = {"DataLoader": "._loader"}
+_LAZY = {"DataLoader": "._loader", "Checkpoint": "._callback"}
 
 # The framework objects capture and restore take besides model and optimizer (the contract's
 # cursor, rng, copy and strict are flags); anything else passed through ADAPTER is a TypeError.
@@ -87,8 +87,8 @@ def import_torch_files(path: str | os.PathLike, optimizer_path: str | os.PathLik
 
 
 def export_torch_files(state: TrainingState, path: str | os.PathLike, **options: Any) -> Any:
-    """Write a file ``torch.load(path, weights_only=True)`` accepts (see ``_files.py``)."""
-    from ._files import export_torch_files as _export
+    """Write a file ``torch.load(path, weights_only=True)`` accepts (see ``_export.py``)."""
+    from ._export import export_torch_files as _export
     return _export(state, path, **options)
 
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ckptcore.adapter import RestorePlan, qualified, warn_unapplied
-from ckptcore.errors import RestoreError, UnappliedStateWarning
+from ckptcore.errors import CaptureError, RestoreError, UnappliedStateWarning
 from ckptcore.rng import capture_rng, restore_rng
 from ckptcore.state import AccumulationState, RestoreReport, TrainingState
 
@@ -51,6 +51,7 @@ from ._optimizer import (capture_optimizer, capture_schedule, capture_scaler, pl
                          plan_scaler, schedule_step)
 from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
+from ._sharding import has_dtensors, is_dtensor, reshard_optimizer, restore_target, set_grad  # [sharding hook]
 from ._tensors import assign, named_tensors, new_tensor, numpy_dtype, to_numpy, unwrap
 
 log = logging.getLogger("ckptcore")
@@ -76,6 +77,8 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
         >>> ckptcore_torch.restore(state, new_net, new_opt, scheduler=new_sched)      # doctest: +SKIP
     """
     tensors, aliases = named_tensors(model)
+    for name, t in tensors.items():
+        _check_materialised(name, t, CaptureError)
     arrays = {n: to_numpy(t, copy) for n, t in tensors.items()}
     state = TrainingState(framework="torch", model=arrays, params=describe_params(unwrap(model), tensors, aliases))
     extra: dict[str, Any] = {}
@@ -117,6 +120,9 @@ def _capture_grads(tensors: dict[str, Any], copy: bool = True) -> tuple[dict[str
             continue
         if g.is_sparse:
             g = g.to_dense()
+        if is_dtensor(g):  # [sharding hook] every rank lists a DTensor's gradient (its block), zero or not
+            buffers[name] = to_numpy(g, copy)
+            continue
         view = to_numpy(g, copy=False)  # look before copying: cleared gradients are all zero
         if _any_bit(view):
             buffers[name] = view.copy() if copy else view
@@ -195,6 +201,8 @@ def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, extra: dict, o
     no_slots = optimizer is not None and state.optimizer is None
     if optimizer is not None and not no_slots:
         plan_optimizer(plan, optimizer, state.optimizer, tensors, saved_params=set(state.model))
+        if has_dtensors(tensors.values()):  # [sharding hook] whole slots -> this rank's DTensor blocks
+            plan.then(functools.partial(reshard_optimizer, optimizer))
     elif state.optimizer is not None:
         unapplied["optimizer"] = "pass optimizer=... (the torch.optim optimizer)"
         if not strict:
@@ -250,19 +258,26 @@ def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, tensors: d
         if src is None:
             plan.missing(qualified("model", canonical))
             continue
-        t, value = tensors[canonical], saved[src]
-        if t.is_meta:
-            raise RestoreError(f"{canonical}: the target tensor is on the meta device (uninitialised); "
-                               "materialise the model (e.g. to_empty) before restoring")
+        _check_materialised(canonical, tensors[canonical], RestoreError)
+        t, value = restore_target(tensors[canonical], canonical, saved[src])  # [sharding hook]
         plan.assign(qualified("model", canonical), value, shape=tuple(t.shape), dtype=numpy_dtype(t),
                     put=functools.partial(assign, t, value))
         used.add(src)
     plan.unexpected_from(saved, used)
 
 
+def _check_materialised(name: str, t: torch.Tensor, error: type[Exception]) -> None:
+    if torch.nn.parameter.is_lazy(t):
+        raise error(f"{name} is an uninitialised lazy tensor (nn.LazyLinear and the like): run one "
+                    "forward pass first, so it has a shape")
+    if t.is_meta:
+        raise error(f"{name} is on the meta device (no values): materialise the model (e.g. "
+                    "to_empty(device=...)) first")
+
+
 def _plan_grads(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any]) -> None:
     """Gradients as captured: saved buffers, zero gradients, and None for every other parameter."""
-    buffers = state.accumulation.buffers if state.accumulation else {}
+    buffers = dict(state.accumulation.buffers) if state.accumulation else {}
     zero = extra.get("zero_grads")
     if zero is None and not buffers:
         return  # not captured by this adapter: leave the gradients alone
@@ -270,9 +285,10 @@ def _plan_grads(plan: RestorePlan, state: TrainingState, extra: dict, tensors: d
     for name, arr in buffers.items():
         if name not in params:
             raise RestoreError(f"{qualified('accumulation', name)}: the target model has no such parameter")
+        target, buffers[name] = restore_target(params[name], name, arr)  # [sharding hook]
         # Checked here, set by an action: the gradient tensor may not exist until then.
-        plan.assign(qualified("accumulation", name), arr, shape=tuple(params[name].shape),
-                    dtype=numpy_dtype(params[name]), put=lambda: None)
+        plan.assign(qualified("accumulation", name), buffers[name], shape=tuple(target.shape),
+                    dtype=numpy_dtype(target), put=lambda: None)
     zero = set(zero or ())
     for name, t in params.items():
         if name in buffers:
@@ -284,6 +300,8 @@ def _plan_grads(plan: RestorePlan, state: TrainingState, extra: dict, tensors: d
 
 
 def _set_grad(t: torch.Tensor, value: np.ndarray) -> None:
+    if is_dtensor(t):  # [sharding hook] value is this rank's block
+        return set_grad(t, value)
     g = t.grad
     if g is not None and not g.is_sparse and g.shape == t.shape and g.dtype == t.dtype:
         assign(g, value)  # in place: no new tensor of the parameter's size

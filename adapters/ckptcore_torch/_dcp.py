@@ -32,17 +32,18 @@ from typing import Any
 
 import numpy as np
 
-from ckptcore.adapter import brief, open_regular, plain_records, restricted_load
+from ckptcore.adapter import brief, brief_error, open_regular, plain_records, restricted_load
 from ckptcore.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                              IncompleteCheckpointError, SchemaError, StorageError)
 from ckptcore.state import TrainingState
 
-from ._files import (OPTIMIZER_KEYS, _param_order, _set_step, model_entries, optimizer_state)
+from ._files import OPTIMIZER_KEYS, model_entries, optimizer_state, param_order, set_step
 from ._safe_pickle import DTYPES, TorchDType, TorchUnpickler, load_torch
 
 __all__ = ["import_dcp", "export_dcp"]
 
-_FILE = re.compile(r"[A-Za-z0-9_.\-]{1,128}\.distcp")
+_FILE = re.compile(r"[A-Za-z0-9_.\-]{1,128}\.distcp")  # a bare name in the folder, never a path
+_MAX_DIMS, _MAX_DIM = 64, 1 << 62
 
 
 def _open(path: str) -> tuple[Any, int]:
@@ -103,16 +104,27 @@ def _read_range(folder: str, where: tuple[str, int, int], sizes: dict, source: s
         return load_torch(io.BytesIO(f.read(length)), length, f"{path}@{off}")
 
 
-def _tensor(key: str, md: dict, ranges: dict, folder: str, sizes: dict, budget: list) -> np.ndarray:
-    where = f"{folder}: tensor {key!r}"
+def _declared(where: str, md: dict) -> tuple[np.dtype, tuple[int, ...], list]:
+    """A tensor's dtype, shape and chunks as its metadata declares them, checked to be those."""
     dtype = md.get("properties", {}).get("dtype")
     shape, chunks = md.get("size"), md.get("chunks")
-    if not isinstance(dtype, TorchDType) or type(shape) is not tuple or type(chunks) is not list:
-        raise SchemaError(f"{where}: malformed TensorStorageMetadata")
-    arr = np.empty(shape, dtype=np.dtype(_np_dtype(dtype.name)))
-    budget[0] -= arr.nbytes
+    if not isinstance(dtype, TorchDType) or dtype.name not in DTYPES or type(shape) is not tuple or \
+            len(shape) > _MAX_DIMS or not all(type(n) is int and 0 <= n < _MAX_DIM for n in shape) or \
+            type(chunks) is not list:
+        raise SchemaError(f"{where}: malformed TensorStorageMetadata (dtype {brief(dtype)}, size "
+                          f"{brief(shape)}, chunks a {type(chunks).__name__})")
+    return _np_dtype(dtype.name), shape, chunks
+
+
+def _tensor(key: str, md: dict, ranges: dict, folder: str, sizes: dict, budget: list) -> np.ndarray:
+    where = f"{folder}: tensor {key!r}"
+    dtype, shape, chunks = _declared(where, md)
+    nbytes = math.prod(shape) * dtype.itemsize
+    budget[0] -= nbytes  # charged before allocating: a damaged or hostile shape costs nothing
     if budget[0] < 0:
-        raise SchemaError(f"{where}: the tensors declare more bytes than the data files hold")
+        raise SchemaError(f"{where}: its size {shape} of {dtype} declares {nbytes} bytes; the data "
+                          f"files hold {budget[1]} in all, less what the tensors before it take")
+    arr = np.empty(shape, dtype=dtype)
     covered = 0
     mask = np.zeros(shape, dtype=bool)
     for c in chunks:
@@ -176,6 +188,21 @@ def import_dcp(path: str | os.PathLike, *, model_key: str | None = None, optimiz
     folder = os.fspath(path)
     meta = _metadata(folder)
     source = os.path.join(folder, ".metadata")
+    try:
+        flat = _values(meta, folder, source)
+        return _to_state(_nest(flat, meta.get("planner_data")), folder, model_key, optimizer_key,
+                         param_names, optimizer_kind, step)
+    except CheckpointError:
+        raise
+    except (TypeError, AttributeError, ValueError, LookupError, ArithmeticError) as e:
+        # The metadata's records are unpickled as plain values of any shape: one of the wrong
+        # kind where a tuple, dict or number belongs surfaces here.
+        raise SchemaError(f"{source}: not a readable torch.distributed checkpoint "
+                          f"({type(e).__name__}: {brief_error(e)})") from e
+
+
+def _values(meta: dict, folder: str, source: str) -> dict[str, Any]:
+    """Every flat key's value: tensors assembled from their chunks, other values unpickled."""
     ranges = _ranges(meta, source)
     total = 0
     for name in {r[0] for r in ranges.values()}:
@@ -183,20 +210,15 @@ def import_dcp(path: str | os.PathLike, *, model_key: str | None = None, optimiz
             total += os.lstat(os.path.join(folder, name)).st_size
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{folder}: {name} is listed but missing") from None
-    budget, sizes, flat = [total], {}, {}
-    try:
-        for key, md in meta["state_dict_metadata"].items():
-            if md.get("__record__") == "TensorStorageMetadata":
-                flat[key] = _tensor(key, md, ranges, folder, sizes, budget)
-            elif (key, None) in ranges:
-                flat[key] = _read_range(folder, ranges[(key, None)], sizes, source)
-            else:
-                raise IncompleteCheckpointError(f"{folder}: {key!r} has no storage entry")
-    except (TypeError, AttributeError, ValueError, KeyError, OverflowError) as e:
-        raise SchemaError(f"{source}: not a readable torch.distributed checkpoint "
-                          f"({type(e).__name__}: {e})") from e
-    return _to_state(_nest(flat, meta.get("planner_data")), folder, model_key, optimizer_key,
-                     param_names, optimizer_kind, step)
+    budget, sizes, flat = [total, total], {}, {}
+    for key, md in meta["state_dict_metadata"].items():
+        if md.get("__record__") == "TensorStorageMetadata":
+            flat[key] = _tensor(key, md, ranges, folder, sizes, budget)
+        elif (key, None) in ranges:
+            flat[key] = _read_range(folder, ranges[(key, None)], sizes, source)
+        else:
+            raise IncompleteCheckpointError(f"{folder}: {key!r} has no storage entry")
+    return flat
 
 
 def _to_state(nested: dict, folder: str, model_key: Any, optimizer_key: Any, param_names: Any,
@@ -208,9 +230,9 @@ def _to_state(nested: dict, folder: str, model_key: Any, optimizer_key: Any, par
     opt = nested.get(optimizer_key) if optimizer_key else next(
         (nested[k] for k in ("optim",) + OPTIMIZER_KEYS if k in nested), None)
     if isinstance(opt, dict):
-        names = _param_order(model, opt, param_names, folder)
+        names = param_order(model, opt, param_names, folder)
         state.optimizer = optimizer_state(opt, names, model, folder, kind=optimizer_kind)
-    _set_step(state, step, {})
+    set_step(state, step, {})
     state.extra = {"torch": {"aliases": aliases}} if aliases else {}
     return state
 

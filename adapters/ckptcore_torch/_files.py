@@ -1,6 +1,5 @@
-"""``torch.save`` files read without PyTorch and without running code, and written for
-``torch.load(weights_only=True)``; :data:`FORMATS` declares them (and DCP folders) to
-``ckpt import`` / ``ckpt export``.
+"""``torch.save`` files read without PyTorch and without running code; :data:`FORMATS` declares
+them (and DCP folders) to ``ckpt import`` / ``ckpt export``.  Writing is ``_export.py``'s.
 
 Reading (``_safe_pickle.py`` lists what the restricted reader admits and why): the file holds a
 model's state dict, an optimizer's, or a dict of both as people save them (``{"model": ...,
@@ -15,42 +14,35 @@ usual buffer names (:data:`BUFFER_NAMES`) are left out, and ``param_names=[...]`
 counts or slot shapes that do not fit are refused (``SchemaError``) with that advice.  The
 optimizer's kind comes from its hyperparameter keys and slot names (``optimizer_kind=`` overrides;
 an ambiguous guess is recorded in ``optimizer.extra["kind_source"]`` and warned about).
-
-Writing: :func:`export_torch_files` pickles (protocol 2, as torch does) ``{"model": state dict,
-"optimizer": state dict with integer indices in parameter order, "scheduler": ...}`` (or the
-model's state dict alone, ``model_only=True``) into the zip layout ``torch.save`` writes, without
-importing PyTorch: tensors are ``_rebuild_tensor_v2`` calls over typed storages, one per tensor,
-64-byte aligned.
+:func:`param_order`, :func:`optimizer_state` and :func:`set_step` serve ``_dcp.py`` too.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import re
 import warnings
 import zipfile
-from collections import OrderedDict
 from typing import Any, Sequence
 
 import numpy as np
 
 from ckptcore.adapter import FileFormat, brief, open_regular
-from ckptcore.errors import CheckpointError, CorruptCheckpointError, SchemaError, StorageError
+from ckptcore.errors import CheckpointError, SchemaError, StorageError
 from ckptcore.state import OptimizerState, ScheduleState, TrainingState
 from ckptcore.vocab import plain
 
-from ._safe_pickle import DTYPES, STORAGE_TYPES, StateDict, load_torch
+from ._export import BUFFER_NAMES, export_torch_files, parameter_keys
+from ._safe_pickle import StateDict, load_torch
 
 __all__ = ["FORMATS", "import_torch_files", "export_torch_files", "load_torch_file",
-           "optimizer_state", "model_entries", "MODEL_KEYS", "OPTIMIZER_KEYS", "BUFFER_NAMES"]
+           "optimizer_state", "model_entries", "param_order", "set_step", "schedule_state",
+           "MODEL_KEYS", "OPTIMIZER_KEYS", "BUFFER_NAMES"]
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "net", "network")
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt", "optimizer_state")
 SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "scheduler_state_dict", "sched")
 SCALER_KEYS = ("scaler", "grad_scaler", "scaler_state_dict")
-BUFFER_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 _WRAPPERS = re.compile(r"(?:^|(?<=\.))(?:module|_orig_mod)\.")
 # Hyperparameter keys only one optimizer class has (torch 2.x), then slot names.
 _KIND_BY_HYPER = (("momentum_decay", "nadam"), ("lr_decay", "adagrad"), ("rho", "adadelta"),
@@ -178,9 +170,9 @@ def import_torch_files(path: str | os.PathLike, optimizer_path: str | os.PathLik
                           metadata={"source": "torch.save", "files": files})
     _file_entries(state, entries, torch_extra, source)
     if opt is not None:
-        names = _param_order(model, opt, param_names, source)
+        names = param_order(model, opt, param_names, source)
         state.optimizer = optimizer_state(opt, names, model, source, kind=optimizer_kind)
-    _set_step(state, step, entries)
+    set_step(state, step, entries)
     state.extra = {"torch": torch_extra}
     return state
 
@@ -216,8 +208,10 @@ def schedule_state(sd: dict, source: str) -> ScheduleState:
                          state=plain(sd))
 
 
-def _param_order(model: dict[str, np.ndarray], opt: dict, param_names: Sequence[str] | None,
+def param_order(model: dict[str, np.ndarray], opt: dict, param_names: Sequence[str] | None,
                  source: str) -> list[str]:
+    """The model keys of an optimizer state dict's parameters, in its index order: its own FQNs
+    (``get_state_dict``'s form), else ``param_names``, else :func:`parameter_keys` of the model."""
     groups = opt.get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
                                                for g in groups):
@@ -229,7 +223,7 @@ def _param_order(model: dict[str, np.ndarray], opt: dict, param_names: Sequence[
         names = [_WRAPPERS.sub("", n) for n in param_names]
         where = "param_names"
     else:
-        names = [k for k in model if k.rsplit(".", 1)[-1] not in BUFFER_NAMES]
+        names = parameter_keys(model)
         where = "the model's entries without its buffers (running_mean, running_var, num_batches_tracked)"
     if len(names) != len(ids):
         raise SchemaError(f"{source}: the optimizer holds {len(ids)} parameters, {where} "
@@ -298,7 +292,10 @@ def _kind(hyper: dict, slot_names: set[str]) -> tuple[str, str]:
     return "unknown", "ambiguous: no known hyperparameter or slot"
 
 
-def _set_step(state: TrainingState, step: int | None, entries: dict) -> None:
+def set_step(state: TrainingState, step: int | None, entries: dict) -> None:
+    """Set ``state.step`` (and the optimizer's): the per-parameter step, else ``step=``, else the
+    scheduler's, else a file entry (``step``, ``global_step``...); the source goes in
+    ``optimizer.extra["step_source"]``."""
     opt = state.optimizer
     if opt is not None and opt.extra.get("step_source") == "per-parameter step":
         state.step = opt.step
@@ -314,156 +311,6 @@ def _set_step(state: TrainingState, step: int | None, entries: dict) -> None:
     if opt is not None:
         opt.step = state.step
         opt.extra["step_source"] = source
-
-
-# ----------------------------------------------------------------------------- export
-
-
-class _Global:
-    """A ``GLOBAL module name`` to write without importing ``module`` (torch)."""
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
-
-    def __call__(self) -> None:  # pragma: no cover - pickle only checks that it is callable
-        raise TypeError("a marker for the pickle")
-
-
-_REBUILD = _Global("torch._utils", "_rebuild_tensor_v2")
-_STORAGE_CLASS = {DTYPES[t]: _Global("torch", s) for s, t in STORAGE_TYPES.items()}
-
-
-class _Tensor:
-    def __init__(self, key: str, arr: np.ndarray) -> None:
-        self.key, self.arr = key, arr
-
-    def __reduce__(self) -> tuple:
-        stride = tuple(int(np.prod(self.arr.shape[i + 1:])) for i in range(self.arr.ndim))
-        return _REBUILD, (_StorageRef(self), 0, tuple(self.arr.shape), stride, False, OrderedDict())
-
-
-class _StorageRef:
-    def __init__(self, tensor: _Tensor) -> None:
-        self.tensor = tensor
-
-
-class _ModelDict(OrderedDict):
-    """A state dict pickled as torch pickles one: an ``OrderedDict`` with its module versions."""
-
-    versions: dict | None = None
-
-    def __reduce__(self) -> tuple:
-        state = None if self.versions is None else {"_metadata": OrderedDict(self.versions)}
-        return OrderedDict, (), state, None, iter(self.items())
-
-
-class _Pickler(pickle._Pickler):  # the pure-Python pickler: _Global is written, never looked up
-    dispatch = dict(pickle._Pickler.dispatch)
-
-    def save_marker(self, obj: _Global) -> None:
-        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("ascii"))
-        self.memoize(obj)
-
-    dispatch[_Global] = save_marker
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _StorageRef):
-            arr = obj.tensor.arr
-            return ("storage", _STORAGE_CLASS[arr.dtype.name], obj.tensor.key, "cpu", arr.size)
-        return None
-
-
-def _zip_bytes(obj: Any, tensors: list[_Tensor], path: str) -> None:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(obj)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as zf:
-            records = [("data.pkl", buf.getvalue()), (".format_version", b"1"),
-                       (".storage_alignment", b"64"), ("byteorder", b"little")]
-            records += [(f"data/{t.key}", t.arr.tobytes()) for t in tensors] + [("version", b"3")]
-            for name, data in records:
-                info = zipfile.ZipInfo(f"archive/{name}", date_time=(1980, 1, 1, 0, 0, 0))
-                header = zf.fp.tell() + 30 + len(info.filename) + 4
-                info.extra = b"FB" + (pad := -header % 64).to_bytes(2, "little") + b"Z" * pad
-                zf.writestr(info, data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def export_torch_files(state: TrainingState, path: str | os.PathLike, *, model_only: bool = False,
-                       param_names: Sequence[str] | None = None) -> str:
-    """Write ``path``, a zip ``torch.save`` file that ``torch.load(path, weights_only=True)`` reads:
-    ``{"model": state dict, "optimizer": optimizer state dict, "scheduler": its state dict,
-    "epoch": ..., "step": ...}`` (entries the state has), or the model's state dict alone
-    (``model_only=True``).  PyTorch is not needed.
-
-    The optimizer's indices follow ``state.optimizer.extra["param_groups"]`` (a torch capture or
-    import), else ``param_names``, else the model's entries without its buffers, in order: the
-    order ``model.parameters()`` gives an optimizer built in the usual way.
-
-    Raises:
-        SchemaError: the state is not PyTorch's (convert it first), a dtype torch has no storage
-            for, or an optimizer whose parameters cannot be put in order.
-    """
-    if state.framework not in ("torch", None):
-        raise SchemaError(f"a {state.framework!r} state is not in PyTorch's layout; convert it first "
-                          "(ckptcore.convert(state, 'torch', model, optimizer), or ckpt convert --to torch)")
-    dst = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-    tensors: list[_Tensor] = []
-
-    def tensor(name: str, value: Any) -> _Tensor:
-        arr = np.asarray(value, order="C")  # (ascontiguousarray makes a 0-d array 1-d)
-        if arr.dtype.name not in _STORAGE_CLASS:
-            raise SchemaError(f"{name}: a {arr.dtype} array has no torch storage type")
-        tensors.append(_Tensor(str(len(tensors)), arr.astype(arr.dtype.newbyteorder("<"))))
-        return tensors[-1]
-
-    model = _ModelDict((k, tensor(k, v)) for k, v in state.model.items())
-    torch_extra = (state.extra or {}).get("torch") or {}
-    if isinstance(torch_extra.get("module_versions"), dict):
-        model.versions = torch_extra["module_versions"]
-    for alias, key in (torch_extra.get("aliases") or {}).items():
-        if key in model:
-            model[alias] = model[key]
-    if model_only:
-        _zip_bytes(model, tensors, dst)
-        return dst
-    out: dict[str, Any] = {"model": model}
-    if state.optimizer is not None:
-        out["optimizer"] = _optimizer_dict(state, tensor, param_names)
-    if state.schedule is not None and state.schedule.state:
-        out["scheduler"] = dict(state.schedule.state)
-    if state.epoch is not None:
-        out["epoch"] = state.epoch
-    out["step"] = state.step
-    _zip_bytes(out, tensors, dst)
-    return dst
-
-
-def _optimizer_dict(state: TrainingState, tensor: Any, param_names: Sequence[str] | None) -> dict:
-    opt = state.optimizer
-    groups = opt.extra.get("param_groups")
-    if not groups:
-        order = list(param_names) if param_names is not None else \
-            [k for k in state.model if k.rsplit(".", 1)[-1] not in BUFFER_NAMES]
-        groups = [{**opt.hyperparams, "params": order}]
-    index: dict[str, int] = {}
-    out_groups = []
-    for g in groups:
-        hyper = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v)
-                 for k, v in g.items() if k != "params"}
-        out_groups.append({**hyper, "params": [index.setdefault(n, len(index)) for n in g["params"]]})
-    stray = sorted(set(opt.slots) - set(index))
-    if stray:
-        raise SchemaError(f"optimizer state for {brief(stray)}, which no param group lists; pass "
-                          "param_names=[...] in the optimizer's parameter order")
-    st = {index[name]: {slot: tensor(f"optimizer/{name}/{slot}", v) for slot, v in slots.items()}
-          for name, slots in sorted(opt.slots.items(), key=lambda kv: index[kv[0]])}
-    return {"state": st, "param_groups": out_groups}
 
 
 # ----------------------------------------------------------------------------- ckpt import / export

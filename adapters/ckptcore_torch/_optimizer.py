@@ -49,6 +49,7 @@ SLOTS = {
     "ASGD": ("step", "eta", "mu", "ax"),
     "Rprop": ("step", "prev", "step_size"),
 }
+_KINDS = {name.lower(): name for name in SLOTS}
 SCALAR_SLOTS = frozenset({"step", "mu_product", "eta", "mu"})  # 0-d, whatever the parameter's shape
 _NOT_HYPER = ("params", "param_names")
 
@@ -105,7 +106,7 @@ def capture_optimizer(opt: Any, key_of: dict[int, str], *, step: int | None, sch
         step_value, extra["step_source"] = max(schedule_step(scheduler), 0), "scheduler"
     else:
         step_value, extra["step_source"] = 0, "none"
-    return OptimizerState(kind=base.lower(), step=step_value, hyperparams=dict(groups[0]) if groups else {},
+    return OptimizerState(kind=base.lower(), step=step_value, hyperparams={k: v for k, v in groups[0].items() if k != "params"} if groups else {},
                           slots=slots, extra=extra)
 
 
@@ -119,9 +120,7 @@ def _slot_array(v: Any, copy: bool, name: str, key: str) -> np.ndarray:
 
 def hyper_of(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's hyperparameters as plain values (a tensor lr as its number)."""
-    hyper = {k: tree_plain(v, f"param group {k}") for k, v in group.items() if k not in _NOT_HYPER}
-    hyper.pop("params", None)
-    return hyper
+    return {k: tree_plain(v, f"param group {k}") for k, v in group.items() if k not in _NOT_HYPER}
 
 
 def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
@@ -137,6 +136,12 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
         plan.missing(qualified("optimizer"))
         return
     base = builtin_class(opt, RestoreError)
+    if state.kind in _KINDS and state.kind != base.lower():
+        # Adam and AdamW share slots but not semantics (decoupled_weight_decay is a group
+        # hyperparameter): loading one into the other would silently change the update rule.
+        raise RestoreError(f"{qualified('optimizer')}: the state holds {_KINDS[state.kind]} state but the "
+                           f"optimizer given is a {type(opt).__name__}; build the same optimizer (or "
+                           "convert the state with ckptcore.migrate)")
     key_of = {id(t): n for n, t in tensors.items()}
     targets = [[key_of.get(id(p)) for p in g["params"]] for g in opt.param_groups]
     if any(n is None for g in targets for n in g):

@@ -10,9 +10,11 @@ Recurrent weights are ``(gates*hidden, in)`` (``attrs["axes"] == "oi"``) and the
 gate order: torch's LSTM ``i, f, g, o`` is the vocabulary's ``ifco`` (``g`` is the cell
 candidate), its GRU ``r, z, n`` is ``rzc`` (with the reset gate applied after the recurrent
 matmul: ``attrs["reset_after"]``).  ``MultiheadAttention``'s packed ``in_proj_weight``
-``[3e, e]`` is a kernel of layout ``oi`` with ``attrs["projection"] == "qkv"`` (query, key and
-value stacked on ``o``); its ``out_proj`` belongs to it (``projection == "attention_output"``).
-BatchNorm's ``momentum`` is torch's (the weight of the new batch: Keras's is ``1 - momentum``).
+``[3e, e]`` is its ``qkv_kernel`` of layout ``oi`` (query, key and value stacked on ``o``,
+``attrs["projection"] == "qkv"``), ``in_proj_bias`` its ``qkv_bias``; its ``out_proj`` belongs to
+it (``output_kernel``/``output_bias``, ``projection == "attention_output"``).
+BatchNorm's ``attrs["momentum"]`` is the neutral one, ``1 - torch's`` (moving = moving·momentum +
+batch·(1-momentum); torch's own is ``torch_momentum``), and ``variance_update == "unbiased"``.
 
 A module family the vocabulary has no word for keeps its class name in snake case as its kind.
 
@@ -38,7 +40,7 @@ import torch
 from ckptcore.state import ParamInfo
 from ckptcore.vocab import Kind, Role, plain
 
-from ._tensors import WRAPPERS, canonical_name
+from ._tensors import canonical_name, wrapper_components
 
 _log = logging.getLogger("ckptcore")
 
@@ -54,11 +56,15 @@ _RNN = {"LSTM": (Kind.LSTM, "ifco"), "GRU": (Kind.GRU, "rzc"), "RNN": (Kind.SIMP
 _RNN_ROLES = {"weight_ih": Role.KERNEL, "weight_hh": Role.RECURRENT_KERNEL, "bias_ih": Role.BIAS,
               "bias_hh": Role.RECURRENT_BIAS, "weight_hr": "projection_kernel"}
 _RNN_NAME = re.compile(r"^(weight_ih|weight_hh|bias_ih|bias_hh|weight_hr)(?:_l(\d+))?(_reverse)?$")
-_MHA_PROJ = {"in_proj_weight": (Role.KERNEL, "oi", "qkv"), "in_proj_bias": (Role.BIAS, "o", "qkv"),
-             "q_proj_weight": (Role.KERNEL, "oi", "query"), "k_proj_weight": (Role.KERNEL, "oi", "key"),
-             "v_proj_weight": (Role.KERNEL, "oi", "value"), "bias_k": ("bias_k", None, "key"),
-             "bias_v": ("bias_v", None, "value"), "out_proj.weight": (Role.KERNEL, "oi", "attention_output"),
-             "out_proj.bias": (Role.BIAS, "o", "attention_output")}
+# --- migration (H6): MultiheadAttention roles are "<projection>_kernel"/"<projection>_bias", the
+# packed in_proj "qkv_kernel"/"qkv_bias" (query, key, value stacked on the output axis), as
+# ckptcore.migrate.layouts reads attention layers; bias_k/bias_v have no counterpart elsewhere.
+_MHA_PROJ = {"in_proj_weight": ("qkv_kernel", "oi", "qkv"), "in_proj_bias": ("qkv_bias", "o", "qkv"),
+             "q_proj_weight": ("query_kernel", "oi", "query"), "k_proj_weight": ("key_kernel", "oi", "key"),
+             "v_proj_weight": ("value_kernel", "oi", "value"), "bias_k": ("bias_k", None, "key"),
+             "bias_v": ("bias_v", None, "value"), "out_proj.weight": ("output_kernel", "oi", "attention_output"),
+             "out_proj.bias": ("output_bias", "o", "attention_output")}
+# --- end migration (H6)
 _KNOWN = {"Linear", "Bilinear", "Embedding", "EmbeddingBag", "LayerNorm", "GroupNorm", "PReLU",
           "MultiheadAttention", "RMSNorm", *_CONV, *_BATCH_NORM, *_INSTANCE_NORM, *_RNN}
 _NORMS = (Kind.BATCH_NORM, Kind.LAYER_NORM, Kind.GROUP_NORM, Kind.INSTANCE_NORM)
@@ -87,7 +93,7 @@ def describe_params(model: Any, tensors: Mapping[str, Any], aliases: Mapping[str
     ``index`` counts only modules that own at least one described entry.  The structure trace is
     cached on the model (one forward pass per set of modules, not one per save).
     """
-    components = {c for c in _wrapper_paths(model)}
+    components = wrapper_components(model)
     out: dict[str, ParamInfo] = {}
     owners: dict[int, str] = {}  # id(module) -> path, for modules owning described entries
     index = 0
@@ -119,15 +125,6 @@ def describe_params(model: Any, tensors: Mapping[str, Any], aliases: Mapping[str
     return out
 
 
-def _wrapper_paths(model: Any) -> set[str]:
-    out = set()
-    for path, mod in model.named_modules(remove_duplicate=False):
-        attr = WRAPPERS.get(type(mod).__name__)
-        if attr is not None:
-            out.add(f"{path}.{attr}" if path else attr)
-    return out
-
-
 def _own_entries(mod: Any) -> list[str]:
     own = [n for n, _ in mod.named_parameters(recurse=False)]
     skip = getattr(mod, "_non_persistent_buffers_set", set())
@@ -151,7 +148,15 @@ def _layer_facts(mod: Any, cls: str, spatial: int | None) -> tuple[str, str | No
         return kind, layout, attrs
     if cls in _BATCH_NORM or cls in _INSTANCE_NORM:
         kind = Kind.BATCH_NORM if cls in _BATCH_NORM else Kind.INSTANCE_NORM
-        return kind, None, {"momentum": plain(mod.momentum), "epsilon": float(mod.eps),
+        # --- migration (H6): ParamInfo's momentum is the neutral one (moving = moving*momentum +
+        # batch*(1-momentum)); torch's is the weight of the batch (running = (1-m)*running + m*batch),
+        # kept as torch_momentum (None: a cumulative average, no momentum at all).  torch updates
+        # running_var with the unbiased (n-1) batch variance.
+        m = mod.momentum
+        attrs = {"momentum": None if m is None else 1.0 - float(m), "torch_momentum": plain(m),
+                 "variance_update": "unbiased"}
+        # --- end migration (H6)
+        return kind, None, {**attrs, "epsilon": float(mod.eps),
                             "affine": bool(mod.affine), "track_running_stats": bool(mod.track_running_stats),
                             "num_features": int(mod.num_features), "data_format": "channels_first"}
     if cls in ("LayerNorm", "RMSNorm"):
@@ -189,6 +194,8 @@ def _layer_facts(mod: Any, cls: str, spatial: int | None) -> tuple[str, str | No
 def _param(index: int, path: str, kind: str, layout: str | None, attrs: dict, short: str) -> ParamInfo:
     attrs = plain(attrs)  # a fresh dict of plain values
     if kind in _NORMS:
+        if short == "num_batches_tracked":   # migration (H6): torch's own counter, nothing else needs it
+            attrs["optional"] = True
         return ParamInfo(index, path, kind, _NORM_ROLES.get(short, short), None, attrs)
     if kind == Kind.EMBEDDING:
         return ParamInfo(index, path, kind, Role.EMBEDDINGS if short == "weight" else short,
@@ -256,7 +263,12 @@ def _structure(model: Any, owners: dict[int, str]) -> dict[str, tuple[int, list[
     if cached is not None and cached[0] == key:
         return cached[1]
     result = None
-    for probe in _probe_inputs(model, owners):
+    # A compiled block inside would compile on the probe (seconds, and a C compiler): not traced.
+    # Nor a model with DTensor parameters (FSDP2, tensor parallel): its forward is a collective,
+    # which a capture on some ranks only (or at different times) would hang in.
+    skip = any(type(m).__name__ == "OptimizedModule" for m in model.modules()) or any(
+        type(p).__name__ == "DTensor" for p in model.parameters())
+    for probe in [] if skip else _probe_inputs(model, owners):
         result = _trace(model, owners, probe)
         if result is not None:
             break
@@ -278,8 +290,8 @@ def _probe_inputs(model: Any, owners: dict[int, str]) -> list[tuple[str, list[in
         if id(mod) not in owners:
             continue
         cls = _family(mod)
-        if cls == "Linear":
-            shapes = [("float", [2, int(mod.in_features)])]
+        if cls == "Linear":   # a feature vector, or (migration, H6) a sequence of them
+            shapes = [("float", [2, int(mod.in_features)]), ("float", [2, 5, int(mod.in_features)])]
         elif cls in ("Conv1d", "Conv2d", "Conv3d"):
             nd, c = int(cls[4]), int(mod.in_channels)
             shapes = [("float", [2, c] + [s] * nd) for s in ((32, 28, 64, 224) if nd == 2 else (32, 16, 64))]
@@ -301,6 +313,18 @@ def _tensors(value: Any) -> list[Any]:
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]
     return [value] if isinstance(value, torch.Tensor) else []
+
+
+def _probe_tensor(model: Any, probe: tuple[str, list[int]]) -> torch.Tensor:
+    """A zero input on the model's device (float: of its parameters' dtype, requiring grad, so
+    every op on the way gets a grad node even with frozen weights)."""
+    dtype, shape = probe
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    if dtype == "long":
+        return torch.zeros(shape, dtype=torch.long, device=device)
+    fdtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
+    return torch.zeros(shape, dtype=fdtype, device=device, requires_grad=True)
 
 
 def _trace(model: Any, owners: dict[int, str], probe: tuple[str, list[int]]
@@ -338,21 +362,14 @@ def _trace(model: Any, owners: dict[int, str], probe: tuple[str, list[int]]
 
     modules = [(m, m.training) for m in model.modules()]
     hooks = []
-    dtype, shape = probe
     try:
-        first = next((p for p in model.parameters()), None)
-        device = first.device if first is not None else torch.device("cpu")
-        fdtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
+        x = _probe_tensor(model, probe)
         for mod, _ in modules:
             if id(mod) in owners:
                 hooks.append(mod.register_forward_pre_hook(pre))
                 hooks.append(mod.register_forward_hook(post))
         model.eval()
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            if dtype == "long":
-                x = torch.zeros(shape, dtype=torch.long, device=device)
-            else:  # every op on the way gets a grad node, even with frozen weights
-                x = torch.zeros(shape, dtype=fdtype, device=device, requires_grad=True)
             model(x)
     except Exception as e:  # noqa: BLE001 - a probe that does not fit the model: try the next
         _log.debug("ckptcore: structure probe %s failed on %s: %s", probe, type(model).__name__, e)

@@ -143,6 +143,9 @@ class TorchUnpickler(RestrictedUnpickler):
             for (module, name), fields in DCP_RECORDS.items():
                 admitted[(module, name)] = RecordClass(name, fields)
         super().__init__(file, source, size, admitted)
+        if dcp:  # (for refusals' messages)
+            self.writer, self.holds = "torch.distributed.checkpoint's .metadata", "its records and plain values"
+            self.loader = "torch.distributed.checkpoint.load"
         # The bytes all storages together may declare: what the file (or its data section) holds.
         self.data_limit, self.declared = data_limit, 0
         self.storages = {} if storages is None else storages
@@ -327,9 +330,14 @@ def _load_zip(f: BinaryIO, size: int, source: str) -> Any:
         if name.startswith("/") or "\\" in name or ".." in parts:
             raise UnsafeCheckpointError(f"{source}: refused the zip entry {brief(name)} (a path "
                                         "outside the archive's folder)")
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size > size:
-            raise UnsafeCheckpointError(f"{source}: refused the zip entry {brief(name)}: compressed "
-                                        f"or larger than the file (torch.save stores records as they are)")
+        # torch.save stores records as they are: a compressed record, or one declaring more
+        # bytes than it occupies or than the file has, is built to make a reader inflate it.
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size > size or \
+                info.compress_size != info.file_size:
+            how = f"compressed (method {info.compress_type})" if info.compress_type else \
+                f"declaring {info.file_size} bytes, {info.compress_size} stored in a file of {size}"
+            raise UnsafeCheckpointError(f"{source}: refused the zip entry {brief(name)}, {how}; "
+                                        "torch.save stores each record uncompressed, as it is")
     pkls = [n for n in infos if n.count("/") == 1 and n.endswith("/data.pkl")]
     if len(pkls) != 1:
         raise CorruptCheckpointError(f"{source}: {len(pkls)} <archive>/data.pkl records; not a "

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _sharding  # [sharding hook] DTensors (FSDP2) in to_numpy
+
 try:  # bfloat16/float8 have no numpy dtype of their own; ml_dtypes provides them
     import ml_dtypes
 except ImportError:  # pragma: no cover - ml_dtypes comes with the core's dependencies
@@ -52,7 +54,7 @@ def unwrap(model: Any) -> Any:
     return model
 
 
-def _wrapper_components(model: Any) -> set[str]:
+def wrapper_components(model: Any) -> set[str]:
     """The dotted paths (as state_dict spells them) of every component a wrapper adds."""
     out: set[str] = set()
     for path, mod in model.named_modules(remove_duplicate=False):
@@ -63,7 +65,7 @@ def _wrapper_components(model: Any) -> set[str]:
 
 
 def canonical_name(key: str, components: set[str]) -> str:
-    """``key`` without the wrapper components in ``components`` (see :func:`_wrapper_components`)."""
+    """``key`` without the wrapper components in ``components`` (see :func:`wrapper_components`)."""
     if not components:
         return key
     parts, kept, path = key.split("."), [], ""
@@ -76,7 +78,7 @@ def canonical_name(key: str, components: set[str]) -> str:
 
 def named_tensors(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``state_dict()`` tensors by canonical name, each tensor once, and the aliases of repeated ones."""
-    components = _wrapper_components(model)
+    components = wrapper_components(model)
     first: dict[int, str] = {}
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -119,6 +121,8 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
 def to_numpy(t: torch.Tensor, copy: bool = True) -> np.ndarray:
     """``t``'s values: a copy later training cannot change, or with ``copy=False`` a view of a CPU
     tensor's own buffer where one exists (valid until the tensor changes)."""
+    if _sharding.is_dtensor(t):  # [sharding hook] a DTensor: this rank's block, as a ckptcore.Shard
+        return _sharding.capture_leaf(t, copy)
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
@@ -169,6 +173,3 @@ def assign(target: torch.Tensor, value: np.ndarray) -> None:
     with torch.no_grad():
         target.copy_(from_numpy(value).reshape(target.shape))
 
-
-def values(tensors: list[torch.Tensor], copy: bool) -> list[np.ndarray]:
-    return [to_numpy(t, copy) for t in tensors]

@@ -14,9 +14,9 @@ import numpy as np
 
 from ..errors import AdapterNotFoundError, MigrationError, MigrationWarning
 from ..state import AccumulationState, OptimizerState, TrainingState
-from ..vocab import Role
+from ..vocab import Kind, Role
 from .dialect import Dialect, Neutral
-from .layouts import MERGED_BIAS, NORM_KINDS, SPLIT_BIAS, Move, Unit, layer_hyperparams
+from .layouts import MERGED_BIAS, NORM_KINDS, SPLIT_BIAS, Move, Unit, layer_hyperparams, optional
 from .match import match_units, plan_moves, units_of
 from .optimizers import compare
 from .rng import convert_rng, derive_seed
@@ -128,6 +128,9 @@ def _weights(state: TrainingState, template: TrainingState, moves: list[Move], s
             seed = derive_seed(state.rng, state.step, salt=f"{name}/{seed_step}")
             seed_step += 1
             model[name] = dst_d.layer_seed_state(seed, template.model[name])
+    for name, info in template.params.items():   # the target's own counters keep their values
+        if name not in model and name in template.model and optional(info) and info.index >= 0:
+            model[name] = template.model[name]
     for name, why in dst_loose.items():
         if name not in model:
             problems.append(f"target {name} {list(template.model[name].shape)}: nothing in the source "
@@ -137,11 +140,15 @@ def _weights(state: TrainingState, template: TrainingState, moves: list[Move], s
 
 def _layer_hyperparams(pairs: list[tuple[Unit, Unit]], notes: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    drift: list[tuple[str, str, str]] = []
     for s, d in pairs:
         if s.kind not in NORM_KINDS:
             continue
         sh, dh = layer_hyperparams(s), layer_hyperparams(d)
         out[d.layer] = {"source_layer": s.layer, **sh}
+        sv, dv = _variance_update(s), _variance_update(d)
+        if s.kind == Kind.BATCH_NORM and sv != dv:
+            drift.append((d.layer, sv, dv))
         for key, value in sh.items():
             if key in dh and not np.isclose(value, dh[key], rtol=1e-6, atol=0):
                 effect = ("outputs change" if key == "epsilon" else
@@ -149,7 +156,21 @@ def _layer_hyperparams(pairs: list[tuple[Unit, Unit]], notes: list[str]) -> dict
                 notes.append(f"{d.layer}: the target's {key} is {dh[key]} but the source's {s.layer} used "
                              f"{value}; {effect} (build the target layer with {key}={value} to match; "
                              "momentum as in moving = moving*momentum + batch*(1-momentum))")
+    if drift:
+        _, sv, dv = drift[0]
+        notes.append(f"batch normalization: the source updates moving variances with the {sv} batch variance, "
+                     f"the target with the {dv} one ({len(drift)} layers: {', '.join(x[0] for x in drift)}); "
+                     "outputs at the moment of conversion are exact and trainable weights continue exactly, "
+                     "but in training each moving variance moves by (1-momentum)·var/(n-1) differently per "
+                     "step (n values per channel in a batch)")
     return out
+
+
+def _variance_update(unit: Unit) -> str:
+    """How a BatchNorm's moving variance takes in a batch: ``"biased"`` (divided by n, the
+    convention unless ``attrs["variance_update"]`` says otherwise) or ``"unbiased"`` (by n-1)."""
+    info = next(iter(unit.infos.values()), None)
+    return str((info.attrs if info is not None else {}).get("variance_update", "biased"))
 
 
 def _training(state: TrainingState, template: TrainingState, moves: list[Move], src_d: Dialect,
@@ -173,6 +194,8 @@ def _training(state: TrainingState, template: TrainingState, moves: list[Move], 
         if template.optimizer is not None:
             notes.append("optimizer: the source state has no optimizer state; the target optimizer starts fresh")
         return None, schedule, sched_extra, None
+    if const_lr is None and schedule is not None and schedule.last_lr is not None:
+        const_lr = schedule.last_lr   # the rate at the migrated step: the target continues from it
     optimizer = _optimizer(state, template, moves, src_n, src_d, dst_d, state.schedule is not None,
                            const_lr, approximate, notes, problems)
     accumulation = _accumulation(state, template, moves, every, src_d, dst_d, approximate, notes, problems)

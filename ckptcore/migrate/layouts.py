@@ -171,29 +171,48 @@ def _kernel_fn(kind: str, s: ParamInfo, d: ParamInfo, s_shape: tuple, d_shape: t
             return (lambda xs: np.ascontiguousarray(
                 xs[0].reshape(i, m, h, w).transpose(2, 3, 0, 1))), "(i*m)1hw->hwim"
     if kind == Kind.DENSE and s.role == Role.KERNEL:
-        perm, assumed = (flatten_permutation(s, d, s_shape[0], src_default=src.flatten_default,
+        # Kernels are [in, out] ("io", also when not recorded) or [out, in] ("oi"); the Flatten
+        # permutation reorders the input rows, so it is applied in the "io" layout.
+        s_io, d_io = (sl or "io") == "io", (dl or "io") == "io"
+        rows = s_shape[0] if s_io else s_shape[-1]
+        perm, assumed = (flatten_permutation(s, d, rows, src_default=src.flatten_default,
                                              dst_default=dst.flatten_default, src_fw=src.framework,
                                              dst_fw=dst.framework)
                          if len(s_shape) == 2 else (None, ""))
-        note = "; ".join(x for x in ("flatten rows reordered" if perm is not None else "", assumed) if x)
-        if perm is not None:
-            return (lambda xs: np.ascontiguousarray(xs[0][perm])), note
-        return _same, note
+        note = "; ".join(x for x in ("flatten rows reordered" if perm is not None else "",
+                                     "transposed" if s_io != d_io and len(s_shape) == 2 else "", assumed) if x)
+        if len(s_shape) != 2 or (perm is None and s_io == d_io):
+            return _same, note
+
+        def dense(xs: Sequence[Array]) -> Array:
+            k = xs[0] if s_io else xs[0].T
+            if perm is not None:
+                k = k[perm]
+            return np.ascontiguousarray(k if d_io else k.T)
+        return dense, note
     if sl and dl and sl != dl and sorted(sl) == sorted(dl) and len(sl) == len(s_shape):
         return (lambda xs: permute_letters(xs[0], sl, dl)), f"{sl}->{dl}"
     return _same, ""
 
 
+def optional(info: ParamInfo | None) -> bool:
+    """An array its framework alone keeps and nothing else needs (``attrs["optional"]``, e.g. a
+    BatchNorm's count of batches seen): a source's is left behind, a target's keeps its own value."""
+    return bool(info is not None and info.attrs.get("optional"))
+
+
 def _plain_moves(src: Unit, dst: Unit) -> list[Move]:
     moves = []
     for role, dname in dst.params.items():
+        if role not in src.params and optional(dst.infos[role]):
+            continue
         if role not in src.params:
             raise LayoutProblem(f"the target's {role!r} ({dname}) has no counterpart in the source layer "
                                 f"{src.layer} (roles {sorted(src.params)})")
         s, d = src.infos[role], dst.infos[role]
         fn, note = _kernel_fn(dst.kind, s, d, src.shapes[role], dst.shapes[role], src, dst)
         moves.append(Move(dname, (src.params[role],), fn, fn, note))
-    extra = set(src.params) - set(dst.params)
+    extra = {r for r in set(src.params) - set(dst.params) if not optional(src.infos[r])}
     if extra:
         raise LayoutProblem(f"the source's {sorted(extra)} have no counterpart in the target layer "
                             f"{dst.layer} (roles {sorted(dst.params)})")
@@ -317,7 +336,84 @@ def plan_unit(src: Unit, dst: Unit) -> list[Move]:
         raise LayoutProblem(f"layer kinds differ: {src.kind} vs {dst.kind}")
     if dst.kind in RNN_KINDS:
         return _rnn_moves(src, dst)
+    if dst.kind == Kind.MULTI_HEAD_ATTENTION:
+        return _attention_moves(src, dst)
     return _plain_moves(src, dst)
+
+
+# ----------------------------------------------------------------------------- attention
+# A multi-head attention layer's arrays, by role: "<p>_kernel"/"<p>_bias" for the projections p in
+# query, key, value, output, or the packed "qkv_kernel"/"qkv_bias" (query, key and value stacked on
+# the output axis).  Kernel layouts: "ehd" ([in, heads, head_dim]), "hde" (output: [heads,
+# head_dim, out]), "io" or "oi" (2-D, the heads-by-head_dim axis flattened head-major); biases
+# "hd" or 1-D.  Every conversion goes through the 2-D [in, out] matrix of each projection.
+
+_PROJECTIONS = ("query", "key", "value")
+
+
+def _to_io(arr: Array, layout: str | None) -> Array:
+    if layout == "hd":
+        return arr.reshape(-1)
+    if layout == "ehd":
+        return arr.reshape(arr.shape[0], -1)
+    if layout == "hde":
+        return arr.reshape(-1, arr.shape[-1])
+    if layout == "oi":
+        return arr.T
+    return arr if arr.ndim == 2 else arr.reshape(-1)   # "io", or a bias ("hd" or 1-D)
+
+
+def _from_io(mat: Array, layout: str | None, shape: tuple) -> Array:
+    if layout == "oi":
+        mat = mat.T
+    return np.ascontiguousarray(mat.reshape(shape))
+
+
+def _attention_parts(unit: Unit) -> dict[tuple[str, str], tuple[str, str | None, int | None]]:
+    """``(projection, "kernel"|"bias") -> (role, layout, packed index or None)`` of ``unit``."""
+    out: dict[tuple[str, str], tuple[str, str | None, int | None]] = {}
+    for role, info in unit.infos.items():
+        proj, _, what = str(role).rpartition("_")
+        if what not in ("kernel", "bias") or proj not in (*_PROJECTIONS, "output", "qkv"):
+            raise LayoutProblem(f"the attention layer {unit.layer} has a {role!r} no other framework has")
+        if proj == "qkv":
+            for i, p in enumerate(_PROJECTIONS):
+                out[(p, what)] = (str(role), info.layout, i)
+        else:
+            out[(proj, what)] = (str(role), info.layout, None)
+    return out
+
+
+def _attention_moves(src: Unit, dst: Unit) -> list[Move]:
+    sp, dp = _attention_parts(src), _attention_parts(dst)
+    if set(sp) != set(dp):
+        raise LayoutProblem(f"the attention layers' projections differ: source {sorted(map('_'.join, sp))}, "
+                            f"target {sorted(map('_'.join, dp))} (one has biases or a key/value the other lacks)")
+    moves: list[Move] = []
+    for role, dname in dst.params.items():
+        parts = sorted((k, v) for k, v in dp.items() if v[0] == str(role))
+        keys = [k for k, _ in sorted(parts, key=lambda kv: kv[1][2] or 0)]
+        layout = dst.infos[role].layout
+        shape = dst.shapes[role]
+        srcs: list[str] = []
+        plan: list[tuple[int, str | None, int | None]] = []   # (index into srcs, layout, packed index)
+        for k in keys:
+            srole, slayout, packed = sp[k]
+            name = src.params[srole]
+            if name not in srcs:
+                srcs.append(name)
+            plan.append((srcs.index(name), slayout, packed))
+
+        def fn(xs: Sequence[Array], plan=plan, layout=layout, shape=shape) -> Array:
+            mats = []
+            for i, slayout, packed in plan:
+                m = _to_io(xs[i], slayout)
+                if packed is not None:   # one third of the packed output axis
+                    m = np.split(m, 3, axis=-1)[packed]
+                mats.append(m)
+            return _from_io(np.concatenate(mats, axis=-1) if len(mats) > 1 else mats[0], layout, shape)
+        moves.append(Move(dname, tuple(srcs), fn, fn, "attention re-laid"))
+    return moves
 
 
 def layer_hyperparams(unit: Unit) -> dict[str, float]:

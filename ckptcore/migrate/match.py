@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..state import ParamInfo, TrainingState
-from ..vocab import Role
+from ..vocab import Kind, Role
 from .layouts import RNN_KINDS, LayoutProblem, Move, Unit, plan_unit
 
 __all__ = ["units_of", "match_units", "plan_moves"]
@@ -40,6 +40,7 @@ def units_of(state: TrainingState, side: str, flatten_default: str | None = None
     ``flatten_default`` is the side's dialect's ``default_flatten_order``."""
     groups: dict[tuple, dict[str, tuple[str, ParamInfo]]] = {}
     loose: dict[str, str] = {}
+    first_index: dict[str, int] = {}
     for name in state.model:
         info = state.params.get(name)
         if info is None:
@@ -50,10 +51,15 @@ def units_of(state: TrainingState, side: str, flatten_default: str | None = None
                 loose[name] = f"it is a {info.kind!r} variable outside any layer ({info.role})"
             continue
         sub: tuple = ()
+        if info.kind == Kind.MULTI_HEAD_ATTENTION:
+            # one unit per attention layer, even where an adapter numbers its projections apart
+            info_index = first_index.setdefault(info.layer, info.index)
+        else:
+            info_index = info.index
         if info.kind in RNN_KINDS:
             sub = (int(info.attrs.get("layer_index", 0)),
                    _DIRECTIONS.get(str(info.attrs.get("direction", "forward")), 0))
-        key = (info.index, sub)
+        key = (info_index, sub)
         roles = groups.setdefault(key, {})
         if info.role in roles:
             loose[name] = f"layer {info.layer} already has a {info.role!r} ({roles[info.role][0]})"

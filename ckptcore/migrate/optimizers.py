@@ -71,7 +71,10 @@ def compare(src: Neutral, dst: Neutral, *, scheduled: bool, slots: dict[str, dic
                             f"{_MOMENTUM_TEXT.get(fs, fs)}, the target {_MOMENTUM_TEXT.get(fd, fd)}; the "
                             "momentum is converted with the current lr (b = -m/lr)")
     elif src.family == "rmsprop":
-        if not _close(src.hp.get("epsilon"), dst.hp.get("epsilon")):
+        ms, md = src.hp.get("eps_mode") or "inside_sqrt", dst.hp.get("eps_mode") or "inside_sqrt"
+        if ms != md:
+            _rmsprop_epsilon(src, dst, slots, warnings)
+        elif not _close(src.hp.get("epsilon"), dst.hp.get("epsilon")):
             warnings.append(f"optimizer: RMSprop epsilon differs (source {src.hp.get('epsilon')}, target "
                             f"{dst.hp.get('epsilon')}); both add it inside the square root")
     elif src.family == "adagrad":
@@ -117,6 +120,27 @@ def _adam_epsilon(src: Neutral, dst: Neutral, slots: dict, step: int, warnings: 
                     f"source {es:.3g}, target {ed:.3g}; the source {_EPS_TEXT.get(ms, ms)}, the target "
                     f"{_EPS_TEXT.get(md, md)}); the first continued step may move a weight up to {dev:.2e} "
                     f"differently, more where √v is near ε.{hint}")
+
+
+def _rmsprop_epsilon(src: Neutral, dst: Neutral, slots: dict, warnings: list[str]) -> None:
+    """RMSprop with ε inside √ on one side and outside on the other: the first step's deviation."""
+    def denom(n: Neutral, ms: np.ndarray) -> np.ndarray:
+        eps = float(n.hp.get("epsilon") or 0.0)
+        return np.sqrt(ms + eps) if (n.hp.get("eps_mode") or "inside_sqrt") == "inside_sqrt" else np.sqrt(ms) + eps
+    lr = dst.lr or src.lr or 0.0
+    dev = 0.0
+    for s in slots.values():
+        ms = s.get("ms")
+        if ms is None:
+            continue
+        a = np.maximum(ms.astype(np.float64), 0)
+        d = lr * np.sqrt(a) * np.abs(1 / denom(src, a) - 1 / denom(dst, a))
+        dev = max(dev, float(d.max(initial=0.0)))
+    es, ed = src.hp.get("eps_mode") or "inside_sqrt", dst.hp.get("eps_mode") or "inside_sqrt"
+    warnings.append(f"optimizer: RMSprop adds epsilon differently (the source {_EPS_TEXT.get(es, es).replace('acc', 'ms')}, "
+                    f"the target {_EPS_TEXT.get(ed, ed).replace('acc', 'ms')}; source ε {src.hp.get('epsilon')}, target ε "
+                    f"{dst.hp.get('epsilon')}); each continued step may move a weight up to {dev:.2e} differently "
+                    "(lr·max √ms·|1/d_src − 1/d_dst|)")
 
 
 def _adagrad_epsilon(src: Neutral, dst: Neutral, slots: dict, warnings: list[str]) -> None:

@@ -10,7 +10,8 @@ continued run, but its dropout masks and random augmentations differ from the on
 framework would have drawn.
 
 :func:`mt19937_64_text` is a helper for dialects whose framework keeps a C++ ``std::mt19937_64``
-engine seeded through ``std::seed_seq``.
+engine seeded through ``std::seed_seq``; :func:`mt19937_state` for a 32-bit ``std::mt19937``
+seeded with one integer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from .dialect import Dialect
 
-__all__ = ["derive_seed", "convert_rng", "mt19937_64_text", "PORTABLE"]
+__all__ = ["derive_seed", "convert_rng", "mt19937_64_text", "mt19937_state", "PORTABLE"]
 
 PORTABLE = ("python", "numpy", "numpy_generators")
 _M32 = 0xFFFFFFFF
@@ -81,6 +82,16 @@ def mt19937_64_text(seed: int) -> str:
     words = _seed_seq([seed & _M32], 624)
     state = [words[2 * i] | (words[2 * i + 1] << 32) for i in range(312)]
     return " ".join(map(str, state)) + " 312"
+
+
+def mt19937_state(seed: int) -> list[int]:
+    """The 624 words of a 32-bit ``std::mt19937`` constructed with ``seed`` (the reference
+    ``init_genrand``: ``x[i] = 1812433253·(x[i-1] ^ (x[i-1] >> 30)) + i``), before any draw."""
+    words = [seed & _M32]
+    for i in range(1, 624):
+        prev = words[-1]
+        words.append((1812433253 * (prev ^ (prev >> 30)) + i) & _M32)
+    return words
 
 
 def convert_rng(rng: dict[str, Any], to: Dialect, step: int) -> dict[str, Any]:

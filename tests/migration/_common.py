@@ -142,3 +142,43 @@ def twin_batches(seed: int, n: int, *, nchw: bool) -> list[tuple[np.ndarray, np.
 def twin_probe(nchw: bool) -> np.ndarray:
     x = np.random.RandomState(8).rand(16, TWIN_IMG, TWIN_IMG, 3).astype("float32")
     return np.ascontiguousarray(x.transpose(0, 3, 1, 2)) if nchw else x
+
+
+# PyTorch pairs (torch <-> Keras, torch <-> Paddle): the structure twins plus a Transformer encoder
+# block, each trained with its own optimizer.  The torch side uses ckptcore_torch.keras_adam with a
+# Keras partner (Keras adds Adam's epsilon to the uncorrected sqrt(v)) and torch's own Adam with a
+# Paddle partner (both add it to the bias-corrected sqrt(v-hat)).
+TORCH_TWINS = ("resnet", "unet", "mobilenet", "transformer")
+TORCH_TWIN_OPT = {"resnet": "sgd", "unet": "adam", "mobilenet": "adamw", "transformer": "adamw"}
+TORCH_OPTS: dict[str, dict[str, tuple[str, dict]]] = {
+    "sgd": {"torch_keras": ("SGD", {"lr": 0.01, "momentum": 0.9}),
+            "torch_paddle": ("SGD", {"lr": 0.01, "momentum": 0.9, "nesterov": True}),
+            "keras": ("SGD", {"learning_rate": 0.01, "momentum": 0.9}),
+            "paddle": ("Momentum", {"learning_rate": 0.01, "momentum": 0.9, "use_nesterov": True})},
+    "adam": {"torch_keras": ("KerasAdam", {"lr": 1e-3}), "torch_paddle": ("Adam", {"lr": 1e-3}),
+             "keras": ("Adam", {"learning_rate": 1e-3}), "paddle": ("Adam", {"learning_rate": 1e-3})},
+    "adamw": {"torch_keras": ("KerasAdamW", {"lr": 1e-3, "weight_decay": 0.05}),
+              "torch_paddle": ("AdamW", {"lr": 1e-3, "weight_decay": 0.05}),
+              "keras": ("AdamW", {"learning_rate": 1e-3, "weight_decay": 0.05}),
+              "paddle": ("AdamW", {"learning_rate": 1e-3, "weight_decay": 0.05})},
+}
+SEQ_LEN, SEQ_FEAT, SEQ_EMBED, SEQ_HEADS = 6, 4, 8, 2
+
+
+def seq_batches(seed: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` batches of [BATCH, SEQ_LEN, SEQ_FEAT] sequences and labels (the same in every framework)."""
+    rs = np.random.RandomState(seed)
+    return [(rs.randn(BATCH, SEQ_LEN, SEQ_FEAT).astype("float32"),
+             rs.randint(0, TWIN_CLASSES, size=(BATCH,)).astype("int64")) for _ in range(n)]
+
+
+def seq_probe() -> np.ndarray:
+    return np.random.RandomState(9).randn(16, SEQ_LEN, SEQ_FEAT).astype("float32")
+
+
+def pair_batches(name: str, seed: int, n: int, *, nchw: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    return seq_batches(seed, n) if name == "transformer" else twin_batches(seed, n, nchw=nchw)
+
+
+def pair_probe(name: str, *, nchw: bool) -> np.ndarray:
+    return seq_probe() if name == "transformer" else twin_probe(nchw)

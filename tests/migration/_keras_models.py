@@ -179,3 +179,31 @@ def branches_twin(seed: int = 0) -> keras.Model:
 
 def twin(name: str, seed: int = 0) -> keras.Model:
     return globals()[f"{name}_twin"](seed)
+
+
+# ----------------------------------------------------------------------------- PyTorch pairs
+
+
+def transformer_twin(seed: int = 0) -> keras.Model:
+    """A post-norm Transformer encoder block (the torch twin's): Dense embedding, MultiHeadAttention,
+    Add & LayerNormalization, feed-forward, Add & LayerNormalization, mean over the sequence, head."""
+    from _common import SEQ_EMBED, SEQ_FEAT, SEQ_HEADS, SEQ_LEN, TWIN_CLASSES
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((SEQ_LEN, SEQ_FEAT))
+    x = L.Dense(SEQ_EMBED)(inp)
+    a = L.MultiHeadAttention(SEQ_HEADS, SEQ_EMBED // SEQ_HEADS)(x, x)
+    x = L.LayerNormalization(epsilon=1e-5)(L.Add()([x, a]))
+    f = L.Dense(SEQ_EMBED)(L.Dense(2 * SEQ_EMBED, activation="relu")(x))
+    x = L.LayerNormalization(epsilon=1e-5)(L.Add()([x, f]))
+    return keras.Model(inp, L.Dense(TWIN_CLASSES)(L.GlobalAveragePooling1D()(x)))
+
+
+def logits(model, x: np.ndarray, *, training: bool = False) -> np.ndarray:
+    """Inference logits, or training-mode ones (batch statistics; moving statistics put back)."""
+    if not training:
+        return np.asarray(model(x, training=False))
+    saved = [v.numpy() for v in model.weights]
+    out = np.asarray(model(x, training=True))
+    for v, s in zip(model.weights, saved):
+        v.assign(s)
+    return out

@@ -219,7 +219,50 @@ def cli_back(d: str, opts: dict) -> dict:
             "tf_iterations": int(opt.iterations.numpy())}
 
 
+# ----------------------------------------------------------------------------- torch pairs (phase "torch")
+
+
+def torch_pairs(d: str, opts: dict) -> dict:
+    """PyTorch <-> Keras: continue the torch worker's runs here, and train the runs it continues."""
+    from _common import TORCH_OPTS, TORCH_TWIN_OPT, TORCH_TWINS, pair_batches, pair_probe
+
+    out: dict = {}
+    for i, name in enumerate(TORCH_TWINS):
+        spec = TORCH_OPTS[TORCH_TWIN_OPT[name]]["keras"]
+        probe = pair_probe(name, nchw=False)
+        m = km.twin(name, 400 + i)
+        opt = km.optimizer(*spec)
+        prefix = f"t_{name}_keras"
+        _, warns = _caught(lambda: ckptcore.load_state(f"{d}/{prefix}", model=m, optimizer=opt))
+        before = max_diff(km.logits(m, probe), np.load(f"{d}/{prefix}_logits0.npy"))
+        for x, y in pair_batches(name, 700 + i, 2 * STEPS, nchw=False)[STEPS:]:
+            km.train_step(m, opt, x, y)
+        out[name] = {"logits_diff": before, "warnings": warns,
+                     "after_eval_diff": max_diff(km.logits(m, probe), np.load(f"{d}/{prefix}_logits1.npy")),
+                     "after_train_diff": max_diff(km.logits(m, probe, training=True),
+                                                  np.load(f"{d}/{prefix}_logits1t.npy"))}
+        src = km.twin(name, 500 + i)
+        sopt = km.optimizer(*spec)
+        data = pair_batches(name, 800 + i, 2 * STEPS, nchw=False)
+        for x, y in data[:STEPS]:
+            km.train_step(src, sopt, x, y)
+        ckptcore.save_state(f"{d}/k_{name}", model=src, optimizer=sopt)
+        np.save(f"{d}/k_{name}_logits0.npy", km.logits(src, probe))
+        for x, y in data[STEPS:]:
+            km.train_step(src, sopt, x, y)
+        np.save(f"{d}/k_{name}_logits1.npy", km.logits(src, probe))
+        np.save(f"{d}/k_{name}_logits1t.npy", km.logits(src, probe, training=True))
+    try:
+        ckptcore.load_state(f"{d}/t_branches", model=km.twin("branches", 4))
+        out["branches"] = {"error": None}
+    except ckptcore.MigrationError as e:
+        out["branches"] = {"error": str(e)}
+    ckptcore.save_state(f"{d}/k_branches", model=km.twin("branches", 3))
+    return out
+
+
 PHASES = {"source": [cnn_source, opt_source, sched_source, zoo_source, twins_source, e2e_source],
+          "torch": [torch_pairs],
           "target": [cnn_target, opt_target, sched_target, zoo_target, twins_target, cli_back]}
 
 

@@ -269,3 +269,41 @@ def twin(name: str, seed: int = 0) -> nn.Layer:
         lim = np.sqrt(6.0 / (fan_in + fan_out))
         p.set_value(rs.uniform(-lim, lim, size=shape).astype("float32"))
     return net
+
+
+# ----------------------------------------------------------------------------- PyTorch pairs
+
+
+class TransformerTwin(nn.Layer):
+    """The torch/Keras Transformer encoder block with ``paddle.nn.MultiHeadAttention`` (separate
+    q_proj/k_proj/v_proj/out_proj Linear layers)."""
+
+    def __init__(self):
+        super().__init__()
+        from _common import SEQ_EMBED, SEQ_FEAT, SEQ_HEADS, TWIN_CLASSES
+        e = SEQ_EMBED
+        self.embed = nn.Linear(SEQ_FEAT, e)
+        self.attn = nn.MultiHeadAttention(e, SEQ_HEADS)
+        self.ln1, self.ln2 = nn.LayerNorm(e, epsilon=1e-5), nn.LayerNorm(e, epsilon=1e-5)
+        self.ff1, self.ff2 = nn.Linear(e, 2 * e), nn.Linear(2 * e, e)
+        self.head = nn.Linear(e, TWIN_CLASSES)
+
+    def forward(self, x):
+        x = self.embed(x)
+        x = self.ln1(x + self.attn(x, x, x))
+        x = self.ln2(x + self.ff2(F.relu(self.ff1(x))))
+        return self.head(x.mean(axis=1))
+
+
+_TWINS["transformer"] = TransformerTwin
+
+
+def logits(net, x: np.ndarray, *, training: bool = False) -> np.ndarray:
+    """Eval-mode logits, or training-mode ones (batch statistics; moving statistics put back)."""
+    saved = {k: v.numpy().copy() for k, v in net.state_dict().items()}
+    net.train() if training else net.eval()
+    out = net(paddle.to_tensor(x)).numpy()
+    if training:
+        net.set_state_dict({k: paddle.to_tensor(v) for k, v in saved.items()})
+    net.train()
+    return out

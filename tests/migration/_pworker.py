@@ -232,13 +232,57 @@ def twins(d: str, opts: dict) -> dict:
     return out
 
 
+def torch_pairs(d: str, opts: dict) -> dict:
+    """PyTorch <-> Paddle: continue the torch worker's runs here, and train the runs it continues."""
+    from _common import TORCH_OPTS, TORCH_TWIN_OPT, TORCH_TWINS, pair_batches, pair_probe
+
+    out: dict = {}
+    for i, name in enumerate(TORCH_TWINS):
+        spec = TORCH_OPTS[TORCH_TWIN_OPT[name]]["paddle"]
+        probe = pair_probe(name, nchw=True)
+        net = pm.twin(name, 600 + i)
+        opt = pm.optimizer(*spec, net.parameters())
+        prefix = f"t_{name}_paddle"
+        try:
+            _, warns = _caught(lambda: ckptcore.load_state(f"{d}/{prefix}", model=net, optimizer=opt))
+        except ckptcore.MigrationError as e:
+            out[name] = {"error": str(e)}
+        else:
+            before = max_diff(pm.logits(net, probe), np.load(f"{d}/{prefix}_logits0.npy"))
+            for x, y in pair_batches(name, 700 + i, 2 * STEPS, nchw=True)[STEPS:]:
+                pm.train_step(net, opt, x, y)
+            out[name] = {"logits_diff": before, "warnings": warns,
+                         "after_eval_diff": max_diff(pm.logits(net, probe), np.load(f"{d}/{prefix}_logits1.npy")),
+                         "after_train_diff": max_diff(pm.logits(net, probe, training=True),
+                                                      np.load(f"{d}/{prefix}_logits1t.npy"))}
+        src = pm.twin(name, 650 + i)
+        sopt = pm.optimizer(*spec, src.parameters())
+        data = pair_batches(name, 900 + i, 2 * STEPS, nchw=True)
+        for x, y in data[:STEPS]:
+            pm.train_step(src, sopt, x, y)
+        ckptcore.save_state(f"{d}/p_{name}", model=src, optimizer=sopt)
+        np.save(f"{d}/p_{name}_logits0.npy", pm.logits(src, probe))
+        for x, y in data[STEPS:]:
+            pm.train_step(src, sopt, x, y)
+        np.save(f"{d}/p_{name}_logits1.npy", pm.logits(src, probe))
+        np.save(f"{d}/p_{name}_logits1t.npy", pm.logits(src, probe, training=True))
+    try:
+        ckptcore.load_state(f"{d}/t_branches", model=pm.twin("branches", 1))
+        out["branches"] = {"error": None}
+    except ckptcore.MigrationError as e:
+        out["branches"] = {"error": str(e)}
+    ckptcore.save_state(f"{d}/p_branches", model=pm.twin("branches", 2))
+    return out
+
+
 TASKS = [rng, cnn, opt_k2p, opt_source, sched_k2p, sched_source, sched_mismatch, zoo, twins, e2e, cli_to_paddle]
 
 
-def main(d: str, options: str = "{}") -> None:
+def main(d: str, options: str = "{}", mode: str = "keras") -> None:
+    """``mode="torch"`` runs the PyTorch pairs only (``python _pworker.py <dir> {} torch``)."""
     opts = json.loads(options)
     results = {}
-    for task in TASKS:
+    for task in ([torch_pairs] if mode == "torch" else TASKS):
         if task is e2e and "e2e_url" not in opts:
             continue
         t0 = time.perf_counter()
@@ -247,7 +291,7 @@ def main(d: str, options: str = "{}") -> None:
         except Exception:  # reported to the test, which fails with the traceback
             results[task.__name__] = {"error": traceback.format_exc()}
         results[task.__name__ + "_seconds"] = time.perf_counter() - t0
-    write_json(d, "paddle", results)
+    write_json(d, "paddle_torch" if mode == "torch" else "paddle", results)
 
 
 if __name__ == "__main__":

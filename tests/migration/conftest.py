@@ -19,7 +19,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-HAVE = {m: importlib.util.find_spec(m) is not None for m in ("paddle", "tensorflow", "keras")}
+HAVE = {m: importlib.util.find_spec(m) is not None for m in ("paddle", "tensorflow", "keras", "torch")}
 
 
 def worker_env() -> dict[str, str]:
@@ -52,3 +52,18 @@ def migration_results(tmp_path_factory, s3_storage_options):
     run_worker("_kworker.py", "target", str(d), opts)
     return {name: json.loads((d / f"{name}.json").read_text())
             for name in ("keras_source", "paddle", "keras_target")}
+
+
+@pytest.fixture(scope="session")
+def torch_migration_results(tmp_path_factory):
+    """The PyTorch pairs: torch source -> Keras (both ways) -> Paddle (both ways) -> torch target.
+    ``{"torch_source": ..., "keras_torch": ..., "paddle_torch": ..., "torch_target": ...}``."""
+    if not all(HAVE.values()):
+        pytest.skip("needs torch, paddlepaddle and tensorflow/keras")
+    d = tmp_path_factory.mktemp("torch_migration")
+    run_worker("_tworker.py", "source", str(d))
+    run_worker("_kworker.py", "torch", str(d), "{}")
+    run_worker("_pworker.py", str(d), "{}", "torch")
+    run_worker("_tworker.py", "target", str(d))
+    return {name: json.loads((d / f"{name}.json").read_text())
+            for name in ("torch_source", "keras_torch", "paddle_torch", "torch_target")}

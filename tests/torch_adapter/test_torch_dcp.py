@@ -46,7 +46,7 @@ def test_dcp_round_trip_both_ways(tmp_path):
 def test_hostile_dcp_folders(tmp_path):
     model, opt = build()
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "a"), no_dist=True)
-    with pytest.raises(ckptcore.CheckpointNotFoundError):
+    with pytest.raises(ckptcore.CheckpointNotFoundError, match="no .metadata"):
         ckptcore_torch.import_dcp(tmp_path / "nothing")
     bad = tmp_path / "bad"
     shutil.copytree(tmp_path / "a", bad)
@@ -57,10 +57,10 @@ def test_hostile_dcp_folders(tmp_path):
     shutil.copytree(tmp_path / "a", short)
     data = next(short.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:100])
-    with pytest.raises(ckptcore.CheckpointError):
+    with pytest.raises(ckptcore.CorruptCheckpointError, match=r"\.distcp: bytes \d+\.\.\d+ are listed, the file has 100"):
         ckptcore_torch.import_dcp(short)
     gone = tmp_path / "gone"
     shutil.copytree(tmp_path / "a", gone)
     next(gone.glob("*.distcp")).unlink()
-    with pytest.raises(ckptcore.IncompleteCheckpointError):
+    with pytest.raises(ckptcore.IncompleteCheckpointError, match=r"__0_0\.distcp is listed but missing"):
         ckptcore_torch.import_dcp(gone)
