@@ -413,7 +413,9 @@ def report(results: dict, args, path_note: str) -> list[str]:
              f"{args.rounds} interleaved rounds after {args.warmup} discarded; times in seconds as "
              "median [best-worst]; ratios are the alternative's median over ckptcore's (> 1: "
              "ckptcore faster); cold restores after fadvise DONTNEED on the files; every restore "
-             f"checked bit for bit. ckptcore path: {path_note}.", ""]
+             f"checked bit for bit. ckptcore path: {path_note}. Load average (1 min) at the start "
+             f"and end of the run: {args.load_start:.1f}, {os.getloadavg()[0]:.1f} "
+             f"({os.cpu_count()} CPUs; other work on the machine shows here).", ""]
     lines += ["| model | operation | ckptcore | torch.save / torch.load | DCP | raw one file (floor) | "
               "vs torch | vs DCP | vs raw | targets |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     verdicts: list[str] = []
@@ -470,6 +472,7 @@ def main() -> None:
     for m in models:
         if m not in tm.MODELS:
             ap.error(f"unknown model {m!r} (known: {', '.join(tm.MODELS)})")
+    args.load_start = os.getloadavg()[0]
     use_adapter = adapter_ready() and not args.fallback
     path_note = ("the adapter: save_state(dir, model=, optimizer=), load_state(dir, model=, optimizer=), "
                  "CheckpointManager.save(step, model=, optimizer=)" if use_adapter else
