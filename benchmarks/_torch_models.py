@@ -12,14 +12,21 @@
 
 ``build(name, seed, quick=False)`` returns the model and an AdamW that has taken one step on a
 small random batch, so every slot (``step``, ``exp_avg``, ``exp_avg_sq``) exists; ``quick``
-shrinks both models (narrow ResNet, 2-layer GPT of d=128) for a smoke run.
+shrinks both models (narrow ResNet, 2-layer GPT of d=128) for a smoke run.  Also the
+benchmark's checks (``same``, ``perturb``), its ckptcore fallback path (``as_state``,
+``put_back``: a TrainingState of NumPy views, restored by ``copy_``) and its raw floor
+(``raw_save``, ``raw_load``).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import ckptcore
 
 MODELS = ("resnet50", "gpt2")
 
@@ -205,3 +212,83 @@ def distinct(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]
             seen.add(key)
             out.append(t)
     return out
+
+
+# ------------------------------------------------- bench_models_torch.py: the fallback ckptcore path
+def as_state(model, opt) -> ckptcore.TrainingState:
+    """A TrainingState of NumPy views of the live tensors (no copy), laid out as the adapter's
+    (model keys = state_dict keys, a tied tensor once with an alias, slots by parameter key)."""
+    model_arrays, aliases, seen = {}, {}, {}
+    for k, t in model.state_dict(keep_vars=False).items():
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if ident in seen:
+            aliases[k] = seen[ident]
+            continue
+        seen[ident] = k
+        model_arrays[k] = t.numpy()
+    names = {id(p): k for k, p in model.named_parameters()}  # first name of a tied parameter
+    slots = {names[id(p)]: {s: v.numpy() for s, v in st.items() if torch.is_tensor(v)}
+             for p, st in opt.state.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    step = max((int(st["step"]) for st in opt.state.values() if "step" in st), default=0)
+    return ckptcore.TrainingState(
+        model=model_arrays, framework="torch", step=step,
+        optimizer=ckptcore.OptimizerState(kind=type(opt).__name__.lower(), step=step,
+                                          hyperparams=dict(groups[0]), slots=slots,
+                                          extra={"param_groups": groups}),
+        extra={"torch": {"aliases": aliases}})
+
+
+@torch.no_grad()
+def put_back(state: ckptcore.TrainingState, model, opt) -> None:
+    """Copy a loaded fallback state into the live tensors (``copy_``: no new tensors)."""
+    aliases = state.extra["torch"]["aliases"]
+    for k, t in model.state_dict().items():
+        t.copy_(torch.from_numpy(state.model[aliases.get(k, k)]))
+    names = {id(p): k for k, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for s, arr in state.optimizer.slots[names[id(p)]].items():
+            st[s].copy_(torch.from_numpy(arr))
+    for g, saved in zip(opt.param_groups, state.optimizer.extra["param_groups"]):
+        g.update(saved)
+
+
+# ------------------------------------------------------------- bench_models_torch.py: the raw floor
+def raw_save(path: str, tensors: list[torch.Tensor]) -> None:
+    """The floor of a save: every distinct tensor's bytes written into one file with ``writev``
+    (no copy, no format, no checksum), then ``fsync``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        views = [memoryview(t.numpy()).cast("B") for t in tensors]
+        for i in range(0, len(views), 512):  # IOV_MAX is 1024
+            batch, want = views[i:i + 512], sum(v.nbytes for v in views[i:i + 512])
+            done = os.writev(fd, batch)
+            if done != want:  # a short write (rare on a local disk): finish one by one
+                _finish(fd, batch, done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _finish(fd: int, views: list, done: int) -> None:
+    for v in views:
+        if done >= v.nbytes:
+            done -= v.nbytes
+            continue
+        rest = v[done:]
+        while rest.nbytes:
+            rest = rest[os.write(fd, rest):]
+        done = 0
+
+
+def raw_load(path: str, tensors: list[torch.Tensor]) -> None:
+    """The floor of a restore into live objects: one sequential read of that file straight into
+    the live tensors' memory (no allocation, no checksum, no format)."""
+    with open(path, "rb", buffering=0) as f:
+        for t in tensors:
+            view = memoryview(t.numpy()).cast("B")
+            while view.nbytes:
+                got = f.readinto(view)
+                if not got:
+                    raise EOFError(f"{path} is shorter than the state")
+                view = view[got:]

@@ -80,45 +80,6 @@ def adapter_ready() -> bool:
     return importlib.util.find_spec("ckptcore_torch._capture") is not None
 
 
-# -------------------------------------------------------------------- the fallback ckptcore path
-def as_state(model, opt) -> ckptcore.TrainingState:
-    """A TrainingState of NumPy views of the live tensors (no copy), laid out as the adapter's
-    (model keys = state_dict keys, a tied tensor once with an alias, slots by parameter key)."""
-    model_arrays, aliases, seen = {}, {}, {}
-    for k, t in model.state_dict(keep_vars=False).items():
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if ident in seen:
-            aliases[k] = seen[ident]
-            continue
-        seen[ident] = k
-        model_arrays[k] = t.numpy()
-    names = {id(p): k for k, p in model.named_parameters()}  # first name of a tied parameter
-    slots = {names[id(p)]: {s: v.numpy() for s, v in st.items() if torch.is_tensor(v)}
-             for p, st in opt.state.items()}
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    step = max((int(st["step"]) for st in opt.state.values() if "step" in st), default=0)
-    return ckptcore.TrainingState(
-        model=model_arrays, framework="torch", step=step,
-        optimizer=ckptcore.OptimizerState(kind=type(opt).__name__.lower(), step=step,
-                                          hyperparams=dict(groups[0]), slots=slots,
-                                          extra={"param_groups": groups}),
-        extra={"torch": {"aliases": aliases}})
-
-
-@torch.no_grad()
-def put_back(state: ckptcore.TrainingState, model, opt) -> None:
-    """Copy a loaded fallback state into the live tensors (``copy_``: no new tensors)."""
-    aliases = state.extra["torch"]["aliases"]
-    for k, t in model.state_dict().items():
-        t.copy_(torch.from_numpy(state.model[aliases.get(k, k)]))
-    names = {id(p): k for k, p in model.named_parameters()}
-    for p, st in opt.state.items():
-        for s, arr in state.optimizer.slots[names[id(p)]].items():
-            st[s].copy_(torch.from_numpy(arr))
-    for g, saved in zip(opt.param_groups, state.optimizer.extra["param_groups"]):
-        g.update(saved)
-
-
 # ---------------------------------------------------------------------------- the contenders
 class Contenders:
     """Each contender's save and restore for one model, writing under ``root``."""
@@ -135,12 +96,12 @@ class Contenders:
             if self.adapter:
                 ckptcore.save_state(path, model=m, optimizer=opt)
             else:
-                ckptcore.save_state(path, as_state(m, opt))
+                ckptcore.save_state(path, tm.as_state(m, opt))
         elif name == "ts":
             torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, path)
             fsync_paths([path])
         elif name == "raw":
-            raw_save(path, tm.distinct(m, opt))
+            tm.raw_save(path, tm.distinct(m, opt))
         else:
             dcp.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
             fsync_paths([path])
@@ -152,9 +113,9 @@ class Contenders:
             if self.adapter:
                 ckptcore.load_state(path, model=m, optimizer=opt)
             else:
-                put_back(ckptcore.load_state(path), m, opt)
+                tm.put_back(ckptcore.load_state(path), m, opt)
         elif name == "raw":
-            raw_load(path, tm.distinct(m, opt))
+            tm.raw_load(path, tm.distinct(m, opt))
         elif name == "ts":
             sd = torch.load(path)
             m.load_state_dict(sd["model"])
@@ -164,46 +125,6 @@ class Contenders:
             dcp.load(sd, checkpoint_id=path)
             m.load_state_dict(sd["model"])
             opt.load_state_dict(sd["optimizer"])
-
-
-def raw_save(path: str, tensors: list[torch.Tensor]) -> None:
-    """The floor of a save: every distinct tensor's bytes written into one file with ``writev``
-    (no copy, no format, no checksum), then ``fsync``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        views = [memoryview(t.numpy()).cast("B") for t in tensors]
-        for i in range(0, len(views), 512):  # IOV_MAX is 1024
-            batch, want = views[i:i + 512], sum(v.nbytes for v in views[i:i + 512])
-            done = os.writev(fd, batch)
-            if done != want:  # a short write (rare on a local disk): finish one by one
-                _finish(fd, batch, done)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _finish(fd: int, views: list, done: int) -> None:
-    for v in views:
-        if done >= v.nbytes:
-            done -= v.nbytes
-            continue
-        rest = v[done:]
-        while rest.nbytes:
-            rest = rest[os.write(fd, rest):]
-        done = 0
-
-
-def raw_load(path: str, tensors: list[torch.Tensor]) -> None:
-    """The floor of a restore into live objects: one sequential read of that file straight into
-    the live tensors' memory (no allocation, no checksum, no format)."""
-    with open(path, "rb", buffering=0) as f:
-        for t in tensors:
-            view = memoryview(t.numpy()).cast("B")
-            while view.nbytes:
-                got = f.readinto(view)
-                if not got:
-                    raise EOFError(f"{path} is shorter than the state")
-                view = view[got:]
 
 
 def timed(fn) -> float:
@@ -259,7 +180,7 @@ def async_rounds(name: str, args, use_adapter: bool) -> dict:
                 t0 = time.perf_counter()
                 if n == "ck":
                     handle = (mgr.save(r + 1, model=m, optimizer=opt) if use_adapter
-                              else mgr.save(r + 1, as_state(m, opt)))
+                              else mgr.save(r + 1, tm.as_state(m, opt)))
                 else:
                     path = os.path.join(root, f"dcp-{r}")
                     handle = dcp.async_save({"model": m.state_dict(), "optimizer": opt.state_dict()},
@@ -312,7 +233,7 @@ def dist_worker(rank: int, port: int, out: str, name: str, args) -> None:
         elif use_adapter:
             ckptcore.save_state(c.paths[n], model=m, optimizer=opt, group=group)
         else:
-            ckptcore.save_state(c.paths[n], as_state(m, opt), group=group)
+            ckptcore.save_state(c.paths[n], tm.as_state(m, opt), group=group)
 
     def load(n: str) -> None:
         m, opt = dst
@@ -321,7 +242,7 @@ def dist_worker(rank: int, port: int, out: str, name: str, args) -> None:
         elif use_adapter:
             ckptcore.load_state(c.paths[n], model=m, optimizer=opt, group=group)
         else:
-            put_back(ckptcore.load_state(c.paths[n], group=group), m, opt)
+            tm.put_back(ckptcore.load_state(c.paths[n], group=group), m, opt)
 
     for r in range(args.warmup + args.rounds):
         for n in (["ck", "dcp"] if r % 2 else ["dcp", "ck"]):
