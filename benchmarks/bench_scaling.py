@@ -7,7 +7,8 @@ log-uniform sizes) and grows the total from 1 MiB to 1 GiB.  Every contender sav
 arrays durably (fsync included, for everyone), loads them back warm (page cache full), then cold
 (cache emptied as in bench_save_load.py).  Contenders: ckptcore (save_state /
 load_state(verify=True)), raw bytes in one file (the floor), safetensors.numpy, numpy.savez, and
-tf.train.Checkpoint and paddle.save in their own worker processes (_workers.py).
+tf.train.Checkpoint and paddle.save in their own worker processes (_workers.py), torch.save and
+torch.distributed.checkpoint (DCP) in theirs (_torch_sweep.py).
 
 Writes the raw results to benchmarks/scaling.json, the figure to benchmarks/scaling.png
 (plot_scaling.py; needs the ``bench`` extra, matplotlib) and appends tables to
@@ -167,12 +168,17 @@ class Local:
         return {"save": t_save, "warm": t_warm, "cold": t_cold, "bytes": nbytes}
 
 
+TORCH_MODES = {"torch-save": "torch", "dcp": "torch"}  # served by _torch_sweep.py
+
+
 class Worker:
-    """A framework contender in a worker subprocess (``_workers.py <mode>-sweep``)."""
+    """A framework contender in a worker subprocess (``_workers.py <mode>-sweep``, or
+    ``_torch_sweep.py <mode>`` for PyTorch's savers)."""
 
     def __init__(self, name: str, mode: str, scratch: str, method: str):
-        self.name, self.package = name, {"tf": "tensorflow"}.get(mode, mode)
-        cmd = [sys.executable, os.path.join(HERE, "_workers.py"), f"{mode}-sweep",
+        self.name, self.package = name, {"tf": "tensorflow"}.get(mode, TORCH_MODES.get(mode, mode))
+        script, arg = ("_torch_sweep.py", mode) if mode in TORCH_MODES else ("_workers.py", f"{mode}-sweep")
+        cmd = [sys.executable, os.path.join(HERE, script), arg,
                "--dir", os.path.join(scratch, mode), "--evict", method]
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", GLOG_minloglevel="2")  # quiet logs
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -333,7 +339,7 @@ def parse_args(argv=None):
     ap.add_argument("--evict", choices=["auto", "drop_caches", "fadvise"], default="auto",
                     help="cold-cache method (auto: drop_caches as root, else fadvise; fadvise "
                          "touches only this benchmark's files, kinder to a shared machine)")
-    ap.add_argument("--no-frameworks", action="store_true", help="skip TensorFlow and Paddle")
+    ap.add_argument("--no-frameworks", action="store_true", help="skip TensorFlow, Paddle and PyTorch")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: small points, outputs in $TMPDIR, not recorded")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a new one in $TMPDIR)")
@@ -367,7 +373,9 @@ def main(argv=None) -> int:
     # Started first, so TensorFlow and Paddle import while this process gets going.
     workers = [] if args.no_frameworks else [
         Worker("tf.train.Checkpoint", "tf", args.dir, method),
-        Worker("paddle.save", "paddle", args.dir, method)]
+        Worker("paddle.save", "paddle", args.dir, method),
+        Worker("torch.save", "torch-save", args.dir, method),
+        Worker("DCP", "dcp", args.dir, method)]
     contenders: list = [Local(n) for n in LOCAL]
     versions = {"ckptcore": ckptcore.__version__, "numpy": np.__version__}
     try:

@@ -30,10 +30,14 @@ STYLE = {  # contender: (colour, marker); ckptcore drawn thicker and on top
     "numpy.savez": ("#9467bd", "v"),
     "tf.train.Checkpoint": ("#ff7f0e", "^"),
     "paddle.save": ("#2ca02c", "D"),
+    "torch.save": ("#8c564b", "P"),
+    "DCP": ("#e377c2", "X"),
 }
 LABEL = {"raw (one file)": "raw one file (writev+fsync / readinto): the floor",
          "tf.train.Checkpoint": "tf.train.Checkpoint write / read",
          "paddle.save": "paddle.save / paddle.load",
+         "torch.save": "torch.save / torch.load",
+         "DCP": "torch.distributed.checkpoint save / load (in place)",
          "ckptcore": "ckptcore save_state / load_state(verify=True)",
          "numpy.savez": "numpy.savez / np.load (uncompressed)",
          "safetensors.numpy": "safetensors.numpy save_file / load_file"}
