@@ -28,6 +28,7 @@ benchmarks=(
   bench_scaling.py
   bench_models_keras.py
   bench_models_paddle.py
+  bench_models_torch.py
   bench_s3.py
   bench_keras.py
   bench_paddle.py
