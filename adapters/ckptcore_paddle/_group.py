@@ -34,14 +34,11 @@ Tests: tests/paddle_adapter/test_group.py (2 and 4 processes, a killed and a hun
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
-from ckptcore.errors import CheckpointError, GroupError, GroupTimeoutError
+from ckptcore.collective import TensorCollectiveGroup
+from ckptcore.errors import CheckpointError
 from ckptcore.group import SingleProcessGroup
-
-log = logging.getLogger("ckptcore")
 
 
 def process_group(group: Any = None) -> Any:
@@ -69,62 +66,43 @@ def process_group(group: Any = None) -> Any:
     return CollectiveGroup(group.rank, len(ranks), group=group, root=ranks[0])
 
 
-class CollectiveGroup:
+class CollectiveGroup(TensorCollectiveGroup):
     """A :class:`ckptcore.ProcessGroup` over a ``paddle.distributed`` group (the job's default
-    group unless ``group`` is given; ``root`` is the job rank of the group's rank 0)."""
+    group unless ``group`` is given; ``root`` is the job rank of the group's rank 0): the byte
+    protocol and the deadlines are :class:`ckptcore.collective.TensorCollectiveGroup`'s."""
 
-    def __init__(self, rank: int, size: int, *, group: Any = None, root: int = 0) -> None:
-        self.rank, self.size = int(rank), int(size)
-        self._group, self._root = group, int(root)
-        self._broken: str | None = None
-
-    def gather(self, data: bytes, *, timeout: float) -> list[bytes] | None:
-        return self._run(lambda: self._gather(bytes(data)), timeout, "gather")
-
-    def broadcast(self, data: bytes | None, *, timeout: float) -> bytes:
-        if self.rank == 0 and data is None:
-            raise GroupError("broadcast: rank 0 must pass the data")
-        return self._run(lambda: self._broadcast(data), timeout, "broadcast")
-
-    def barrier(self, *, timeout: float) -> None:
-        self._run(self._barrier, timeout, "barrier")
+    engine = "paddle.distributed"
+    thread_name = "ckptcore-paddle"
 
     # -- the collectives (run in the helper thread) ---------------------------------------------
-    def _gather(self, data: bytes) -> list[bytes] | None:
+    def all_lengths(self, n: int) -> list[int]:
         import numpy as np
         import paddle
         import paddle.distributed as dist
 
         lengths: list[Any] = []
-        dist.all_gather(lengths, paddle.to_tensor(np.array([len(data)], np.int64)), group=self._group)
-        sizes = [int(t.numpy()[0]) for t in lengths]
-        # gloo gathers tensors of one shape only; at least one byte keeps zero-size tensors out.
-        buf = np.zeros(max(1, max(sizes)), np.uint8)
-        buf[:len(data)] = np.frombuffer(data, np.uint8)
-        pieces: list[Any] = []
-        # Only rank 0 receives the bytes (an all_gather would send every rank's to every rank).
-        dist.gather(paddle.to_tensor(buf), pieces if self.rank == 0 else None, dst=self._root,
-                    group=self._group)
-        if self.rank != 0:
-            return None
-        return [p.numpy()[:n].tobytes() for p, n in zip(pieces, sizes)]
+        dist.all_gather(lengths, paddle.to_tensor(np.array([n], np.int64)), group=self._group)
+        return [int(t.numpy()[0]) for t in lengths]
 
-    def _broadcast(self, data: bytes | None) -> bytes:
-        import numpy as np
+    def gather_arrays(self, buf: Any) -> list[Any] | None:
         import paddle
         import paddle.distributed as dist
 
-        n = paddle.to_tensor(np.array([len(data) if self.rank == 0 else 0], np.int64))
-        dist.broadcast(n, src=self._root, group=self._group)
-        size = int(n.numpy()[0])
-        buf = np.zeros(max(1, size), np.uint8)
-        if self.rank == 0:
-            buf[:size] = np.frombuffer(data, np.uint8)
-        t = paddle.to_tensor(buf)
-        dist.broadcast(t, src=self._root, group=self._group)
-        return t.numpy()[:size].tobytes()
+        # gloo gathers tensors of one shape only (the caller pads to the longest).
+        pieces: list[Any] = []
+        dist.gather(paddle.to_tensor(buf), pieces if self.rank == 0 else None, dst=self._root,
+                    group=self._group)
+        return [p.numpy() for p in pieces] if self.rank == 0 else None
 
-    def _barrier(self) -> None:
+    def broadcast_array(self, arr: Any) -> Any:
+        import paddle
+        import paddle.distributed as dist
+
+        t = paddle.to_tensor(arr)
+        dist.broadcast(t, src=self._root, group=self._group)
+        return t.numpy()
+
+    def all_reduce_zero(self) -> None:
         import numpy as np
         import paddle
         import paddle.distributed as dist
@@ -132,33 +110,3 @@ class CollectiveGroup:
         # An all_reduce of one number: the same call on every backend (dist.barrier works on gloo
         # too, measured, but takes another path on a GPU).
         dist.all_reduce(paddle.to_tensor(np.zeros(1, np.int64)), group=self._group)
-
-    # -- deadlines ------------------------------------------------------------------------------
-    def _run(self, fn: Any, timeout: float, what: str) -> Any:
-        """``fn()`` in a helper thread, given up at the deadline."""
-        if self._broken:
-            raise GroupError(f"{what}: the group is broken ({self._broken}; rank {self.rank})")
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as e:  # handed to the caller
-                box["error"] = e
-
-        worker = threading.Thread(target=run, name=f"ckptcore-paddle-{what}", daemon=True)
-        worker.start()
-        worker.join(max(0.0, timeout))
-        if worker.is_alive():
-            raise self._broke(GroupTimeoutError(
-                f"{what}: a rank did not arrive within {timeout:g} s (rank {self.rank} of {self.size})"))
-        if "error" in box:
-            e = box["error"]
-            raise self._broke(GroupError(f"{what}: paddle.distributed failed (rank {self.rank} of "
-                                         f"{self.size}): {type(e).__name__}: {e}")) from e
-        return box.get("value")
-
-    def _broke(self, err: GroupError) -> GroupError:
-        self._broken = str(err)
-        log.error("ckptcore: %s; the group is broken, later calls fail at once", err)
-        return err

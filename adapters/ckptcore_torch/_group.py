@@ -31,15 +31,12 @@ hung peer).
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 from typing import Any
 
-from ckptcore.errors import CheckpointError, GroupError, GroupTimeoutError
+from ckptcore.collective import TensorCollectiveGroup
+from ckptcore.errors import CheckpointError
 from ckptcore.group import SingleProcessGroup
-
-log = logging.getLogger("ckptcore")
 
 
 def process_group(group: Any = None) -> Any:
@@ -72,26 +69,17 @@ def process_group(group: Any = None) -> Any:
                            root=dist.get_global_rank(group, 0))
 
 
-class CollectiveGroup:
+class CollectiveGroup(TensorCollectiveGroup):
     """A :class:`ckptcore.ProcessGroup` over a ``torch.distributed`` group (the job's default
-    group unless ``group`` is given; ``root`` is the job rank of the group's rank 0)."""
+    group unless ``group`` is given; ``root`` is the job rank of the group's rank 0): the byte
+    protocol and the deadlines are :class:`ckptcore.collective.TensorCollectiveGroup`'s."""
+
+    engine = "torch.distributed"
+    thread_name = "ckptcore-torch"
 
     def __init__(self, rank: int, size: int, *, group: Any = None, root: int = 0) -> None:
-        self.rank, self.size = int(rank), int(size)
-        self._group, self._root = group, int(root)
-        self._broken: str | None = None
+        super().__init__(rank, size, group=group, root=root)
         self._device: Any = None
-
-    def gather(self, data: bytes, *, timeout: float) -> list[bytes] | None:
-        return self._run(lambda: self._gather(bytes(data)), timeout, "gather")
-
-    def broadcast(self, data: bytes | None, *, timeout: float) -> bytes:
-        if self.rank == 0 and data is None:
-            raise GroupError("broadcast: rank 0 must pass the data")
-        return self._run(lambda: self._broadcast(data), timeout, "broadcast")
-
-    def barrier(self, *, timeout: float) -> None:
-        self._run(self._barrier, timeout, "barrier")
 
     # -- the collectives (run in the helper thread) ---------------------------------------------
     def _tensor(self, array: Any) -> Any:
@@ -106,72 +94,34 @@ class CollectiveGroup:
                             else torch.device("cpu"))
         return torch.from_numpy(array).to(self._device)
 
-    def _gather(self, data: bytes) -> list[bytes] | None:
+    def all_lengths(self, n: int) -> list[int]:
         import numpy as np
         import torch.distributed as dist
 
-        mine = self._tensor(np.array([len(data)], np.int64))
+        mine = self._tensor(np.array([n], np.int64))
         lengths = [self._tensor(np.zeros(1, np.int64)) for _ in range(self.size)]
         dist.all_gather(lengths, mine, group=self._group)
-        sizes = [int(t.cpu()[0]) for t in lengths]
-        # Collectives move tensors of one shape; at least one byte keeps zero-size tensors out.
-        buf = np.zeros(max(1, max(sizes)), np.uint8)
-        buf[:len(data)] = np.frombuffer(data, np.uint8)
-        pieces = [self._tensor(np.zeros_like(buf)) for _ in range(self.size)] if self.rank == 0 else None
-        # Only rank 0 receives the bytes (an all_gather would send every rank's to every rank).
-        dist.gather(self._tensor(buf), pieces, dst=self._root, group=self._group)
-        if self.rank != 0:
-            return None
-        return [p.cpu().numpy()[:n].tobytes() for p, n in zip(pieces, sizes)]
+        return [int(t.cpu()[0]) for t in lengths]
 
-    def _broadcast(self, data: bytes | None) -> bytes:
+    def gather_arrays(self, buf: Any) -> list[Any] | None:
         import numpy as np
         import torch.distributed as dist
 
-        n = self._tensor(np.array([len(data) if self.rank == 0 else 0], np.int64))
-        dist.broadcast(n, src=self._root, group=self._group)
-        size = int(n.cpu()[0])
-        buf = np.zeros(max(1, size), np.uint8)
-        if self.rank == 0:
-            buf[:size] = np.frombuffer(data, np.uint8)
-        t = self._tensor(buf)
-        dist.broadcast(t, src=self._root, group=self._group)
-        return t.cpu().numpy()[:size].tobytes()
+        pieces = [self._tensor(np.zeros_like(buf)) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(self._tensor(buf), pieces, dst=self._root, group=self._group)
+        return [p.cpu().numpy() for p in pieces] if self.rank == 0 else None
 
-    def _barrier(self) -> None:
+    def broadcast_array(self, arr: Any) -> Any:
+        import torch.distributed as dist
+
+        t = self._tensor(arr)
+        dist.broadcast(t, src=self._root, group=self._group)
+        return t.cpu().numpy()
+
+    def all_reduce_zero(self) -> None:
         import numpy as np
         import torch.distributed as dist
 
         # An all_reduce of one number: the same call on every backend (dist.barrier on NCCL
         # guesses a device and warns about it).
         dist.all_reduce(self._tensor(np.zeros(1, np.int64)), group=self._group)
-
-    # -- deadlines ------------------------------------------------------------------------------
-    def _run(self, fn: Any, timeout: float, what: str) -> Any:
-        """``fn()`` in a helper thread, given up at the deadline."""
-        if self._broken:
-            raise GroupError(f"{what}: the group is broken ({self._broken}; rank {self.rank})")
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as e:  # handed to the caller
-                box["error"] = e
-
-        worker = threading.Thread(target=run, name=f"ckptcore-torch-{what}", daemon=True)
-        worker.start()
-        worker.join(max(0.0, timeout))
-        if worker.is_alive():
-            raise self._broke(GroupTimeoutError(
-                f"{what}: a rank did not arrive within {timeout:g} s (rank {self.rank} of {self.size})"))
-        if "error" in box:
-            e = box["error"]
-            raise self._broke(GroupError(f"{what}: torch.distributed failed (rank {self.rank} of "
-                                         f"{self.size}): {type(e).__name__}: {e}")) from e
-        return box.get("value")
-
-    def _broke(self, err: GroupError) -> GroupError:
-        self._broken = str(err)
-        log.error("ckptcore: %s; the group is broken, later calls fail at once", err)
-        return err
