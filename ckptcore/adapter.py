@@ -39,6 +39,12 @@ checks).  Besides the contract and the planning above it offers:
 * :class:`RestrictedUnpickler` (with :func:`restricted_load`, :func:`check_plain`,
   :func:`plain_records`, :class:`Record`, :func:`brief`) -- native files that are pickles
   (``paddle.save``, ``torch.save``, distributed checkpoints' metadata) read without running code.
+* :func:`plan_training_parts` and :func:`finish_restore` -- the common steps of an adapter's
+  ``restore`` around its own planning: the optimizer, schedule and grad scaler into the targets
+  given (or noted as unapplied), then the cursor, the RNGs, :meth:`RestorePlan.apply` and the
+  warnings about what was left unapplied.
+* :func:`check_keywords` and :func:`lazy_attributes` -- an adapter package's ``__init__``: the
+  keywords its :class:`Adapter` methods take, and names imported from its modules on first use.
 * ``knobs`` -- the tunables, read through typed accessors: ``knobs.group_timeout()`` (seconds a
   collective may wait), ``knobs.threads()``, ``knobs.shard_size()``, ... (one per knob, each
   with its ``CKPTCORE_<NAME>`` environment override).
@@ -48,8 +54,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import logging
+import sys
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -69,7 +78,8 @@ __all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePla
            "mismatch_message", "warn_unapplied", "warn_and_log", "CALLBACK_KEEP", "open_regular",
            "check_url", "convert_for", "parse_dtype", "knobs", "tiers", "RestrictedUnpickler",
            "Record", "RecordClass", "restricted_load", "plain_records", "check_plain", "brief",
-           "brief_error", "PLAIN_KEYS", "MAX_DEPTH"]
+           "brief_error", "PLAIN_KEYS", "MAX_DEPTH", "plan_training_parts", "finish_restore",
+           "check_keywords", "lazy_attributes"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
 # every adapter, so switching frameworks does not change how much disk a run uses.
@@ -301,3 +311,96 @@ def tiers(backup: Any, lease: Any, backup_keep: Any = None,
                 if v is not None})
     return out
 
+
+
+def plan_training_parts(plan: RestorePlan, state: Any, *, optimizer: Any, scheduler: Any,
+                        scaler: Any, saved_scaler: Any, strict: bool, unapplied: dict[str, str],
+                        plan_optimizer: Callable[[], None], plan_schedule: Callable[[], None],
+                        plan_scaler: Callable[[], None], hints: Mapping[str, str]) -> bool:
+    """An adapter restore's optimizer, schedule and grad scaler: each planned (by the adapter's
+    callables) into its target when one is given, else noted in ``unapplied`` with the fix from
+    ``hints`` (keys ``"optimizer"``, ``"schedule"``, ``"grad scaler"``).  ``scheduler`` is the
+    target scheduler the adapter found (None: none); ``saved_scaler`` is whether a scaler state
+    that matters was saved.  Returns whether the state holds no optimizer section for a target
+    optimizer: that optimizer, and its scheduler unless a schedule was saved, are then left as
+    they are (the caller warns, through :func:`finish_restore`)."""
+    no_slots = optimizer is not None and state.optimizer is None
+    if optimizer is not None and not no_slots:
+        plan_optimizer()
+    elif state.optimizer is not None:
+        unapplied["optimizer"] = hints["optimizer"]
+        if not strict:
+            plan.unexpected(qualified("optimizer"))
+    elif no_slots and not strict:
+        plan.missing(qualified("optimizer"))
+    if scheduler is not None and not (no_slots and state.schedule is None):
+        plan_schedule()
+    elif scheduler is None and state.schedule is not None:
+        unapplied["schedule"] = hints["schedule"]
+    if scaler is not None:
+        plan_scaler()
+    elif saved_scaler:
+        unapplied["grad scaler"] = hints["grad scaler"]
+    return no_slots
+
+
+def finish_restore(plan: RestorePlan, state: Any, strict: bool, *, cursor: Any,
+                   restore_rng: Callable[[Any], None] | None, unapplied: dict[str, str],
+                   warn_data: bool, no_slots_message: str | None = None) -> RestoreReport:
+    """The end of an adapter's ``restore``: the data cursor (``cursor.load_state_dict``, or the
+    saved position noted as unapplied), the RNGs (``restore_rng(state.rng)``; None: left alone),
+    :meth:`RestorePlan.apply`, then :func:`warn_unapplied` and, when given, the warning that the
+    target optimizer got no saved state (``no_slots_message``), both pointing at the user's line."""
+    if cursor is not None:
+        if state.data:
+            plan.then(functools.partial(cursor.load_state_dict, state.data))
+        else:
+            plan.missing(qualified("data"))
+    elif state.data and warn_data:
+        unapplied["data"] = "pass cursor=... (the run's DataCursor) to continue at the saved sample"
+    if restore_rng is not None and state.rng:
+        plan.then(functools.partial(restore_rng, state.rng))
+    report = plan.apply(strict)
+    warn_unapplied(unapplied, stacklevel=_user_level())
+    if no_slots_message:
+        _log.warning("%s", no_slots_message)
+        warnings.warn(no_slots_message, UnappliedStateWarning, stacklevel=_user_level())
+    return report
+
+
+def _user_level() -> int:
+    """The ``stacklevel``, seen from a function this module calls, of the first frame outside
+    ckptcore and its adapters: the user's ``restore``/``load_state`` line (or a fit loop's)."""
+    frame, level = sys._getframe(2), 3
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ckptcore"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def check_keywords(package: str, verb: str, objects: Mapping[str, Any], known: Iterable[str]) -> None:
+    """Raise ``TypeError`` naming the keywords of ``objects`` that ``package.verb`` does not take."""
+    known = set(known)
+    unknown = sorted(set(objects) - known)
+    if unknown:
+        raise TypeError(f"{package}.{verb} does not take {', '.join(unknown)} "
+                        f"(it takes {', '.join(sorted(known))})")
+
+
+def lazy_attributes(module_name: str, lazy: Mapping[str, str], after: Callable[[], None] | None = None
+                    ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's ``__getattr__`` and ``__dir__`` for names imported on first use: ``lazy`` maps
+    each name to the (relative) module defining it; ``after()`` runs after each such import."""
+
+    def __getattr__(name: str) -> Any:
+        if name in lazy:
+            value = getattr(importlib.import_module(lazy[name], module_name), name)
+            if after is not None:
+                after()
+            vars(sys.modules[module_name])[name] = value
+            return value
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[module_name])) | set(lazy))
+
+    return __getattr__, __dir__

@@ -39,16 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import sys
-import warnings
 from typing import Any
 
 import numpy as np
 import paddle
 
-from ckptcore.adapter import RestorePlan, qualified, warn_unapplied
-from ckptcore.errors import RestoreError, UnappliedStateWarning
+from ckptcore.adapter import RestorePlan, finish_restore, plan_training_parts, qualified
+from ckptcore.errors import RestoreError
 from ckptcore.rng import capture_rng, restore_rng
 from ckptcore.state import AccumulationState, RestoreReport, TrainingState
 
@@ -59,8 +56,6 @@ from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
 from ._sharding import dist_block, dist_leaf, is_dist, shard_slots, unwrap_optimizer, whole_slots
 from ._tensors import assign, named_tensors, numpy_dtype, to_numpy, unwrap, values, views, writer
-
-log = logging.getLogger("ckptcore")
 
 
 def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,
@@ -194,20 +189,9 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done
     no_slots = _plan_optimizer_part(plan, state, extra, optimizer, scheduler, scaler, tensors,
                                     strict=strict, unapplied=unapplied)
-    if cursor is not None:
-        if state.data:
-            plan.then(functools.partial(cursor.load_state_dict, state.data))
-        else:
-            plan.missing(qualified("data"))
-    elif state.data and warn_data:
-        unapplied["data"] = "pass cursor=... (the run's DataCursor) to continue at the saved sample"
-    if rng and state.rng:
-        plan.then(functools.partial(_restore_rng, state.rng))
-    report = plan.apply(strict)
-    warn_unapplied(unapplied, stacklevel=_user_level())
-    if no_slots:
-        _warn_no_slots(optimizer)
-    return report
+    return finish_restore(plan, state, strict, cursor=cursor, restore_rng=_restore_rng if rng else None,
+                          unapplied=unapplied, warn_data=warn_data,
+                          no_slots_message=_no_slots_message(optimizer) if no_slots else None)
 
 
 def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, extra: dict, optimizer: Any,
@@ -217,45 +201,25 @@ def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, extra: dict, o
     ones with no target go in ``unapplied``.  Returns whether the state holds no optimizer
     section for a target optimizer: that optimizer, and its scheduler unless a schedule was
     saved, are then left as they are."""
-    no_slots = optimizer is not None and state.optimizer is None
-    if optimizer is not None and not no_slots:
-        plan_optimizer(plan, optimizer, state.optimizer, tensors, saved_params=set(state.model))
-    elif state.optimizer is not None:
-        unapplied["optimizer"] = "pass optimizer=... (or restore into a paddle.Model prepared with one)"
-        if not strict:
-            plan.unexpected(qualified("optimizer"))
-    elif no_slots and not strict:
-        plan.missing(qualified("optimizer"))
     sch = scheduler if scheduler is not None else (attached_scheduler(optimizer) if optimizer else None)
-    if sch is not None and not (no_slots and state.schedule is None):
-        plan_schedule(plan, sch, state.schedule, extra.get("scheduler"))
-    elif sch is None and state.schedule is not None:
-        unapplied["schedule"] = ("pass scheduler=... (or an optimizer whose learning_rate is the "
-                                 "LRScheduler)")
     saved_scaler = (state.optimizer.extra if state.optimizer else {}).get("grad_scaler", extra.get("grad_scaler"))
-    if scaler is not None:
-        plan_scaler(plan, scaler, saved_scaler)
-    elif saved_scaler:
-        unapplied["grad scaler"] = "pass scaler=... (the paddle.amp.GradScaler)"
-    return no_slots
+    return plan_training_parts(
+        plan, state, optimizer=optimizer, scheduler=sch, scaler=scaler, saved_scaler=saved_scaler,
+        strict=strict, unapplied=unapplied,
+        plan_optimizer=lambda: plan_optimizer(plan, optimizer, state.optimizer, tensors,
+                                              saved_params=set(state.model)),
+        plan_schedule=lambda: plan_schedule(plan, sch, state.schedule, extra.get("scheduler")),
+        plan_scaler=lambda: plan_scaler(plan, scaler, saved_scaler),
+        hints={"optimizer": "pass optimizer=... (or restore into a paddle.Model prepared with one)",
+               "schedule": "pass scheduler=... (or an optimizer whose learning_rate is the LRScheduler)",
+               "grad scaler": "pass scaler=... (the paddle.amp.GradScaler)"})
 
 
-def _warn_no_slots(opt: Any) -> None:
-    message = (f"the checkpoint holds no optimizer slots (it was saved without its optimizer), so the "
-               f"{type(opt).__name__} optimizer keeps its own accumulators and schedule: the run does not "
-               "continue where it stopped. Save with the optimizer (optimizer=... or a prepared "
-               "paddle.Model) to resume it; load with keys=['model'] to restore the model alone on purpose.")
-    log.warning("%s", message)
-    warnings.warn(message, UnappliedStateWarning, stacklevel=_user_level())
-
-
-def _user_level() -> int:
-    """The ``stacklevel``, seen from a function this module calls, of the first frame outside
-    ckptcore and its adapters: the user's ``restore``/``load_state`` line, or hapi's ``fit``."""
-    frame, level = sys._getframe(2), 3
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ckptcore"):
-        frame, level = frame.f_back, level + 1
-    return level
+def _no_slots_message(opt: Any) -> str:
+    return (f"the checkpoint holds no optimizer slots (it was saved without its optimizer), so the "
+            f"{type(opt).__name__} optimizer keeps its own accumulators and schedule: the run does not "
+            "continue where it stopped. Save with the optimizer (optimizer=... or a prepared "
+            "paddle.Model) to resume it; load with keys=['model'] to restore the model alone on purpose.")
 
 
 def _restore_rng(rng: dict[str, Any]) -> None:

@@ -34,16 +34,13 @@ tensors by their own name, ``optimizer/<param>/<slot>``, ``optimizer``, ``schedu
 from __future__ import annotations
 
 import functools
-import logging
-import sys
-import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
-from ckptcore.adapter import RestorePlan, qualified, warn_unapplied
-from ckptcore.errors import CaptureError, RestoreError, UnappliedStateWarning
+from ckptcore.adapter import RestorePlan, finish_restore, plan_training_parts, qualified
+from ckptcore.errors import CaptureError, RestoreError
 from ckptcore.rng import capture_rng, restore_rng
 from ckptcore.state import AccumulationState, RestoreReport, TrainingState
 
@@ -53,8 +50,6 @@ from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
 from ._sharding import has_dtensors, is_dtensor, reshard_optimizer, restore_target, set_grad  # [sharding hook]
 from ._tensors import assign, named_tensors, new_tensor, numpy_dtype, to_numpy, unwrap
-
-log = logging.getLogger("ckptcore")
 
 
 def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,
@@ -176,20 +171,9 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     unapplied: dict[str, str] = {}
     no_slots = _plan_optimizer_part(plan, state, extra, optimizer, scheduler, scaler, tensors,
                                     strict=strict, unapplied=unapplied)
-    if cursor is not None:
-        if state.data:
-            plan.then(functools.partial(cursor.load_state_dict, state.data))
-        else:
-            plan.missing(qualified("data"))
-    elif state.data and warn_data:
-        unapplied["data"] = "pass cursor=... (the run's DataCursor) to continue at the saved sample"
-    if rng and state.rng:
-        plan.then(functools.partial(_restore_rng, state.rng))
-    report = plan.apply(strict)
-    warn_unapplied(unapplied, stacklevel=_user_level())
-    if no_slots:
-        _warn_no_slots(optimizer)
-    return report
+    return finish_restore(plan, state, strict, cursor=cursor, restore_rng=_restore_rng if rng else None,
+                          unapplied=unapplied, warn_data=warn_data,
+                          no_slots_message=_no_slots_message(optimizer) if no_slots else None)
 
 
 def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, extra: dict, optimizer: Any,
@@ -198,45 +182,29 @@ def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, extra: dict, o
     """The optimizer, LR scheduler and GradScaler into the targets given; saved ones with no
     target go in ``unapplied``.  Returns whether the state holds no optimizer section for a
     target optimizer (which, and its scheduler unless a schedule was saved, stay as they are)."""
-    no_slots = optimizer is not None and state.optimizer is None
-    if optimizer is not None and not no_slots:
+    saved_scaler = (state.optimizer.extra if state.optimizer else {}).get("grad_scaler", extra.get("grad_scaler"))
+
+    def optimizer_part() -> None:
         plan_optimizer(plan, optimizer, state.optimizer, tensors, saved_params=set(state.model))
         if has_dtensors(tensors.values()):  # [sharding hook] whole slots -> this rank's DTensor blocks
             plan.then(functools.partial(reshard_optimizer, optimizer))
-    elif state.optimizer is not None:
-        unapplied["optimizer"] = "pass optimizer=... (the torch.optim optimizer)"
-        if not strict:
-            plan.unexpected(qualified("optimizer"))
-    elif no_slots and not strict:
-        plan.missing(qualified("optimizer"))
-    if scheduler is not None and not (no_slots and state.schedule is None):
-        plan_schedule(plan, scheduler, state.schedule)
-    elif scheduler is None and state.schedule is not None:
-        unapplied["schedule"] = "pass scheduler=... (the torch.optim.lr_scheduler object)"
-    saved_scaler = (state.optimizer.extra if state.optimizer else {}).get("grad_scaler", extra.get("grad_scaler"))
-    if scaler is not None:
-        plan_scaler(plan, scaler, saved_scaler)
-    elif saved_scaler and saved_scaler.get("enabled"):
-        unapplied["grad scaler"] = "pass scaler=... (the torch.amp.GradScaler)"
-    return no_slots
+
+    return plan_training_parts(
+        plan, state, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        saved_scaler=bool(saved_scaler and saved_scaler.get("enabled")), strict=strict,
+        unapplied=unapplied, plan_optimizer=optimizer_part,
+        plan_schedule=lambda: plan_schedule(plan, scheduler, state.schedule),
+        plan_scaler=lambda: plan_scaler(plan, scaler, saved_scaler),
+        hints={"optimizer": "pass optimizer=... (the torch.optim optimizer)",
+               "schedule": "pass scheduler=... (the torch.optim.lr_scheduler object)",
+               "grad scaler": "pass scaler=... (the torch.amp.GradScaler)"})
 
 
-def _warn_no_slots(opt: Any) -> None:
-    message = (f"the checkpoint holds no optimizer state (it was saved without its optimizer), so the "
-               f"{type(opt).__name__} optimizer keeps its own state and schedule: the run does not "
-               "continue where it stopped. Save with optimizer=... to resume it; load with "
-               "keys=['model'] to restore the model alone on purpose.")
-    log.warning("%s", message)
-    warnings.warn(message, UnappliedStateWarning, stacklevel=_user_level())
-
-
-def _user_level() -> int:
-    """The ``stacklevel``, seen from a function this module calls, of the first frame outside
-    ckptcore and its adapters: the user's ``restore``/``load_state`` line."""
-    frame, level = sys._getframe(2), 3
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ckptcore"):
-        frame, level = frame.f_back, level + 1
-    return level
+def _no_slots_message(opt: Any) -> str:
+    return (f"the checkpoint holds no optimizer state (it was saved without its optimizer), so the "
+            f"{type(opt).__name__} optimizer keeps its own state and schedule: the run does not "
+            "continue where it stopped. Save with optimizer=... to resume it; load with "
+            "keys=['model'] to restore the model alone on purpose.")
 
 
 def _restore_rng(rng: dict[str, Any]) -> None:
