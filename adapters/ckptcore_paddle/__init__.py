@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ckptcore.adapter import PackageAdapter
+from ckptcore.adapter import PackageAdapter, check_keywords, lazy_attributes
 
 if TYPE_CHECKING:  # pragma: no cover
     import os
@@ -167,25 +167,7 @@ def export_paddle_files(state: TrainingState, prefix: str | os.PathLike, *,
     return _export(state, prefix, param_names=param_names)
 
 
-def _check_keywords(verb: str, objects: dict[str, Any], known: frozenset[str]) -> None:
-    unknown = sorted(set(objects) - known)
-    if unknown:
-        raise TypeError(f"ckptcore_paddle.{verb} does not take {', '.join(unknown)} "
-                        f"(it takes {', '.join(sorted(known))})")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        _shield_logging()
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, after=_shield_logging)
 
 
 class PaddleAdapter(PackageAdapter):
@@ -200,11 +182,11 @@ class PaddleAdapter(PackageAdapter):
                    for cls in type(obj).__mro__)
 
     def capture(self, **objects: Any) -> TrainingState:
-        _check_keywords("capture", objects, _CAPTURE_KEYWORDS)
+        check_keywords(__name__, "capture", objects, _CAPTURE_KEYWORDS)
         return capture(**objects)
 
     def restore(self, state: TrainingState, **objects: Any) -> RestoreReport:
-        _check_keywords("restore", objects, _RESTORE_KEYWORDS)
+        check_keywords(__name__, "restore", objects, _RESTORE_KEYWORDS)
         # load_state and the manager warn about a data position left unapplied themselves.
         return restore(state, warn_data=False, **objects)
 
