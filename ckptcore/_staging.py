@@ -51,11 +51,30 @@ class Staging:
             np.copyto(buf, src)
             return buf
 
+        def copy_run(run: range) -> list[np.ndarray]:
+            return [copy_one(i) for i in run]
+
+        # One task per thread over runs of about equal bytes, not one per array: a model of
+        # hundreds of small tensors spent more of the caller's blocked time handing arrays to
+        # the pool than copying them.
         with ThreadPoolExecutor(_knobs.threads()) as pool:
-            copies = list(pool.map(copy_one, range(len(enc.arrays))))
+            runs = pool.map(copy_run, _runs([a.nbytes for a in enc.arrays], _knobs.threads()))
+            copies = [c for run in runs for c in run]
         self._buffers = dict(zip(enc.names, copies))
         # deepcopy's memo maps id(original) -> copy, so the tree is rebuilt around these copies.
         return copy.deepcopy(state, {id(a): c for a, c in zip(enc.arrays, copies)})
+
+
+def _runs(sizes: list[int], parts: int) -> list[range]:
+    """``range(len(sizes))`` cut into at most ``parts`` consecutive runs of about equal bytes."""
+    total, runs, start, acc = sum(sizes), [], 0, 0
+    for i, n in enumerate(sizes):
+        acc += n
+        if acc * parts >= total * (len(runs) + 1) and len(runs) < parts - 1:
+            runs.append(range(start, i + 1))
+            start = i + 1
+    runs.append(range(start, len(sizes)))
+    return [r for r in runs if len(r)]
 
 
 class SaveHandle:
