@@ -74,7 +74,7 @@ from ._unpickle import (MAX_DEPTH, PLAIN_KEYS, Record, RecordClass, RestrictedUn
 from .errors import RestoreError, UnappliedStateWarning, warn_and_log
 from .state import RestoreReport
 
-__all__ = ["Adapter", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified",
+__all__ = ["Adapter", "any_bit", "PackageAdapter", "FileFormat", "DemoProgram", "RestorePlan", "qualified",
            "mismatch_message", "warn_unapplied", "warn_and_log", "CALLBACK_KEEP", "open_regular",
            "check_url", "convert_for", "parse_dtype", "knobs", "tiers", "RestrictedUnpickler",
            "Record", "RecordClass", "restricted_load", "plain_records", "check_plain", "brief",
@@ -404,3 +404,17 @@ def lazy_attributes(module_name: str, lazy: Mapping[str, str], after: Callable[[
         return sorted(set(vars(sys.modules[module_name])) | set(lazy))
 
     return __getattr__, __dir__
+
+
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def any_bit(arr: np.ndarray) -> bool:
+    """Whether any bit of ``arr`` is set (so -0.0 counts as a value, where ``any`` would not):
+    the largest element as an unsigned integer of the same width (``max`` is vectorised, about
+    twice as fast as ``any``).  Adapters tell a cleared gradient from one in flight with it."""
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    word = _WORDS.get(flat.dtype.itemsize)
+    if word is None:  # complex128 and the like: bytes
+        flat, word = flat.view(np.uint8), np.uint8
+    return bool(flat.view(word).max(initial=0))

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import paddle
 
-from ckptcore.adapter import RestorePlan, finish_restore, plan_training_parts, qualified
+from ckptcore.adapter import RestorePlan, any_bit, finish_restore, plan_training_parts, qualified
 from ckptcore.errors import RestoreError
 from ckptcore.rng import capture_rng, restore_rng
 from ckptcore.state import AccumulationState, RestoreReport, TrainingState
@@ -124,24 +124,11 @@ def _capture_grads(tensors: dict[str, Any], copy: bool = True) -> tuple[dict[str
         if g is None:
             continue
         view = to_numpy(g, copy=False)  # look before copying: cleared gradients are all zero
-        if _any_bit(view):
+        if any_bit(view):
             buffers[name] = view.copy() if copy else view
         else:
             zero.append(name)
     return buffers, zero
-
-
-_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def _any_bit(arr: np.ndarray) -> bool:
-    """Whether any bit is set (so -0.0 counts as a value): the largest element as an unsigned
-    integer of the same width (``max`` is vectorised, about twice as fast as ``any``)."""
-    flat = arr.reshape(-1)
-    word = _WORDS.get(flat.dtype.itemsize)
-    if word is None:  # complex128 and the like: bytes
-        flat, word = flat.view(np.uint8), np.uint8
-    return bool(flat.view(word).max(initial=0))
 
 
 def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: Any = None,
