@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import _codec, _knobs, api
+from . import _knobs, api
 from .state import TrainingState
 
 
@@ -42,10 +42,14 @@ class Staging:
         return dataclasses.replace(state, metadata=metadata, step=state.step or step)
 
     def _copy(self, state: TrainingState) -> TrainingState:
-        enc = _codec.encode_state(state)
+        arrays: list[np.ndarray] = []
+        _arrays_in(state, arrays, set())
+        previous, self._buffers = self._buffers, {}
 
         def copy_one(i: int) -> np.ndarray:
-            src, buf = enc.arrays[i], self._buffers.get(enc.names[i])
+            # Buffers are matched by position in the walk and checked by shape and dtype: the
+            # same model saves the same tree in the same order every time.
+            src, buf = arrays[i], previous.get(i)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                 buf = np.empty(src.shape, src.dtype)
             np.copyto(buf, src)
@@ -58,11 +62,55 @@ class Staging:
         # hundreds of small tensors spent more of the caller's blocked time handing arrays to
         # the pool than copying them.
         with ThreadPoolExecutor(_knobs.threads()) as pool:
-            runs = pool.map(copy_run, _runs([a.nbytes for a in enc.arrays], _knobs.threads()))
+            runs = pool.map(copy_run, _runs([a.nbytes for a in arrays], _knobs.threads()))
             copies = [c for run in runs for c in run]
-        self._buffers = dict(zip(enc.names, copies))
-        # deepcopy's memo maps id(original) -> copy, so the tree is rebuilt around these copies.
-        return copy.deepcopy(state, {id(a): c for a, c in zip(enc.arrays, copies)})
+        self._buffers = dict(enumerate(copies))
+        # The tree is rebuilt around the copies: containers anew (the caller may change its own
+        # after save() returns), immutable leaves shared.  A walk of our own, not deepcopy, and
+        # no encoding: on ResNet-50's 800 tensors those two took a third of the blocked time.
+        return _rebuilt(state, {id(a): c for a, c in zip(arrays, copies)})
+
+
+_ATOMS = (str, int, float, bool, bytes, type(None), np.generic)
+
+
+def _arrays_in(value: Any, out: list[np.ndarray], seen: set[int]) -> None:
+    """Append every distinct ndarray reachable from ``value`` (containers, dataclasses) to ``out``."""
+    if isinstance(value, np.ndarray):
+        if id(value) not in seen:
+            seen.add(id(value))
+            out.append(value)
+    elif isinstance(value, _ATOMS):
+        return
+    elif isinstance(value, dict):
+        for v in value.values():
+            _arrays_in(v, out, seen)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _arrays_in(v, out, seen)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _arrays_in(getattr(value, f.name), out, seen)
+
+
+def _rebuilt(value: Any, copies: dict[int, np.ndarray]) -> Any:
+    """``value`` with every array in ``copies`` replaced by its copy and every container anew."""
+    if isinstance(value, np.ndarray):
+        return copies.get(id(value), value)
+    if isinstance(value, _ATOMS):
+        return value
+    if type(value) is dict:
+        return {k: _rebuilt(v, copies) for k, v in value.items()}
+    if type(value) is list:
+        return [_rebuilt(v, copies) for v in value]
+    if type(value) is tuple:
+        return tuple(_rebuilt(v, copies) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        new = copy.copy(value)  # no __init__ or __post_init__ again; frozen ones too
+        for f in dataclasses.fields(value):
+            object.__setattr__(new, f.name, _rebuilt(getattr(value, f.name), copies))
+        return new
+    return copy.deepcopy(value, dict(copies))  # anything else (a dict subclass, ...): as before
 
 
 def _runs(sizes: list[int], parts: int) -> list[range]:
