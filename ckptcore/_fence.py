@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from . import _codec, _knobs
 from ._manifest import MANIFEST_NAME
@@ -79,6 +80,9 @@ class View:
     named: frozenset[int] = field(default_factory=frozenset)
     holder: str = "unknown"
     readable: bool = True
+    # What retention knows of each named step (creation time, metrics), as the holder recorded
+    # it: a manager need not read a manifest per step to apply its policy.
+    entries: Mapping[int, tuple[float, Any]] = field(default_factory=dict)
 
     def accepts(self, step: int, generation: Callable[[], int | None]) -> bool:
         """Whether readers accept ``step`` (``generation()`` reads its manifest's generation,
@@ -99,8 +103,25 @@ def view(root: Store) -> View | None:
     record = read_record(root, gens[-1])
     if record is None:
         return View(gens[-1], readable=False)
-    return View(gens[-1], frozenset(_steps(record.get("accepted")) | _steps(record.get("committed"))),
-                str(record.get("holder", "unknown")))
+    named = frozenset(_steps(record.get("accepted")) | _steps(record.get("committed")))
+    return View(gens[-1], named, str(record.get("holder", "unknown")),
+                entries=_entries(record.get("entries"), named))
+
+
+def _entries(value: Any, named: frozenset[int]) -> dict[int, tuple[float, Any]]:
+    """The ``entries`` of a record, as far as they are well formed (the rest: read from the
+    manifests).  ``{"<step>": [created, metrics or null]}``; metrics are checked by retention."""
+    if not isinstance(value, dict):
+        return {}
+    out = {}
+    for k, v in value.items():
+        if not (isinstance(k, str) and k.isdigit() and len(k) <= 20) or int(k) not in named:
+            continue
+        if (isinstance(v, list) and len(v) == 2 and isinstance(v[0], (int, float))
+                and not isinstance(v[0], bool) and math.isfinite(v[0])
+                and (v[1] is None or isinstance(v[1], dict))):
+            out[int(k)] = (float(v[0]), v[1])
+    return out
 
 
 def manifest_generation(ckpt: Store) -> int | None:
@@ -115,18 +136,31 @@ def manifest_generation(ckpt: Store) -> int | None:
     return g if isinstance(g, int) and not isinstance(g, bool) else None
 
 
-def step_folders(root: Store) -> list[tuple[int, str]]:
-    """``(step, folder name)`` of every step folder under ``root`` with a manifest, ascending."""
+def step_folders(root: Store, named: Iterable[int] = ()) -> list[tuple[int, str]]:
+    """``(step, folder name)`` of every step folder under ``root`` with a manifest, ascending.
+
+    One listing of the root; a folder's manifest is asked for only when ``named`` (the steps
+    the newest writer record names) does not hold its step.  That record is rewritten before
+    its holder deletes a manifest, so a listed folder of a named step has one; this is what
+    keeps a save's cost from growing with the steps a run keeps (docs/SCALE.md)."""
     root.fs.invalidate_cache()  # object stores' cached listings miss other processes' commits
+    named = frozenset(named)
     found = []
     for e in root.listdir():
         m = STEP.fullmatch(e.name)
         if m and e.is_link:
             # A link could lead out of the root; retention would then delete through it.
             log.warning("%s: skipping %s, a symbolic link, not a checkpoint folder", root.url, e.name)
-        elif m and root.child(e.name).exists(MANIFEST_NAME):
+        elif m and (int(m.group(1)) in named or root.child(e.name).exists(MANIFEST_NAME)):
             found.append((int(m.group(1)), e.name))
     return sorted(found)
+
+
+def listed(root: Store, known: View | None = None) -> tuple[list[tuple[int, str]], View | None]:
+    """The step folders with a manifest under ``root`` (:func:`step_folders`, trusting the
+    steps the newest record names) and the view they were judged by (``known``, else read)."""
+    v = known if known is not None else view(root)
+    return step_folders(root, v.named if v is not None and v.readable else ()), v
 
 
 def split(root: Store, found: Iterable[tuple[int, str]], known: View | None = None
@@ -155,8 +189,12 @@ def split(root: Store, found: Iterable[tuple[int, str]], known: View | None = No
     return accepted, fenced
 
 
-def accepted_steps(root: Store) -> list[int]:
-    return [s for s, _ in split(root, step_folders(root))[0]] if root.exists() else []
+def accepted_steps(root: Store) -> tuple[list[int], View | None]:
+    """The steps readers accept under ``root`` and the view that judged them."""
+    if not root.exists():
+        return [], None
+    found, v = listed(root)
+    return [s for s, _ in split(root, found, v)[0]], v
 
 
 def claim(root: Store, holder: str, *, extra: Iterable[int] = ()) -> tuple[int, list[int]]:
@@ -169,9 +207,12 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = ()) -> tuple[int, 
     with its first commit, hiding them from every reader."""
     gens = generations(root)
     g = (gens[-1] if gens else 0) + 1
-    accepted = sorted(set(accepted_steps(root)) | set(extra))
+    steps, before = accepted_steps(root)
+    accepted = sorted(set(steps) | set(extra))
+    entries = {s: e for s, e in (before.entries if before is not None else {}).items()
+               if s in set(accepted)}
     record = {"generation": g, "holder": holder, "claimed": time.time(), "accepted": accepted,
-              "committed": []}
+              "committed": [], "entries": _entries_json(entries)}
     root.makedirs(GEN_DIR)
     try:
         root.write_bytes(gen_name(g), json.dumps(record).encode(), create_only=True)
@@ -182,12 +223,18 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = ()) -> tuple[int, 
     for old in gens[:max(0, len(gens) + 1 - _KEEP_RECORDS)]:
         log.debug("%s: pruning the record of writer generation %d", root.url, old)
         root.delete(gen_name(old))
-    return g, accepted
+    return g, accepted, entries
+
+
+def _entries_json(entries: Mapping[int, tuple[float, Any]]) -> dict[str, list]:
+    return {str(s): [created, metrics] for s, (created, metrics) in sorted(entries.items())}
 
 
 def record(root: Store, g: int, holder: str, accepted: Iterable[int],
-           committed: Iterable[int]) -> None:
+           committed: Iterable[int], entries: Mapping[int, tuple[float, Any]] | None = None) -> None:
     """Rewrite generation ``g``'s record (only its holder does, while it holds the root)."""
+    named = set(accepted) | set(committed)
     body = {"generation": g, "holder": holder, "claimed": time.time(),
-            "accepted": sorted(set(accepted)), "committed": sorted(set(committed))}
+            "accepted": sorted(set(accepted)), "committed": sorted(set(committed)),
+            "entries": _entries_json({s: e for s, e in (entries or {}).items() if s in named})}
     root.write_bytes(gen_name(g), json.dumps(body).encode())

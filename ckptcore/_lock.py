@@ -167,6 +167,9 @@ class WriterLock:
         self.generation: int | None = None  # this holder's generation of the root (_fence)
         self._accepted: set[int] = set()  # the steps of its claim's record
         self._committed: set[int] = set()  # steps committed under this generation
+        # What retention knows of the named steps: (created, metrics), written with the record.
+        self._entries: dict[int, tuple[float, Any]] = {}
+        self._unwritten = False  # entries learned since the record was last written
 
     def acquire(self) -> None:
         if self._lost:  # superseded: for good (its run's view of the root is stale)
@@ -245,7 +248,7 @@ class WriterLock:
     # -- fencing --------------------------------------------------------------------------------
     def _claim(self, extra: tuple[int, ...] = ()) -> None:
         """Claim the root's next generation (the caller holds the flock or the lease)."""
-        g, accepted = _fence.claim(self.store, self.holder, extra=extra)
+        g, accepted, entries = _fence.claim(self.store, self.holder, extra=extra)
         if self.generation is not None:
             log.warning("%s: this writer's lease renewal was overdue (%.1f s since the last one, "
                         "lease %s s), so it may have been taken over meanwhile; nobody had: "
@@ -254,6 +257,7 @@ class WriterLock:
         self.generation = g
         self._accepted = set(accepted)  # what the claim wrote, not read back (see claim)
         self._committed = set()
+        self._entries = {s: e for s, e in {**entries, **self._entries}.items() if s in self._accepted}
 
     def _overdue(self) -> bool:
         """Whether this holder's lease may have expired in another writer's eyes (its last
@@ -345,11 +349,30 @@ class WriterLock:
                                    "ignore it")
             self._committed.add(step)
             try:
-                _fence.record(self.store, self.generation, self.holder, self._accepted,
-                              self._committed)
+                self._write_record()
             except Exception as e:  # noqa: BLE001 - readers then read the manifest instead
                 log.warning("%s: could not record step %d in the writer record (%s: %s); readers "
                             "check its manifest instead", self.store.url, step, type(e).__name__, e)
+
+    def _write_record(self) -> None:
+        _fence.record(self.store, self.generation, self.holder, self._accepted, self._committed,
+                      self._entries)
+        self._unwritten = False
+
+    def _flush_entries(self) -> None:
+        """At release, the entries learned since the last rewrite (the newest step's, mostly),
+        while the root is still this holder's; a failure only costs the next manager a read."""
+        if not self._unwritten or self._lost or self.generation is None:
+            return
+        try:
+            with self._mutex:
+                if not self.store.local and self._superseded():
+                    return
+                self._write_record()
+        except Exception as e:  # noqa: BLE001 - the entries are a cache of the manifests
+            log.warning("%s: could not write the retention entries into the writer record (%s: "
+                        "%s); the next writer reads those steps' manifests", self.store.url,
+                        type(e).__name__, e)
 
     def view(self) -> _fence.View | None:
         """The holder's own view of its root (no request): its generation and the steps its
@@ -357,12 +380,29 @@ class WriterLock:
         if self.generation is None or self._lost or not self._held:
             return None
         return _fence.View(self.generation, frozenset(self._accepted | self._committed),
-                           self.holder)
+                           self.holder, entries=dict(self._entries))
+
+    def entry(self, step: int) -> tuple[float, Any] | None:
+        """What the record says of ``step`` for retention (created, metrics), if anything."""
+        return self._entries.get(step)
+
+    def remember(self, step: int, created: float, metrics: Any) -> None:
+        """Keep ``step``'s retention entry; it is written with the record's next rewrite (the
+        next commit or deletion, else at release): no request of its own."""
+        if step in self._accepted or step in self._committed:
+            self._entries[step] = (float(created), dict(metrics) if metrics else None)
+            self._unwritten = True
 
     def forget(self, step: int) -> None:
-        """``step`` was deleted: its record need not name it any more."""
+        """``step`` is about to be deleted: the record stops naming it first (readers trust a
+        named step's folder to hold a manifest, and do not ask), then the caller deletes."""
+        named = step in self._accepted or step in self._committed
         self._accepted.discard(step)
         self._committed.discard(step)
+        self._entries.pop(step, None)
+        if named and self.generation is not None and self._held and not self._lost:
+            with self._mutex:
+                self._write_record()
 
     def _reclaim(self) -> None:
         """An overdue holder nobody superseded (yet): take the root again under a new generation,
@@ -596,6 +636,7 @@ class WriterLock:
             self._stop.set()
         if not self._held:
             return
+        self._flush_entries()
         self._held = False
         _LIVE.pop(self.token, None)
         if self._closer is not None:

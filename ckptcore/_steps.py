@@ -35,11 +35,13 @@ def committed_steps(root: Store, fence: Any = None) -> list[tuple[int, str]]:
     A step folder is committed when it has a manifest; a damaged manifest still counts (restore
     falls back over it).  A step committed by a writer after its lease was taken over is not
     accepted (``_fence``; logged, and gc removes it).  Manifests are read only for steps the
-    newest writer record does not name.  ``fence``: the caller's writer lock, whose own view of
-    the root saves reading it.
+    newest writer record does not name, and a folder's manifest is asked for only when that
+    record does not name its step (one listing in all: a run's thousands of steps cost no
+    request each).  ``fence``: the caller's writer lock, whose own view of the root saves
+    reading it.
     """
-    known = fence.view() if fence is not None else None
-    return _fence.split(root, _fence.step_folders(root), known)[0]
+    found, v = _fence.listed(root, fence.view() if fence is not None else None)
+    return _fence.split(root, found, v)[0]
 
 
 def is_committed(root: Store, step: int) -> bool:
@@ -53,7 +55,8 @@ def is_committed(root: Store, step: int) -> bool:
 
 def fenced_steps(root: Store) -> list[tuple[int, str]]:
     """Step folders committed by a writer after it was superseded: ignored by every reader."""
-    return _fence.split(root, _fence.step_folders(root))[1]
+    found, v = _fence.listed(root)
+    return _fence.split(root, found, v)[1]
 
 
 def is_root(store: Store) -> bool:

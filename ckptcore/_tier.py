@@ -30,7 +30,7 @@ from ._storage import Store
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError,
                      LockedError, StorageError,
                      UnsafeCheckpointError, UnsupportedCheckpointError)
-from .policies import CheckpointEntry, RetentionPolicy, saved_metrics
+from .policies import CheckpointEntry, RetentionPolicy, check_metrics, saved_metrics
 
 log = logging.getLogger("ckptcore")
 
@@ -47,16 +47,21 @@ class Tier:
 
     ``lock``: the root's writer lock when this process writes there (None for readers);
     ``view``: list through the lock's own view of the root (saves reading manifests; only for a
-    lock used by the listing thread); ``what``: how logs name its steps.
+    lock used by the listing thread); ``what``: how logs name its steps; ``tracked``: every
+    commit to this tier goes through :meth:`commit` and :meth:`remember` in this process, so
+    while its lock keeps other writers out its own listing stays true and retention need not
+    list the root again (a manager's local tier).
     """
 
     def __init__(self, root: Store, options: Mapping[str, Any] | None = None, *,
-                 lock: Any = None, view: bool = True, what: str = "checkpoint") -> None:
+                 lock: Any = None, view: bool = True, what: str = "checkpoint",
+                 tracked: bool = False) -> None:
         self.root = root
         self.options = dict(options or {})
         self.lock = lock
         self._view = lock if view else None
         self.what = what
+        self._tracked = tracked and lock is not None
         self._entries: dict[int, CheckpointEntry] = {}
         self._listed: list[int] | None = None  # committed steps, as of this tier's last write
 
@@ -142,21 +147,34 @@ class Tier:
     # -- what retention knows of a step ---------------------------------------------------------
     def remember(self, step: int, created: float, metadata: Any) -> None:
         """What a step this process just committed carries (its manifest need not be read)."""
-        self._entries[step] = CheckpointEntry(step, created, saved_metrics(step, metadata))
+        entry = self._entries[step] = CheckpointEntry(step, created, saved_metrics(step, metadata))
         if self._listed is not None and step not in self._listed:
             self._listed = sorted(self._listed + [step])
+        if self.lock is not None:
+            self.lock.remember(step, entry.created, entry.metrics)
 
     def entry(self, step: int) -> CheckpointEntry | None:
         """The step's retention entry (creation time, metrics); None when its manifest cannot be
         read (a policy cannot judge it)."""
-        if step not in self._entries:
+        if step in self._entries:
+            return self._entries[step]
+        recorded = self.lock.entry(step) if self.lock is not None else None
+        if recorded is not None:  # the writer record's copy: no request
+            created, metrics = recorded
+            try:
+                entry = CheckpointEntry(step, created, check_metrics(metrics) if metrics else None)
+            except (TypeError, ValueError):
+                recorded = None  # malformed: read the manifest instead
+        if recorded is None:
             try:
                 info = inspect(self.step_url(step), storage_options=self.options)
             except CheckpointError:
                 return None
-            self._entries[step] = CheckpointEntry(step, info.created,
-                                                  saved_metrics(step, info.metadata))
-        return self._entries[step]
+            entry = CheckpointEntry(step, info.created, saved_metrics(step, info.metadata))
+            if self.lock is not None:  # recorded with the next rewrite: read once per root
+                self.lock.remember(step, entry.created, entry.metrics)
+        self._entries[step] = entry
+        return entry
 
     # -- deleting -------------------------------------------------------------------------------
     def delete(self, step: int) -> None:
@@ -189,7 +207,10 @@ class Tier:
         ``missing_ok``: the root may not exist (a sync target); after this tier's own commit it
         does, and asking would cost a request per save on object stores.
         """
-        steps = self.steps(missing_ok=missing_ok)
+        # A writer's own view (its listing, its commits and deletions since) while its lock keeps
+        # others out: no listing per save (a run keeps thousands of steps on a bucket).
+        steps = self.committed() if self._tracked and self._listed is not None \
+            else self.steps(missing_ok=missing_ok)
         skipped = set(skip)
         good = [s for s in steps if s not in skipped]
         if len(good) < 2:

@@ -153,6 +153,9 @@ def remove_leftovers(root: Store, grace: float, fence: Any = None) -> list[str]:
         if TMP_MARK in e.name or (STEP.fullmatch(e.name) and not child.exists(MANIFEST_NAME)):
             if _older(child, e, cutoff):
                 log.info("gc: removing leftover %s", child.url)
+                m = STEP.fullmatch(e.name)
+                if m and fence is not None:  # a manifest removed by hand: the record may name it
+                    fence.forget(int(m.group(1)))
                 child.delete_tree()
                 removed.append(child.url)
         elif STEP.fullmatch(e.name):

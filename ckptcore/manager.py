@@ -93,7 +93,7 @@ class CheckpointManager:
         self._lock = (WriterLock(self.root, lease_seconds=lease.seconds,
                                  heartbeat_seconds=lease.heartbeat)
                       if lock and self._coordinator else None)
-        self.local = Tier(self.root, storage_options, lock=self._lock)
+        self.local = Tier(self.root, storage_options, lock=self._lock, tracked=True)
         self.backups = Backups(self.root, specs, lock=bool(lock), lease=lease)
         self._inflight, self._staging = InFlight(), Staging()
         # The steps the last restore() fell back over: damaged ones (a save may replace them;

@@ -236,12 +236,14 @@ def test_gc_grace_is_measured_from_the_newest_file(local_backend):
 
 def test_gc_leaves_a_half_deleted_step_nothing_to_read(local_backend):
     # Retention interrupted between removing the manifest and the data leaves a manifest-less
-    # folder: not listed, not restorable, and gc() finishes the job.
+    # folder the writer record no longer names (it stops naming a step before its manifest
+    # goes): not listed, not restorable, and gc() finishes the job.
     backend = local_backend
     with open_manager(backend) as mgr:
         for s in (1, 2):
             mgr.save(s, make_state(s))
-    backend.delete("run", "step-000000000001", "manifest.msgpack")
+        mgr._lock.forget(1)  # retention's first act
+    backend.delete("run", "step-000000000001", "manifest.msgpack")  # its second; then a crash
     mgr = open_manager(backend)
     assert mgr.steps() == [2]
     with pytest.raises(CheckpointNotFoundError, match="interrupted"):
