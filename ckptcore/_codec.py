@@ -223,6 +223,8 @@ class _Encoder:
             # Readers refuse deeper trees (as hostile), so never write one.
             raise TypeError(f"{_where(path[:3])}...: nested more than {MAX_DEPTH} levels deep; "
                             "flatten it")
+        if type(value) is dict:  # the most common container by far: before the isinstance chain
+            return self._dict(value, path)
         # numpy scalars first: np.float64, np.str_ and np.bytes_ subclass float, str and bytes,
         # and would otherwise come back as plain Python values.
         if isinstance(value, np.generic):
@@ -236,36 +238,79 @@ class _Encoder:
         if isinstance(value, (Shard, Chunks)):
             return _ext(EXT_TENSOR, self._add_chunks(value, path))
         if isinstance(value, dict):
-            out = {}
-            prefix = "/".join(map(str, path)) + "/"
-            for k, v in value.items():
-                # ASCII str keys (nearly all) need no UTF-8 check; anything else gets the full one.
-                if type(k) is not str or not k.isascii():
-                    if not isinstance(k, (str, int)) or isinstance(k, bool):
-                        raise TypeError(f"{_where(path)}: dict keys must be str or int, got {k!r}")
-                    _check_atom(k, path)
-                # Arrays inline (a model map holds thousands): no recursive call per tensor.
-                out[k] = (_ext(EXT_TENSOR, self._add(v, path, prefix + str(k)))
-                          if type(v) is np.ndarray else self.encode(v, path + (k,)))
-            return out
+            return self._dict(value, path)
         if isinstance(value, list):
-            return [self.encode(v, path + (i,)) for i, v in enumerate(value)]
+            return [v if _plain_atom(v) else self.encode(v, path + (i,)) for i, v in enumerate(value)]
         if isinstance(value, tuple):
             items = [self.encode(v, path + (i,)) for i, v in enumerate(value)]
             return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
         raise TypeError(f"{_where(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__}; "
                         "use numpy arrays, numbers, strings, bytes, lists, tuples and dicts")
 
+    def _dict(self, value: dict, path: tuple) -> dict:
+        out = {}
+        prefix = None
+        safe = _SAFE_ATOMS
+        for k, v in value.items():
+            # ASCII str keys (nearly all) need no UTF-8 check; anything else gets the full one.
+            if type(k) is not str or not k.isascii():
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise TypeError(f"{_where(path)}: dict keys must be str or int, got {k!r}")
+                _check_atom(k, path)
+            # Arrays and plain atoms (see _plain_atom) inline: a model map holds thousands of
+            # arrays, the params section thousands of atoms; no call, no path tuple for each.
+            t = type(v)
+            if t is np.ndarray:
+                if prefix is None:
+                    prefix = "/".join(map(str, path)) + "/"
+                out[k] = _ext(EXT_TENSOR, self._add(v, path, prefix + str(k)))
+            elif t is str and v.isascii() or t is int and _INT_MIN <= v <= _UINT_MAX or t in safe:
+                out[k] = v
+            else:
+                out[k] = self.encode(v, path + (k,))
+        return out
+
 
 # The packed index of tensors 0..127 is one byte; msgpack.ExtType's own constructor is Python code
 # that checks its arguments (which are right by construction here), so tuple's is called instead.
+# Larger indices are packed once each and kept (up to _INDEX_CACHED): states are saved again and
+# again with the same number of tensors, often more than 128.
 _INDEX = [bytes([i]) for i in range(128)]
+_INDEX_CACHED = 1 << 16
 _new_ext = tuple.__new__
 
 
 def _ext(code: int, index: int) -> msgpack.ExtType:
-    data = _INDEX[index] if index < 128 else msgpack.packb(index)
-    return _new_ext(msgpack.ExtType, (code, data))
+    table = _INDEX
+    if index >= len(table):
+        if index >= _INDEX_CACHED:
+            return _new_ext(msgpack.ExtType, (code, msgpack.packb(index)))
+        table = _grow_index(index)
+    return _new_ext(msgpack.ExtType, (code, table[index]))
+
+
+def _grow_index(index: int) -> list[bytes]:
+    global _INDEX
+    old = _INDEX
+    end = max(index + 1, min(2 * len(old), _INDEX_CACHED))
+    grown = old + [msgpack.packb(i) for i in range(len(old), end)]
+    _INDEX = grown  # a new list bound at once: a save in another thread reads either, both right
+    return grown
+
+
+_SAFE_ATOMS = frozenset({float, bool, bytes, type(None)})
+
+
+def _plain_atom(v: Any) -> bool:
+    """Whether ``v`` is stored as it is with no check to make: exactly a float, bool, bytes or
+    None, an ASCII str (valid UTF-8), or an int msgpack holds.  numpy scalars are not (their
+    exact types differ): they take :meth:`_Encoder.encode`'s way, as does anything to refuse."""
+    t = type(v)
+    if t is str:
+        return v.isascii()
+    if t is int:
+        return _INT_MIN <= v <= _UINT_MAX
+    return t in _SAFE_ATOMS
 
 
 def _check_atom(value: str | int, path: tuple) -> str | int:
@@ -308,6 +353,10 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code not in (EXT_TENSOR, EXT_SCALAR):
         return msgpack.ExtType(code, data)
     idx = _FIXINT.get(data)
+    if idx is None and len(data) == 3 and data[0] == 0xCD:  # uint16: tensors 256..65535
+        idx = (data[1] << 8) | data[2]
+    elif idx is None and len(data) == 2 and data[0] == 0xCC:  # uint8: tensors 128..255
+        idx = data[1]
     if idx is None:
         try:
             idx = msgpack.unpackb(data)
@@ -352,6 +401,7 @@ def resolve(value: Any, refs: list[TensorRef] | None = None) -> Any:
 
 
 _ATOMS = (str, int, float, bytes, type(None))
+_ATOM_TYPES = frozenset({str, int, float, bytes, type(None), bool})
 # The payload of a reference to tensor 0..127 is one positive-fixint byte: decoded without msgpack.
 _FIXINT = {bytes([i]): i for i in range(128)}
 
@@ -370,23 +420,14 @@ class _Resolver:
             return value
         if depth >= MAX_DEPTH:
             raise SchemaError(f"the state tree nests containers more than {MAX_DEPTH} levels deep")
+        if isinstance(value, dict):
+            return self._dict(value, depth)
         if isinstance(value, list):
             for i, v in enumerate(value):
                 if type(v) is TensorRef:
                     self.refs.append(v)
                 elif not isinstance(v, _ATOMS):
                     value[i] = self.walk(v, depth + 1)
-            return value
-        if isinstance(value, dict):
-            refs = self.refs
-            for k, v in value.items():
-                if type(k) is not str and (type(k) is not int):
-                    if not isinstance(k, (str, int)) or isinstance(k, bool):
-                        raise SchemaError(f"a map key is a {type(k).__name__}; keys are str or int")
-                if type(v) is TensorRef:
-                    refs.append(v)
-                elif not isinstance(v, _ATOMS):
-                    value[k] = self.walk(v, depth + 1)
             return value
         if isinstance(value, msgpack.ExtType):
             if value.code != EXT_TUPLE:
@@ -396,6 +437,26 @@ class _Resolver:
                 raise SchemaError("bad tuple payload")
             return tuple(self.walk(items, depth))
         raise SchemaError(f"unexpected msgpack value {type(value).__name__}")  # pragma: no cover
+
+    def _dict(self, value: dict, depth: int) -> dict:
+        refs, atoms = self.refs, _ATOM_TYPES
+        for k, v in value.items():
+            if type(k) is not str and (type(k) is not int):
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise SchemaError(f"a map key is a {type(k).__name__}; keys are str or int")
+            # msgpack builds exact types: one set lookup tells an atom (most values) apart.
+            t = type(v)
+            if t in atoms:
+                continue
+            if t is TensorRef:
+                refs.append(v)
+            elif t is dict:
+                if depth + 1 >= MAX_DEPTH:
+                    raise SchemaError(f"the state tree nests containers more than {MAX_DEPTH} levels deep")
+                self._dict(v, depth + 1)
+            elif not isinstance(v, _ATOMS):
+                value[k] = self.walk(v, depth + 1)
+        return value
 
 
 def _repr_limited() -> Any:
@@ -519,13 +580,16 @@ def _text(d: dict, key: str, where: str, *, optional: bool = False) -> str | Non
     return value
 
 
-def _tensors(d: dict, where: str) -> dict[str, np.ndarray]:
+def _tensors(d: dict, where: str | Callable[[], str]) -> dict[str, np.ndarray]:
+    """``d``, once every value is a tensor; ``where`` names it in the error (a callable: built
+    only then, for the optimizer's hundreds of slot maps)."""
     refs = _REFS_ARE_TENSORS.get()
     for k, v in d.items():
         if type(v) is np.ndarray or (refs and type(v) is TensorRef and not v.scalar):
             continue
         if not isinstance(v, (np.ndarray, Shard, Chunks)):
-            raise SchemaError(f"{where}[{short_repr(k)}] is a {type(v).__name__}, not a tensor")
+            name = where if isinstance(where, str) else where()
+            raise SchemaError(f"{name}[{short_repr(k)}] is a {type(v).__name__}, not a tensor")
     return d
 
 
@@ -535,12 +599,16 @@ _REFS_ARE_TENSORS: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "ckptcore_refs_are_tensors", default=False)
 
 
+def _slots_where(param: Any) -> str:
+    return f"optimizer.slots[{short_repr(param)}]"
+
+
 def _optimizer(o: dict) -> OptimizerState:
     slots = _map(o, "slots", "optimizer")
     for param, per in slots.items():
         if not isinstance(per, dict):
             raise SchemaError(f"optimizer.slots[{short_repr(param)}]: expected a map of slot tensors")
-        _tensors(per, f"optimizer.slots[{short_repr(param)}]")
+        _tensors(per, functools.partial(_slots_where, param))
     return OptimizerState(kind=_text(o, "kind", "optimizer"),
                           step=_count_field(o, "step", "optimizer"),
                           hyperparams=_map(o, "hyperparams", "optimizer"), slots=slots,
@@ -558,6 +626,20 @@ def _schedule(s: dict) -> ScheduleState:
 
 
 def _param_info(name: Any, d: Any) -> ParamInfo:
+    # The common, valid entry is checked inline (a model has hundreds; a manifest is decoded
+    # when it is published and twice per load); anything else takes the checked way below.
+    if type(d) is dict:
+        index, layer, kind, role = d.get("index"), d.get("layer"), d.get("kind"), d.get("role")
+        layout, attrs = d.get("layout"), d.get("attrs")
+        if (type(index) is int and _INT_MIN <= index <= _UINT_MAX and type(layer) is str
+                and type(kind) is str and type(role) is str
+                and (layout is None or type(layout) is str) and (attrs is None or type(attrs) is dict)):
+            return ParamInfo(index=index, layer=layer, kind=kind, role=role, layout=layout,
+                             attrs={} if attrs is None else attrs)
+    return _param_info_checked(name, d)
+
+
+def _param_info_checked(name: Any, d: Any) -> ParamInfo:
     where = f"params[{short_repr(name)}]"
     if not isinstance(d, dict):
         raise SchemaError(f"{where}: expected a map")

@@ -288,6 +288,12 @@ class RestorePlan:
 
 def check_fits(name: str, value: Any, shape: Iterable[int] | None, dtype: Any) -> None:
     """Raise :class:`RestoreError` naming ``name`` unless ``value`` has ``shape`` and ``dtype``."""
+    # The common case (an array that fits: hundreds per restore) in two comparisons; anything
+    # else, a mismatch included, takes the general way below for its message.
+    if type(value) is np.ndarray and shape is not None and dtype is not None:
+        if (value.shape == shape if type(shape) is tuple else value.shape == tuple(shape)) \
+                and value.dtype == dtype:
+            return
     got_shape = tuple(int(d) for d in np.shape(value))
     if shape is not None:
         want_shape = tuple(int(d) for d in shape)

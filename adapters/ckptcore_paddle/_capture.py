@@ -223,13 +223,14 @@ def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, layer: Any
     for a, c in aliases.items():
         names_of[c].append(a)
     used: set[str] = set()
-    view_of = dict(zip(tensors, views(layer, list(tensors.values()))))
-    for canonical, names in names_of.items():
-        src = next((n if n in saved else saved_alias[n] for n in names if n in saved or n in saved_alias), None)
+    for (canonical, names), view in zip(names_of.items(), views(layer, list(tensors.values()))):
+        # Saved under its own name (nearly always): no search through the aliases.
+        src = canonical if canonical in saved else next(
+            (n if n in saved else saved_alias[n] for n in names if n in saved or n in saved_alias), None)
         if src is None:
             plan.missing(qualified("model", canonical))
             continue
-        t, value, view = tensors[canonical], saved[src], view_of[canonical]
+        t, value = tensors[canonical], saved[src]
         if is_dist(t):  # this rank's block of the saved tensor, into the local value
             local = t._local_value()
             block = dist_block(t, canonical, value)

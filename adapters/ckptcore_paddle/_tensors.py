@@ -145,7 +145,9 @@ def views(owner: Any, tensors: Iterable[Any]) -> list[np.ndarray | None]:
         entry = cache.get(id(t))
         if entry is not None and entry[0]() is t:
             try:
-                if t.data_ptr() != entry[1] or t.shape != entry[2] or t.dtype != entry[3]:
+                # ``is not`` for the dtype: Paddle hands out one object per dtype, and its ``!=``
+                # costs five times the rest of this check (another object only means a new view).
+                if t.data_ptr() != entry[1] or t.shape != entry[2] or t.dtype is not entry[3]:
                     entry = None
             except (AttributeError, RuntimeError, ValueError):
                 entry = None
