@@ -58,13 +58,16 @@ log = logging.getLogger("ckptcore")
 
 
 def commit(store: Store, write: Callable[[Store], Manifest], *, token: str, overwrite: bool,
-           fence: Any = None) -> Manifest:
+           fence: Any = None, durable: Callable[[], None] | None = None) -> Manifest:
     """Write a checkpoint at ``store`` with ``write(target) -> Manifest`` (which writes the shards).
 
     Any failure to write, flush, fsync or close a file, or to fsync a folder, is raised and
     nothing is committed (except a failed fsync of the parent folder after the rename, which the
     error describes).  So is a manifest that a reader would refuse (:func:`publishable`), and a
-    lost lease (``fence``, see the module docstring).
+    lost lease (``fence``, see the module docstring).  ``durable()``, when given, returns once
+    the shards ``write`` wrote are durable (raising if they cannot be): ``write`` may leave
+    their fsync running (``_io.Syncs``) while the manifest is built and checked, and it is
+    called before anything is renamed or published.
     """
     try:
         present = store.exists(MANIFEST_NAME)
@@ -74,9 +77,11 @@ def commit(store: Store, write: Callable[[Store], Manifest], *, token: str, over
         raise CheckpointExistsError(f"{store.url}: a checkpoint already exists there; "
                                     "pass overwrite=True to replace it")
     if store.atomic_rename:
-        manifest = _commit_rename(store, write, token=token, overwrite=overwrite, fence=fence)
+        manifest = _commit_rename(store, write, token=token, overwrite=overwrite, fence=fence,
+                                  durable=durable)
     else:
-        manifest = _commit_publish(store, write, token=token, overwrite=overwrite, fence=fence)
+        manifest = _commit_publish(store, write, token=token, overwrite=overwrite, fence=fence,
+                                   durable=durable)
     if fence is not None:
         fence.after_commit(store)
     return manifest
@@ -108,7 +113,8 @@ def publishable(target: Store, manifest: Manifest) -> bytes:
     return data
 
 
-def _commit_rename(store: Store, write, *, token: str, overwrite: bool, fence: Any) -> Manifest:
+def _commit_rename(store: Store, write, *, token: str, overwrite: bool, fence: Any,
+                   durable: Callable[[], None] | None = None) -> Manifest:
     parent = os.path.dirname(store.path)
     os.makedirs(parent, exist_ok=True)
     tmp = store.sibling(f".{store.name}{TMP_MARK}{token}")
@@ -119,6 +125,8 @@ def _commit_rename(store: Store, write, *, token: str, overwrite: bool, fence: A
         data = publishable(tmp, manifest)
         tmp.write_bytes(MANIFEST_NAME, data)  # raises a failed write/fsync/close, as above
         fsync_dir(tmp.path)
+        if durable is not None:
+            durable()  # the shards too, before the folder is renamed into place
         if fence is not None:
             fence.before_commit()
         tick("rename", store.path)
@@ -207,7 +215,8 @@ def _rename_exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
-def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: Any) -> Manifest:
+def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: Any,
+                    durable: Callable[[], None] | None = None) -> Manifest:
     old_shards: set[str] = set()
     if overwrite:
         old_shards = {e.name for e in store.listdir() if e.name.startswith("shard-")}
@@ -215,6 +224,8 @@ def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: 
     try:
         manifest = write(store)
         data = publishable(store, manifest)
+        if durable is not None:
+            durable()
         if fence is not None:
             fence.before_commit()
         tick("publish", store.join(MANIFEST_NAME))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import mmap
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -99,6 +100,45 @@ def plan_shards(sizes: Sequence[int], shard_size: int, alignment: int) -> list[l
     return shards
 
 
+class Syncs:
+    """Shard files being made durable in the background: ``write_payload(..., syncs=)`` hands
+    each local shard's ``fsync_close`` to a thread of its own as soon as the shard is written,
+    instead of waiting for it there.  Why: the fsync waits for the disk (most of a large shard is
+    still being written back when its last byte is copied), and the save has CPU work left that
+    does not need it durable (building and validating the manifest); the two overlap.
+
+    :meth:`wait` must return before the checkpoint is committed: it joins every thread and
+    raises the first failure (``commit(..., durable=syncs.wait)`` calls it before the rename or
+    publish).  :meth:`join` is for a save that failed anyway: it joins, raising nothing."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+
+    def start(self, f: Any) -> None:
+        """``fsync_close(f)`` in a new thread (its failure kept for :meth:`wait`)."""
+        def run() -> None:
+            try:
+                fsync_close(f)
+            except BaseException as e:  # noqa: BLE001 - raised by wait(), in the saving thread
+                self._errors.append(e)
+
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(run,),
+                                  name="ckptcore-fsync", daemon=True)
+        thread.start()
+        self._threads.append(thread)  # list.append is atomic: pool threads may call start()
+
+    def wait(self) -> None:
+        """Return once every shard started here is durable; raise the first failure."""
+        self.join()
+        if self._errors:
+            raise self._errors[0]
+
+    def join(self) -> None:
+        while self._threads:
+            self._threads.pop().join()
+
+
 @dataclass
 class _Written:
     shard: ShardEntry
@@ -107,7 +147,7 @@ class _Written:
 
 
 def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
-               layout: list[tuple[int, int]], block: int = 0) -> _Written:
+               layout: list[tuple[int, int]], block: int = 0, syncs: Syncs | None = None) -> _Written:
     f = store.open_write(path)
     chunk = max(1, _knobs.write_chunk())
     kick = _knobs.writeback_bytes() if store.local else 0
@@ -148,13 +188,19 @@ def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
                 kicked = pos
             shard_crc = crc32c_combine(shard_crc, crc, n) if n >= _COMBINE_MIN else crc32(buf, shard_crc)
             out.append((idx, offset, crc))
+        background = syncs is not None and store.local
+        if background:
+            f.flush()  # the last bytes reach the kernel here: a failure names the shard below
     except OSError as e:  # a failed write (ENOSPC, EIO): the save fails, naming the shard
         close_quietly(f, store.join(path))
         raise named_error(e, "write", store.join(path)) from e
     except BaseException:
         close_quietly(f, store.join(path))
         raise
-    fsync_close(f)  # raises a failed flush, fsync or close; the file is closed either way
+    if background:
+        syncs.start(f)  # type: ignore[union-attr]  # durable by syncs.wait(), before the commit
+    else:
+        fsync_close(f)  # raises a failed flush, fsync or close; the file is closed either way
     return _Written(ShardEntry(path=path, size=pos, checksum=shard_crc), out, blocks)
 
 
@@ -190,9 +236,12 @@ def _write_pieces(f: Any, buf: np.ndarray, n: int, offset: int, pos: int, kicked
 
 def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[str],
                   token: str, dtypes: Sequence[str] | None = None, *,
-                  chunks: _codec.Chunking | None = None) -> tuple[list[ShardEntry], TensorTable]:
+                  chunks: _codec.Chunking | None = None,
+                  syncs: Syncs | None = None) -> tuple[list[ShardEntry], TensorTable]:
     """Write ``arrays`` (little-endian, C-contiguous) into shards under ``store``; ``dtypes`` are
-    their format names when the caller has them already (see ``_codec.Encoded``).
+    their format names when the caller has them already (see ``_codec.Encoded``).  With
+    ``syncs``, local shards are left to become durable in the background (see :class:`Syncs`):
+    the caller waits for them before it commits.
 
     With ``chunks`` (``_codec.Encoded.chunks``, or ``Chunking.whole(arrays)``), the table is a
     chunked (version-3) one: the arrays' logical tensors, global shapes and starts, and the
@@ -205,11 +254,11 @@ def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[st
     ctx = contextvars.copy_context()
     block = CRC_BLOCK if chunks is not None else 0
     if len(layout) == 1:  # no pool for one shard: its thread would only add a hand-over
-        written = [ctx.copy().run(_write_one, store, paths[0], arrays, layout[0], block)]
+        written = [ctx.copy().run(_write_one, store, paths[0], arrays, layout[0], block, syncs)]
     else:
         with ThreadPoolExecutor(max(1, min(store.writers, len(layout)))) as pool:
             written = list(pool.map(lambda j: ctx.copy().run(_write_one, store, paths[j], arrays,
-                                                             layout[j], block),
+                                                             layout[j], block, syncs),
                                     range(len(layout))))
     n = len(arrays)
     shard, offset, crc = [0] * n, [0] * n, [0] * n

@@ -81,9 +81,20 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
             # delete this very step (a rewind), and a rank still reading would find it gone.
             _dist.settle(store, group)
         return info_of(store.url, manifest)
+    return info_of(store.url, _commit_arrays(store, enc, arrays, make_manifest, token=token,
+                                             overwrite=overwrite, fence=fence))
+
+
+def _commit_arrays(store: Store, enc: Any, arrays: list[np.ndarray], make_manifest: Any, *,
+                   token: str, overwrite: bool, fence: Any) -> Manifest:
+    """Write ``arrays`` and commit their manifest at ``store`` (one process).  The shards'
+    fsyncs run while the manifest is built and validated (``_io.Syncs``); the commit waits for
+    them before the rename or publish, and a failed save still waits for them before raising."""
+    syncs = _io.Syncs()
+
     def write(target: Store) -> Manifest:
         shards, table = _io.write_payload(target, arrays, enc.names, token, enc.dtypes,
-                                          chunks=enc.chunks)
+                                          chunks=enc.chunks, syncs=syncs)
         if table.chunked:  # overlapping blocks of one array: a reader would refuse the file
             try:
                 check_chunks(table, store.url)
@@ -91,7 +102,11 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
                 raise ValueError(f"{e}; nothing was saved") from None
         return make_manifest(shards, table)
 
-    return info_of(store.url, commit(store, write, token=token, overwrite=overwrite, fence=fence))
+    try:
+        return commit(store, write, token=token, overwrite=overwrite, fence=fence,
+                      durable=syncs.wait)
+    finally:
+        syncs.join()  # after a failure: no fsync left running behind the error
 
 
 def _encode(store: Store, state: TrainingState | None, objects: dict[str, Any],
