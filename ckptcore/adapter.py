@@ -423,4 +423,9 @@ def any_bit(arr: np.ndarray) -> bool:
     word = _WORDS.get(flat.dtype.itemsize)
     if word is None:  # complex128 and the like: bytes
         flat, word = flat.view(np.uint8), np.uint8
+    if flat.size <= _SMALL:  # count_nonzero's call costs a third of max's; its loop is slower
+        return bool(np.count_nonzero(flat.view(word)))
     return bool(flat.view(word).max(initial=0))
+
+
+_SMALL = 4096

@@ -104,7 +104,9 @@ def capture_optimizer(opt: Any, runtime_to_struct: dict[str, str], *, step: int 
         for acc, per_param in opt._accumulators.items():
             slot = acc[len(prefix):] if prefix and acc.startswith(prefix) else acc
             for pname, var in per_param.items():
-                keys.append((struct_of(pname), slot))
+                # A plain lookup for the common case (hundreds of accumulators); struct_of raises.
+                struct = runtime_to_struct.get(pname) if not owner else None
+                keys.append((struct if struct is not None else struct_of(pname), slot))
                 tensors.append(var)
         for (struct, slot), value in zip(keys, values(opt, tensors, copy)):
             slots.setdefault(struct, {})[slot] = value
@@ -216,20 +218,22 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
     owner = {v.name: k for k, v in master.items()}
     seen: set[tuple[str, str]] = set()
     put = _accumulator_putter(plan, opt)
+    slots = state.slots
     for acc, per_param in list(opt._accumulators.items()):
         slot = acc[len(prefix):] if prefix and acc.startswith(prefix) else acc
-        for pname in list(per_param):
-            struct = runtime_struct.get(owner.get(pname, pname))
+        for pname, var in list(per_param.items()):
+            param = owner.get(pname, pname) if owner else pname
+            struct = runtime_struct.get(param)
             if struct is None:  # a parameter outside the model: not ours to change
-                plan.missing(qualified("optimizer", owner.get(pname, pname), slot))
+                plan.missing(qualified("optimizer", param, slot))
                 continue
-            saved = state.slots.get(struct, {})
-            if slot not in saved:
-                if struct in state.slots or struct not in saved_params:
+            saved = slots.get(struct)
+            if saved is None or slot not in saved:
+                if saved is not None or struct not in saved_params:
                     plan.missing(qualified("optimizer", struct, slot))
-                plan.then(functools.partial(_drop_accumulator, opt, acc, pname, owner.get(pname, pname)))
+                plan.then(functools.partial(_drop_accumulator, opt, acc, pname, param))
                 continue
-            put(qualified("optimizer", struct, slot), per_param[pname], saved[slot])
+            put(qualified("optimizer", struct, slot), var, saved[slot])
             seen.add((struct, slot))
     for pname, var in master.items():
         struct = runtime_struct.get(pname)
@@ -441,8 +445,9 @@ def adam_step(slots: dict[str, dict[str, np.ndarray]], beta1: float, beta2: floa
     """The update count of an Adam-family optimizer from its ``beta{2,1}_pow_acc`` slots (beta2 first)."""
     for slot, beta in (("beta2_pow_acc", beta2), ("beta1_pow_acc", beta1)):
         # Every parameter usually holds the same power: look each distinct value up once.
-        pows = {float(np.asarray(s[slot]).reshape(-1)[0]) for s in slots.values()
-                if slot in s and np.asarray(s[slot]).size}
+        found = [s[slot] for s in slots.values() if slot in s]
+        found = [a if type(a) is np.ndarray else np.asarray(a) for a in found]
+        pows = {float(a.item(0)) for a in found if a.size}
         steps = [step_from_pow(p, beta) for p in pows]
         if steps and all(t is not None for t in steps):
             return max(steps)  # type: ignore[type-var]
