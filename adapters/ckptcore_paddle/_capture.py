@@ -55,7 +55,7 @@ from ._optimizer import (attached_scheduler, capture_optimizer, capture_scaler, 
 from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
 from ._sharding import dist_block, dist_leaf, is_dist, shard_slots, unwrap_optimizer, whole_slots
-from ._tensors import assign, named_tensors, numpy_dtype, to_numpy, unwrap, values, views, writer
+from ._tensors import Copies, assign, named_tensors, numpy_dtype, to_numpy, unwrap, values, views
 
 
 def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,
@@ -223,6 +223,7 @@ def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, layer: Any
     for a, c in aliases.items():
         names_of[c].append(a)
     used: set[str] = set()
+    copies = Copies(plan)
     for (canonical, names), view in zip(names_of.items(), views(layer, list(tensors.values()))):
         # Saved under its own name (nearly always): no search through the aliases.
         src = canonical if canonical in saved else next(
@@ -239,9 +240,9 @@ def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, layer: Any
             used.add(src)
             continue
         # A view carries the target's shape and dtype: no Paddle call per tensor to ask for them.
-        shape, dtype = (t.shape, numpy_dtype(t)) if view is None else (view.shape, view.dtype)
-        plan.assign(qualified("model", canonical), value, shape=shape, dtype=dtype, put=writer(t, view, value))
+        copies.add(qualified("model", canonical), t, view, value)
         used.add(src)
+    copies.flush()
     plan.unexpected_from(saved, used)
 
 

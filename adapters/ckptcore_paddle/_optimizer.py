@@ -28,7 +28,7 @@ from ckptcore.errors import CaptureError, RestoreError
 from ckptcore.state import OptimizerState, ScheduleState
 from ckptcore.vocab import plain
 
-from ._tensors import numpy_dtype, to_numpy, values, views, writer
+from ._tensors import Copies, to_numpy, values, views
 
 # Accumulator names of Paddle's built-in optimizers (the names their _add_accumulator calls use),
 # longest first so that "moment2_max" wins over "moment2" when a key is matched by suffix.
@@ -217,7 +217,8 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
     master = dict(getattr(opt, "_master_weights", None) or {})
     owner = {v.name: k for k, v in master.items()}
     seen: set[tuple[str, str]] = set()
-    put = _accumulator_putter(plan, opt)
+    copies = Copies(plan)
+    put = _accumulator_putter(opt, copies)
     slots = state.slots
     for acc, per_param in list(opt._accumulators.items()):
         slot = acc[len(prefix):] if prefix and acc.startswith(prefix) else acc
@@ -240,6 +241,7 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
         if struct is not None and MASTER_SLOT in state.slots.get(struct, {}):
             put(qualified("optimizer", struct, MASTER_SLOT), var, state.slots[struct][MASTER_SLOT])
             seen.add((struct, MASTER_SLOT))
+    copies.flush()
     for struct, per_slot in state.slots.items():
         if struct in ours:
             plan.unexpected(*(qualified("optimizer", struct, slot) for slot in per_slot
@@ -247,17 +249,15 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
     plan.then(functools.partial(restore_learning_rate, opt, state))
 
 
-def _accumulator_putter(plan: RestorePlan, opt: Any) -> Callable[[str, Any, np.ndarray], None]:
-    """``put(name, var, value)``: plan ``value`` into the accumulator ``var``.  The views of
-    every accumulator are taken at once, once they all exist: a view carries the target's shape
-    and dtype, so no Paddle call per accumulator asks for them."""
+def _accumulator_putter(opt: Any, copies: Copies) -> Callable[[str, Any, np.ndarray], None]:
+    """``put(name, var, value)``: plan ``value`` into the accumulator ``var`` (on ``copies``).
+    The views of every accumulator are taken at once, once they all exist: a view carries the
+    target's shape and dtype, so no Paddle call per accumulator asks for them."""
     accumulators = [var for per_param in opt._accumulators.values() for var in per_param.values()]
     view_of = dict(zip(map(id, accumulators), views(opt, accumulators)))
 
     def put(name: str, var: Any, value: np.ndarray) -> None:
-        view = view_of.get(id(var))
-        shape, dtype = (var.shape, numpy_dtype(var)) if view is None else (view.shape, view.dtype)
-        plan.assign(name, value, shape=shape, dtype=dtype, put=writer(var, view, value))
+        copies.add(name, var, view_of.get(id(var)), value)
     return put
 
 

@@ -12,6 +12,7 @@ Nothing here imports Paddle: tensors are handled through their own methods.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from typing import Any, Iterable
 
@@ -190,9 +191,89 @@ def values(owner: Any, tensors: list[Any], copy: bool) -> list[np.ndarray]:
             for t, v in zip(tensors, views(owner, tensors))]
 
 
-def writer(target: Any, view: np.ndarray | None, value: np.ndarray) -> Any:
-    """A ``put`` for a RestorePlan: ``value`` copied into ``target``'s buffer through its view, or
-    :func:`assign` where there is no view (one copy either way; the plan has checked shape and dtype)."""
-    if view is None or not view.flags.writeable:  # a view someone made read-only stays so
-        return functools.partial(assign, target, value)
-    return functools.partial(np.copyto, view, value)
+class Copies:
+    """A restore's copies into tensor views, planned on ``plan`` in groups of about
+    :data:`GROUP` bytes (one ``assign_many`` each: every value checked as ``assign`` checks it),
+    a large group copied by two threads.
+
+    Why: once the planning is lean, copying is most of a restore (40 MB for mobilenet_v2 with
+    Adam, 300 MB for resnet50); numpy's copy releases the GIL, so a second thread copies half a
+    group while the restoring thread copies the other half.  A streaming load still assigns
+    group by group, each once its own arrays are verified.  :meth:`flush` plans what is left:
+    call it before the plan is applied."""
+
+    def __init__(self, plan: Any) -> None:
+        self._plan = plan
+        self._items: list[tuple[str, np.ndarray, tuple, np.dtype]] = []
+        self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._bytes = 0
+
+    def add(self, name: str, target: Any, view: np.ndarray | None, value: np.ndarray) -> None:
+        """Plan ``value`` into ``target``: through ``view`` in a group, or by :func:`assign`
+        at once where there is no writable view."""
+        if view is None or not view.flags.writeable:  # a view someone made read-only stays so
+            self._plan.assign(name, value, shape=target.shape, dtype=numpy_dtype(target),
+                              put=functools.partial(assign, target, value))
+            return
+        self._items.append((name, value, view.shape, view.dtype))
+        self._pairs.append((view, value))
+        self._bytes += view.nbytes
+        if self._bytes >= GROUP:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._items:
+            self._plan.assign_many(self._items, functools.partial(copy_pairs, self._pairs, self._bytes))
+            self._items, self._pairs, self._bytes = [], [], 0
+
+
+GROUP = 8 << 20  # bytes per planned group of copies
+_SPLIT = 1 << 20  # a group this large is copied by two threads
+
+
+def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], nbytes: int) -> None:
+    """``np.copyto(dst, src)`` for each pair (checked by the plan); from :data:`_SPLIT` bytes on,
+    the second half of the bytes (an array cut at the middle) by a second thread."""
+    if nbytes < _SPLIT:
+        for dst, src in pairs:
+            np.copyto(dst, src)
+        return
+    first, second = _halves(pairs, nbytes)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for dst, src in second:
+                np.copyto(dst, src)
+        except BaseException as e:  # noqa: BLE001 - raised in the restoring thread below
+            failed.append(e)
+
+    helper = threading.Thread(target=run, name="ckptcore-paddle-copy", daemon=True)
+    helper.start()
+    try:
+        for dst, src in first:
+            np.copyto(dst, src)
+    finally:
+        helper.join()
+    if failed:
+        raise failed[0]
+
+
+def _halves(pairs: list[tuple[np.ndarray, np.ndarray]], nbytes: int
+            ) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[tuple[np.ndarray, np.ndarray]]]:
+    """``pairs`` split into two lists of about ``nbytes / 2`` each; the array across the middle
+    is cut in two flat pieces when both sides are C-contiguous (so that reshape makes views:
+    of anything else it would make a copy, and the copy into it would be lost)."""
+    first: list[tuple[np.ndarray, np.ndarray]] = []
+    done, half = 0, nbytes // 2
+    for k, (dst, src) in enumerate(pairs):
+        if done + dst.nbytes <= half:
+            first.append((dst, src))
+            done += dst.nbytes
+            continue
+        if not (dst.flags.c_contiguous and src.flags.c_contiguous):
+            return first, list(pairs[k:])
+        cut = (half - done) // max(dst.itemsize, 1)
+        d, s = dst.reshape(-1), src.reshape(-1)
+        return first + [(d[:cut], s[:cut])], [(d[cut:], s[cut:])] + list(pairs[k + 1:])
+    return first, []
