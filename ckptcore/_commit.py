@@ -7,7 +7,8 @@ checksum.  Two strategies, chosen by the store's capabilities:
 **Local disk (atomic rename).**  Everything is written into a temporary sibling
 directory ``.<name>.tmp-<token>``: shards, fsync each; the manifest, fsync; the
 directory, fsync.  Then the directory is renamed into place and the parent is
-fsynced.  ``rename`` onto an existing non-empty directory fails, so a second
+fsynced.  (A save may leave its shards' fsyncs running while it builds and writes the
+manifest: ``commit(..., durable=)`` waits for them before the rename.)  ``rename`` onto an existing non-empty directory fails, so a second
 writer gets :class:`CheckpointExistsError` and its temporary directory is
 removed.  An overwrite swaps the two directories atomically with
 ``renameat2(RENAME_EXCHANGE)`` (Linux), so some complete checkpoint is always
