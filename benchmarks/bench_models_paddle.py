@@ -22,9 +22,9 @@ disk, decide these.  In one process, in interleaved rounds (the order rotates ea
   (``VmHWM``) reset, one save run, and the rise of ``VmHWM`` over the RSS before it reported (a
   fresh process, so no earlier round's freed-but-kept heap hides a copy).
 
-Prints a table with ratios (median over median) and verdicts against the targets (save >= 1.5x
-``paddle.save``, warm restore >= 1.3x ``paddle.load`` + ``set_state_dict``), and appends it to
-benchmarks/RESULTS.md unless ``--no-record``.
+Prints a table with ratios (median over median) and verdicts against the targets (save >= 1.7x
+``paddle.save``, warm restore >= 1.5x ``paddle.load`` + ``set_state_dict``; issue 25 raised them
+from 1.5x and 1.3x), and appends it to benchmarks/RESULTS.md unless ``--no-record``.
 
     python benchmarks/bench_models_paddle.py            # both architectures, 5 rounds (~3 minutes)
     python benchmarks/bench_models_paddle.py --quick    # mobilenet_v2, 2 rounds, no peak memory, not recorded
@@ -56,7 +56,7 @@ import ckptcore  # noqa: E402
 from _common import clean, evict, files_under, fsync_paths, reset_peak_rss, summary, timed, vm_status  # noqa: E402
 
 ARCHS = ("mobilenet_v2", "resnet50")
-SAVE_TARGET, RESTORE_TARGET = 1.5, 1.3
+SAVE_TARGET, RESTORE_TARGET = 1.7, 1.5
 
 
 def build(arch: str, seed: int):
