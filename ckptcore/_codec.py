@@ -350,13 +350,21 @@ def _unpack_raw(data: bytes) -> Any:
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
-    if code not in (EXT_TENSOR, EXT_SCALAR):
+    cache = _REFS.get(code)
+    if cache is None:
         return msgpack.ExtType(code, data)
+    # A reference's payload is one of a few bytes, and a save's references repeat load after
+    # load: each distinct payload is decoded once (TensorRef is never changed once made).
+    ref = cache.get(data)
+    if ref is None:
+        ref = _new_ref(code, data)
+        if len(cache) < _REFS_CACHED:
+            cache[data] = ref
+    return ref
+
+
+def _new_ref(code: int, data: bytes) -> TensorRef:
     idx = _FIXINT.get(data)
-    if idx is None and len(data) == 3 and data[0] == 0xCD:  # uint16: tensors 256..65535
-        idx = (data[1] << 8) | data[2]
-    elif idx is None and len(data) == 2 and data[0] == 0xCC:  # uint8: tensors 128..255
-        idx = data[1]
     if idx is None:
         try:
             idx = msgpack.unpackb(data)
@@ -365,6 +373,10 @@ def _ext_hook(code: int, data: bytes) -> Any:
         if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
             raise SchemaError(f"bad tensor reference {short_repr(idx)}")
     return TensorRef(idx, code == EXT_SCALAR)
+
+
+_REFS: dict[int, dict[bytes, TensorRef]] = {EXT_TENSOR: {}, EXT_SCALAR: {}}
+_REFS_CACHED = 1 << 16  # payloads kept per kind (a hostile manifest fills it with valid ones only)
 
 
 def unpack(data: bytes) -> Any:

@@ -413,16 +413,25 @@ class Reading:
     :meth:`result` waits for every batch; :meth:`wait_for` only for one tensor's, which lets a
     restore assign early tensors while later ones are still being read (see
     ``ckptcore.adapter.RestorePlan.apply``).  :meth:`close` always ends the pool.
+
+    ``lazy``: nothing is verified ahead.  :meth:`check` verifies one tensor in the calling
+    thread, as a restore that copies it is about to read it (its bytes then come from memory
+    warm from the checksum), and the batches above start only at the first :meth:`wait_for` or
+    :meth:`result`, for what no :meth:`check` took.  Why: verification threads started ahead
+    hardly run alongside a restore's planning (both need the GIL: the planning holds it), yet
+    starting them costs more than a warm load's checksums.
     """
 
     def __init__(self, store: Store, manifest: Manifest, indices: Sequence[int], *,
-                 verify: bool = True, errors: list | None = None) -> None:
+                 verify: bool = True, errors: list | None = None, lazy: bool = False) -> None:
         self.store, self.manifest, self.errors = store, manifest, errors
         self.arrays: dict[int, np.ndarray] = {}
         self._batch_of: dict[int, int] = {}
         self._futures: list[Future] = []
         self._clean: list[bool] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._lazy: dict[int, tuple] | None = None  # lazy, not started: tensor -> its check
+        self._checked: set[int] = set()  # verified one by one (check)
         table = manifest.tensors
         shard_col = table.column("shard")
         by_shard: dict[int, list[int]] = {}
@@ -446,7 +455,10 @@ class Reading:
             # positional arguments: ndarray's keyword parsing costs more than the view itself
             arrays[i] = ndarray(shapes[i], dtypes[i], buf, offset) if n else empty(shapes[i], dtypes[i])
         if verify and checks:
-            self._start(checks)
+            if lazy:
+                self._lazy = {c[0]: c for c in checks}
+            else:
+                self._start(checks)
 
     def _locate(self, s: int, idxs: list[int]) -> list[tuple[int, int, memoryview, int, int]]:
         """A local shard: mapped whole, its tensors located by offset."""
@@ -540,8 +552,34 @@ class Reading:
                 bad[i] = corrupt_error(self.store, shards[s], table.names[i], expected[i], actual)
         return bad
 
+    def check(self, i: int) -> None:
+        """Verify tensor ``i`` now, in the calling thread (lazy and not started yet; threads may
+        check different tensors at once), else as :meth:`wait_for`.  Raises its
+        ``CorruptCheckpointError`` if it is bad."""
+        lazy = self._lazy
+        if lazy is None:
+            self.wait_for(i)
+            return
+        entry = lazy.get(i)
+        if entry is None or i in self._checked:
+            return
+        bad = self._verify_batch([entry])
+        if bad:
+            raise bad[i]
+        self._checked.add(i)
+
+    def _begin(self) -> None:
+        """A lazy reading's batches, for every tensor :meth:`check` has not verified."""
+        lazy, self._lazy = self._lazy, None
+        if lazy is not None:
+            todo = [c for i, c in lazy.items() if i not in self._checked]
+            if todo:
+                self._start(todo)
+
     def wait_for(self, i: int) -> None:
         """Return once tensor ``i`` is verified; raise its ``CorruptCheckpointError`` if it is bad."""
+        if self._lazy is not None:
+            self._begin()
         b = self._batch_of.get(i)
         if b is None or self._clean[b]:
             return
@@ -554,6 +592,8 @@ class Reading:
     def result(self) -> dict[int, np.ndarray]:
         """Every array, once every batch is verified: the first damage found (in tensor order) is
         raised, or with ``errors`` given, collected there and its tensor left out."""
+        if self._lazy is not None:
+            self._begin()
         for fut in self._futures:
             for i, e in fut.result().items():
                 if self.errors is None:

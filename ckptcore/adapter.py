@@ -43,6 +43,9 @@ checks).  Besides the contract and the planning above it offers:
   ``restore`` around its own planning: the optimizer, schedule and grad scaler into the targets
   given (or noted as unapplied), then the cursor, the RNGs, :meth:`RestorePlan.apply` and the
   warnings about what was left unapplied.
+* :func:`value_check` -- for a put planned with ``assign_many(..., verifies=True)``: verifies
+  each value in the thread that copies it, right before the copy (a streaming load then
+  verifies nothing ahead; an adapter says so with ``checks_values = True``).
 * :func:`check_keywords` and :func:`lazy_attributes` -- an adapter package's ``__init__``: the
   keywords its :class:`Adapter` methods take, and names imported from its modules on first use.
 * ``knobs`` -- the tunables, read through typed accessors: ``knobs.group_timeout()`` (seconds a
@@ -79,7 +82,7 @@ __all__ = ["Adapter", "any_bit", "PackageAdapter", "FileFormat", "DemoProgram", 
            "check_url", "convert_for", "parse_dtype", "knobs", "tiers", "RestrictedUnpickler",
            "Record", "RecordClass", "restricted_load", "plain_records", "check_plain", "brief",
            "brief_error", "PLAIN_KEYS", "MAX_DEPTH", "plan_training_parts", "finish_restore",
-           "check_keywords", "lazy_attributes"]
+           "check_keywords", "lazy_attributes", "value_check"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
 # every adapter, so switching frameworks does not change how much disk a run uses.
@@ -99,6 +102,9 @@ class PackageAdapter:
 
     name: str
     capture_views: bool = False
+    # Whether restore verifies each value as it copies it (value_check, assign_many(verifies=)):
+    # a streaming load then verifies nothing ahead of it (see ckptcore.api._checks_values).
+    checks_values: bool = False
 
     def _module(self, name: str) -> Any:
         package = type(self).__module__
@@ -178,6 +184,10 @@ class RestoreGate(Protocol):
     def wait_all(self) -> None:
         """Return once every tensor of the load is verified (raise the first damage found)."""
 
+    def check(self, value: Any) -> None:
+        """Verify ``value`` now, in the calling thread (any thread); raise
+        ``CorruptCheckpointError`` if it is damaged."""
+
 
 _GATE: contextvars.ContextVar[RestoreGate | None] = contextvars.ContextVar(
     "ckptcore_restore_gate", default=None)
@@ -196,6 +206,20 @@ def restore_gate(gate: RestoreGate) -> Iterator[None]:
         _GATE.reset(token)
 
 
+def value_check() -> Callable[[Any], None]:
+    """What a put planned with ``assign_many(..., verifies=True)`` calls on each value right
+    before it reads it, in whichever thread reads it: inside a streaming ``load_state`` the
+    value's checksum is verified there and then (``CorruptCheckpointError`` if damaged), and the
+    bytes are still in the CPU's cache for the copy that follows; elsewhere it does nothing.
+    Call it in the put itself (the applying thread) and hand the result to helper threads."""
+    gate = _GATE.get()
+    return _no_check if gate is None else gate.check
+
+
+def _no_check(value: Any) -> None:
+    return None
+
+
 class RestorePlan:
     """Everything a restore will do, checked before any of it is done.
 
@@ -205,8 +229,9 @@ class RestorePlan:
     performs all assignments, then all actions, in the order recorded.
 
     Inside ``ckptcore.load_state(url, model=...)`` the tensors are still being verified while
-    :meth:`apply` runs: each put waits until its own values are, so a damaged tensor raises
-    ``CorruptCheckpointError`` before it is assigned (the puts before it have run).
+    :meth:`apply` runs: each put waits until its own values are (or verifies them itself:
+    ``assign_many(..., verifies=True)``), so a damaged tensor raises ``CorruptCheckpointError``
+    before it is assigned (the puts before it have run).
     """
 
     def __init__(self) -> None:
@@ -231,10 +256,12 @@ class RestorePlan:
         self._puts.append((put, (value,)))
 
     def assign_many(self, items: Iterable[tuple[str, Any, Iterable[int] | None, Any]],
-                    put: Callable[[], None]) -> None:
+                    put: Callable[[], None], *, verifies: bool = False) -> None:
         """Plan one ``put()`` that writes several values at once (a framework's bulk assignment):
         ``items`` are ``(name, value, shape, dtype)``, each checked as :meth:`assign` does, and a
-        streaming restore runs ``put`` once all of these values are verified.
+        streaming restore runs ``put`` once all of these values are verified.  With
+        ``verifies``, it runs ``put`` at once instead, and ``put`` verifies them itself through
+        :func:`value_check` before it writes any of them into the target.
 
         Raises:
             RestoreError: a saved array does not fit its target (names the tensor).
@@ -243,7 +270,7 @@ class RestorePlan:
         for name, value, shape, dtype in items:
             check_fits(name, value, shape, dtype)
             values.append(value)
-        self._puts.append((put, tuple(values)))
+        self._puts.append((put, () if verifies else tuple(values)))
 
     def then(self, action: Callable[[], None]) -> None:
         """Plan an action to run after every assignment (a schedule, a cursor, gradients)."""

@@ -245,7 +245,8 @@ def load_state(url: str | os.PathLike, *, model: Any = None, optimizer: Any = No
     if group is not None:
         return _dist.agree(store, group, lambda: load_state(
             url, verify=verify, keys=keys, storage_options=storage_options, like=like, **objects))
-    manifest, tree, state, reading = _open(store, keys, like, verify)
+    manifest, tree, state, reading = _open(store, keys, like, verify,
+                                           lazy=verify and store.local and _checks_values(objects))
     if reading is None:  # chunked tensors: read and verified already
         restore_objects(state, objects)
         return state
@@ -255,8 +256,21 @@ def load_state(url: str | os.PathLike, *, model: Any = None, optimizer: Any = No
         reading.close()
 
 
-def _open(store: Store, keys: Iterable[str] | None, like: TrainingState | None, verify: bool
-          ) -> tuple[Manifest, dict, TrainingState | None, _io.Reading | None]:
+def _checks_values(objects: Mapping[str, Any]) -> bool:
+    """Whether the adapter of ``objects`` verifies each value as it copies it (its restore calls
+    ``ckptcore.adapter.value_check``): then the load verifies nothing ahead (``_io.Reading``,
+    ``lazy``)."""
+    if "model" not in objects:
+        return False
+    try:
+        adapter = adapter_for(objects["model"])
+    except Exception:  # noqa: BLE001 - no adapter: the restore raises it, after the reading
+        return False
+    return bool(getattr(adapter, "checks_values", False))
+
+
+def _open(store: Store, keys: Iterable[str] | None, like: TrainingState | None, verify: bool,
+          lazy: bool = False) -> tuple[Manifest, dict, TrainingState | None, _io.Reading | None]:
     """The manifest and the selected tree, and either the decoded state (chunked tensors: read
     and verified already) or the :class:`_io.Reading` of its tensors, started.  A checkpoint
     overwritten between its manifest and its shards is read again."""
@@ -271,7 +285,8 @@ def _open(store: Store, keys: Iterable[str] | None, like: TrainingState | None, 
 
                 return manifest, tree, _codec.decode_state(
                     _chunks.load_tree(store, manifest, tree, like, verify=verify)), None
-            return manifest, tree, None, _io.Reading(store, manifest, wanted, verify=verify)
+            return manifest, tree, None, _io.Reading(store, manifest, wanted, verify=verify,
+                                                     lazy=lazy)
         except (IncompleteCheckpointError, FileNotFoundError):
             # An overwrite may have replaced the checkpoint between our reading its manifest and
             # its shards: then read the new one; otherwise the shards really are missing.
@@ -330,6 +345,14 @@ class _Gate:
             self.wait_all()
         elif not self._done:
             self._reading.wait_for(i)
+
+    def check(self, value: Any) -> None:
+        """Verify ``value`` now, in the calling thread (``_io.Reading.check``)."""
+        i = self._index.get(id(value))
+        if i is None:
+            self.wait_all()
+        elif not self._done:
+            self._reading.check(i)
 
     def wait_all(self) -> None:
         if not self._done:

@@ -175,6 +175,7 @@ class PaddleAdapter(PackageAdapter):
 
     name = "paddle"
     capture_views = True  # capture(copy=False) returns views of the live tensors
+    checks_values = True  # restore verifies each copied value as it copies it (_tensors.Copies)
 
     def handles(self, obj: object) -> bool:
         # Looks only at class and module names, so asking never imports Paddle.

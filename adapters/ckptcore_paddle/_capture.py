@@ -171,19 +171,23 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
         owned = None if sharding is None else {s for s, t in tensors.items()
                                                if sharding.owner.get(t.name) == sharding.rank}
         state = dataclasses.replace(state, optimizer=whole_slots(state.optimizer, owned))
-    _plan_model(plan, state, extra, layer, tensors, aliases)
-    _plan_grads(plan, state, extra, tensors)
-    unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done
-    no_slots = _plan_optimizer_part(plan, state, extra, optimizer, scheduler, scaler, tensors,
-                                    strict=strict, unapplied=unapplied)
-    return finish_restore(plan, state, strict, cursor=cursor, restore_rng=_restore_rng if rng else None,
-                          unapplied=unapplied, warn_data=warn_data,
-                          no_slots_message=_no_slots_message(optimizer) if no_slots else None)
+    copies = Copies(plan, helper=True)  # the model's and the slots' copies, in groups
+    try:
+        _plan_model(plan, state, extra, layer, tensors, aliases, copies)
+        _plan_grads(plan, state, extra, tensors)
+        unapplied: dict[str, str] = {}  # saved parts with no target: warned once the restore is done
+        no_slots = _plan_optimizer_part(plan, state, extra, optimizer, scheduler, scaler, tensors,
+                                        strict=strict, unapplied=unapplied, copies=copies)
+        return finish_restore(plan, state, strict, cursor=cursor, restore_rng=_restore_rng if rng else None,
+                              unapplied=unapplied, warn_data=warn_data,
+                              no_slots_message=_no_slots_message(optimizer) if no_slots else None)
+    finally:
+        copies.close()
 
 
 def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, extra: dict, optimizer: Any,
                          scheduler: Any, scaler: Any, tensors: dict[str, Any], *, strict: bool,
-                         unapplied: dict[str, str]) -> bool:
+                         unapplied: dict[str, str], copies: Copies | None = None) -> bool:
     """The optimizer's slots, the LR scheduler and the GradScaler into the targets given; saved
     ones with no target go in ``unapplied``.  Returns whether the state holds no optimizer
     section for a target optimizer: that optimizer, and its scheduler unless a schedule was
@@ -194,7 +198,7 @@ def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, extra: dict, o
         plan, state, optimizer=optimizer, scheduler=sch, scaler=scaler, saved_scaler=saved_scaler,
         strict=strict, unapplied=unapplied,
         plan_optimizer=lambda: plan_optimizer(plan, optimizer, state.optimizer, tensors,
-                                              saved_params=set(state.model)),
+                                              saved_params=set(state.model), copies=copies),
         plan_schedule=lambda: plan_schedule(plan, sch, state.schedule, extra.get("scheduler")),
         plan_scaler=lambda: plan_scaler(plan, scaler, saved_scaler),
         hints={"optimizer": "pass optimizer=... (or restore into a paddle.Model prepared with one)",
@@ -215,15 +219,14 @@ def _restore_rng(rng: dict[str, Any]) -> None:
 
 
 def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, layer: Any, tensors: dict[str, Any],
-                aliases: dict[str, str]) -> None:
-    """Pair each target tensor with the saved array under any of its names."""
+                aliases: dict[str, str], copies: Copies) -> None:
+    """Pair each target tensor with the saved array under any of its names (copies on ``copies``)."""
     saved = state.model
     saved_alias = {a: c for a, c in (extra.get("aliases") or {}).items() if c in saved}
     names_of: dict[str, list[str]] = {c: [c] for c in tensors}
     for a, c in aliases.items():
         names_of[c].append(a)
     used: set[str] = set()
-    copies = Copies(plan)
     for (canonical, names), view in zip(names_of.items(), views(layer, list(tensors.values()))):
         # Saved under its own name (nearly always): no search through the aliases.
         src = canonical if canonical in saved else next(

@@ -188,7 +188,8 @@ def hyperparams(opt: Any, runtime_to_struct: dict[str, str]) -> dict[str, Any]:
 
 
 def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
-                   struct_to_param: dict[str, Any], saved_params: Any = ()) -> None:
+                   struct_to_param: dict[str, Any], saved_params: Any = (),
+                   copies: Copies | None = None) -> None:
     """Plan restoring ``state``'s slots into ``opt``'s accumulators (and its float learning rate).
 
     Accumulators the optimizer has not created yet (it never stepped) are created here: the only
@@ -197,7 +198,8 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
     when it was captured: a parameter without slots in the state had none yet).  They are also
     reported missing where the state has slots for that parameter but not this one, or does not
     hold the parameter itself (``saved_params``: the state's model names), since then the state
-    says nothing about them.  Shape and dtype are checked by ``plan.assign``.
+    says nothing about them.  Shape and dtype are checked by ``plan.assign``.  The copies go on
+    ``copies`` (the restore's, see ``_tensors.Copies``; by default groups copied in this thread).
     """
     if state is None:
         plan.missing(qualified("optimizer"))
@@ -217,7 +219,7 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
     master = dict(getattr(opt, "_master_weights", None) or {})
     owner = {v.name: k for k, v in master.items()}
     seen: set[tuple[str, str]] = set()
-    copies = Copies(plan)
+    copies = Copies(plan) if copies is None else copies
     put = _accumulator_putter(opt, copies)
     slots = state.slots
     for acc, per_param in list(opt._accumulators.items()):

@@ -11,12 +11,15 @@ Nothing here imports Paddle: tensors are handled through their own methods.
 
 from __future__ import annotations
 
+import contextvars
 import functools
-import threading
 import weakref
-from typing import Any, Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterable
 
 import numpy as np
+
+from ckptcore.adapter import value_check
 
 try:  # bfloat16/float8 have no numpy dtype of their own; ml_dtypes provides them
     import ml_dtypes
@@ -197,16 +200,23 @@ class Copies:
     a large group copied by two threads.
 
     Why: once the planning is lean, copying is most of a restore (40 MB for mobilenet_v2 with
-    Adam, 300 MB for resnet50); numpy's copy releases the GIL, so a second thread copies half a
-    group while the restoring thread copies the other half.  A streaming load still assigns
-    group by group, each once its own arrays are verified.  :meth:`flush` plans what is left:
-    call it before the plan is applied."""
+    Adam, 300 MB for resnet50); numpy's checksum and copy release the GIL, so with ``helper`` a
+    second thread takes half of each group.  In a streaming load each group verifies its own
+    values (``ckptcore.adapter.value_check``), in the threads that copy them, right before:
+    the bytes are read from memory once and from the cache the second time, and no
+    verification thread runs ahead.  A group is written only once all of it is verified, so a
+    damaged tensor leaves its group and every later one untouched.
 
-    def __init__(self, plan: Any) -> None:
+    :meth:`flush` plans what is left: call it before the plan is applied.  :meth:`close` ends
+    the helper thread (the restore's, applied or not)."""
+
+    def __init__(self, plan: Any, *, helper: bool = False) -> None:
         self._plan = plan
         self._items: list[tuple[str, np.ndarray, tuple, np.dtype]] = []
         self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
         self._bytes = 0
+        self._threaded = helper
+        self._pool: ThreadPoolExecutor | None = None
 
     def add(self, name: str, target: Any, view: np.ndarray | None, value: np.ndarray) -> None:
         """Plan ``value`` into ``target``: through ``view`` in a group, or by :func:`assign`
@@ -223,57 +233,75 @@ class Copies:
 
     def flush(self) -> None:
         if self._items:
-            self._plan.assign_many(self._items, functools.partial(copy_pairs, self._pairs, self._bytes))
+            self._plan.assign_many(self._items, functools.partial(self._copy, self._pairs, self._bytes),
+                                   verifies=True)
             self._items, self._pairs, self._bytes = [], [], 0
+
+    def _copy(self, pairs: list[tuple[np.ndarray, np.ndarray]], nbytes: int) -> None:
+        check = value_check()  # here, in the applying thread: the helper gets the callable
+        if nbytes < _SPLIT or not self._threaded:
+            for _, src in pairs:
+                check(src)
+            for dst, src in pairs:
+                np.copyto(dst, src)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptcore-paddle-copy")
+        first, second = _halves(pairs, nbytes)
+        _both(self._pool, _check_all, check, first, second)  # every value verified,
+        _both(self._pool, _copy_all, None, first, second)    # then every value written
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 GROUP = 8 << 20  # bytes per planned group of copies
-_SPLIT = 1 << 20  # a group this large is copied by two threads
+_SPLIT = 1 << 20  # a group this large is halved between two threads
+
+_Part = list  # [(target view, saved array, the array to verify or None)]
 
 
-def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], nbytes: int) -> None:
-    """``np.copyto(dst, src)`` for each pair (checked by the plan); from :data:`_SPLIT` bytes on,
-    the second half of the bytes (an array cut at the middle) by a second thread."""
-    if nbytes < _SPLIT:
-        for dst, src in pairs:
-            np.copyto(dst, src)
-        return
-    first, second = _halves(pairs, nbytes)
-    failed: list[BaseException] = []
+def _check_all(part: _Part, check: Callable[[Any], None]) -> None:
+    for _, _, whole in part:
+        if whole is not None:
+            check(whole)
 
-    def run() -> None:
-        try:
-            for dst, src in second:
-                np.copyto(dst, src)
-        except BaseException as e:  # noqa: BLE001 - raised in the restoring thread below
-            failed.append(e)
 
-    helper = threading.Thread(target=run, name="ckptcore-paddle-copy", daemon=True)
-    helper.start()
+def _copy_all(part: _Part, check: Any) -> None:
+    for dst, src, _ in part:
+        np.copyto(dst, src)
+
+
+def _both(pool: ThreadPoolExecutor, work: Callable[[_Part, Any], None], check: Any,
+          first: _Part, second: _Part) -> None:
+    """``work`` on ``second`` in the helper and on ``first`` here; returns once both are done,
+    raising the first half's error before the second's (the earlier tensors')."""
+    fut = pool.submit(contextvars.copy_context().run, work, second, check)
     try:
-        for dst, src in first:
-            np.copyto(dst, src)
+        work(first, check)
     finally:
-        helper.join()
-    if failed:
-        raise failed[0]
+        wait([fut])
+    fut.result()
 
 
-def _halves(pairs: list[tuple[np.ndarray, np.ndarray]], nbytes: int
-            ) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[tuple[np.ndarray, np.ndarray]]]:
-    """``pairs`` split into two lists of about ``nbytes / 2`` each; the array across the middle
+def _halves(pairs: list[tuple[np.ndarray, np.ndarray]], nbytes: int) -> tuple[_Part, _Part]:
+    """``pairs`` split into two parts of about ``nbytes / 2`` each; the array across the middle
     is cut in two flat pieces when both sides are C-contiguous (so that reshape makes views:
-    of anything else it would make a copy, and the copy into it would be lost)."""
-    first: list[tuple[np.ndarray, np.ndarray]] = []
+    of anything else it would make a copy, and the copy into it would be lost).  A cut array is
+    verified whole by the first part only (both parts are verified before either is written)."""
+    first: _Part = []
     done, half = 0, nbytes // 2
     for k, (dst, src) in enumerate(pairs):
         if done + dst.nbytes <= half:
-            first.append((dst, src))
+            first.append((dst, src, src))
             done += dst.nbytes
             continue
+        rest = [(d, s, s) for d, s in pairs[k + 1:]]
         if not (dst.flags.c_contiguous and src.flags.c_contiguous):
-            return first, list(pairs[k:])
+            return first, [(dst, src, src)] + rest
         cut = (half - done) // max(dst.itemsize, 1)
         d, s = dst.reshape(-1), src.reshape(-1)
-        return first + [(d[:cut], s[:cut])], [(d[cut:], s[cut:])] + list(pairs[k + 1:])
+        return first + [(d[:cut], s[:cut], src)], [(d[cut:], s[cut:], None)] + rest
     return first, []

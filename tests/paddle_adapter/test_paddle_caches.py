@@ -224,10 +224,19 @@ def test_tensors_without_a_view_use_the_slow_path() -> None:
 
 def test_grouped_copies_split_across_two_threads(monkeypatch) -> None:
     """A restore's copies go in groups, a large group halved between two threads (an array
-    across the middle cut in two): every byte lands, a strided target is never cut (reshape
-    would copy it), and a group smaller than the split is copied in place."""
+    across the middle cut in two, verified whole by the first half): every byte lands, every
+    value is verified once, and a strided target is never cut (reshape would copy it)."""
     monkeypatch.setattr(_tensors, "_SPLIT", 1)
     rng = np.random.RandomState(1)
+
+    class Plan:
+        def __init__(self):
+            self.puts = []
+
+        def assign_many(self, items, put, verifies=False):
+            assert verifies
+            self.puts.append(put)
+
     for trial in range(60):
         shapes = [tuple(rng.randint(1, 40, size=rng.randint(0, 3))) for _ in range(rng.randint(1, 6))]
         srcs = [np.asarray(rng.randn(*s)).astype(rng.choice(["float32", "float64", "int8"])) for s in shapes]
@@ -237,17 +246,43 @@ def test_grouped_copies_split_across_two_threads(monkeypatch) -> None:
         pairs = list(zip(dsts, srcs))
         nbytes = sum(d.nbytes for d in dsts)
         first, second = _tensors._halves(pairs, nbytes)
-        assert sum(d.nbytes for d, _ in first + second) == nbytes
-        assert all(d.flags.c_contiguous or any(d is x for x in dsts) for d, _ in first + second)
-        _tensors.copy_pairs(pairs, nbytes)
+        assert sum(d.nbytes for d, _, _ in first + second) == nbytes
+        assert sorted(id(w) for _, _, w in first + second if w is not None) == sorted(map(id, srcs))
+        assert all(d.flags.c_contiguous or any(d is x for x in dsts) for d, _, _ in first + second)
+        plan = Plan()
+        copies = _tensors.Copies(plan, helper=True)
+        for k, (d, s) in enumerate(pairs):
+            copies.add(f"t{k}", None, d, s)
+        copies.flush()
+        try:
+            for put in plan.puts:
+                put()
+        finally:
+            copies.close()
         assert all(np.array_equal(d, s) for d, s in pairs), trial
 
 
-def test_restore_plans_copies_in_groups(tmp_path, monkeypatch) -> None:
-    """With groups of a few bytes (many groups, each split), a streamed restore still lands
-    every tensor and slot bit for bit, in the live buffers."""
-    monkeypatch.setattr(_tensors, "GROUP", 256)
-    monkeypatch.setattr(_tensors, "_SPLIT", 64)
+def _corrupt_tensor(url: str, name: str) -> None:
+    """Flip one bit of tensor ``name``'s bytes in its shard."""
+    from ckptcore._manifest import MANIFEST_NAME, Manifest
+
+    with open(f"{url}/{MANIFEST_NAME}", "rb") as f:
+        m = Manifest.from_bytes(f.read())
+    t = next(t for t in m.tensors if t.name == name)
+    with open(f"{url}/{m.shards[t.shard].path}", "r+b") as f:
+        f.seek(t.offset)
+        byte = f.read(1)
+        f.seek(t.offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("group", [64, 1 << 30])
+def test_restore_plans_copies_in_groups(tmp_path, monkeypatch, group) -> None:
+    """Copies in groups of a few bytes (many groups, each halved) or all in one: a streamed
+    restore lands every tensor and slot bit for bit, in the live buffers; with one tensor
+    damaged, the restore raises before writing its group or any later one."""
+    monkeypatch.setattr(_tensors, "GROUP", group)
+    monkeypatch.setattr(_tensors, "_SPLIT", 32)
     src, src_opt = _trained()
     url = str(tmp_path / "ck")
     ckptcore.save_state(url, model=src, optimizer=src_opt)
@@ -257,3 +292,16 @@ def test_restore_plans_copies_in_groups(tmp_path, monkeypatch) -> None:
     _same({k: v.numpy() for k, v in src.state_dict().items()}, net)
     _same_slots(cp.capture(src, src_opt, rng=False), net, opt)
     assert {k: v.data_ptr() for k, v in net.state_dict().items()} == ptrs
+
+    names = list(net.state_dict())
+    bad = names[len(names) // 2]
+    _corrupt_tensor(url, f"model/{bad}")
+    net, opt = _trained(Tiny(), steps=2)
+    before = {k: v.numpy().copy() for k, v in net.state_dict().items()}
+    with pytest.raises(ckptcore.errors.CorruptCheckpointError) as exc:
+        ckptcore.load_state(url, model=net, optimizer=opt)
+    assert exc.value.tensor == f"model/{bad}"
+    after = {k: v.numpy() for k, v in net.state_dict().items()}
+    assert np.array_equal(after[bad], before[bad])  # the damaged tensor is never written
+    for k in names[names.index(bad):]:  # nor is anything after it
+        assert np.array_equal(after[k], before[k]), k
