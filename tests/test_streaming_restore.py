@@ -147,6 +147,9 @@ class _Recorder:
     def wait_all(self) -> None:
         self.log.append(("all",))
 
+    def check(self, value) -> None:
+        self.log.append(("check", int(value[0])))
+
 
 def test_plan_waits_for_each_value_before_its_put():
     log: list = []
@@ -175,3 +178,55 @@ def test_without_a_gate_apply_runs_as_before():
     plan.assign("a", np.zeros(2), shape=(2,), dtype=None, put=lambda: log.append("a"))
     plan.apply()
     assert log == ["a"]
+
+
+def test_a_put_that_verifies_its_values_is_not_waited_for():
+    """assign_many(verifies=True): apply runs the put at once and the put verifies each value
+    through value_check (the gate's check), in whichever thread copies it; outside a load,
+    value_check does nothing."""
+    from ckptcore.adapter import value_check
+
+    log: list = []
+    b, c = (np.full(2, i, np.float32) for i in (1, 2))
+
+    def put() -> None:
+        check = value_check()
+        helper = threading.Thread(target=check, args=(c,))
+        helper.start()
+        check(b)
+        helper.join()
+        log.append(("put", "b+c"))
+
+    plan = RestorePlan()
+    plan.assign_many([("b", b, (2,), np.float32), ("c", c, (2,), np.float32)], put=put, verifies=True)
+    with restore_gate(_Recorder(log)):
+        plan.apply()
+    assert sorted(log[:2]) == [("check", 1), ("check", 2)] and log[2:] == [("put", "b+c"), ("all",)]
+    assert value_check()(b) is None  # no load in progress
+
+
+def test_a_lazy_reading_verifies_what_it_is_asked_then_the_rest(tmp_path):
+    """_io.Reading(lazy=True) starts nothing: check(i) verifies tensor i in the calling thread
+    (raising for a damaged one); result() verifies every tensor no check took."""
+    url = str(tmp_path / "c")
+    ckptcore.save_state(url, model=_model(), rng=False)
+    bad = f"model/{_names()[BAD]}"
+    _corrupt(url, bad)
+    with open(f"{url}/{MANIFEST_NAME}", "rb") as f:
+        m = Manifest.from_bytes(f.read())
+    index = {name: i for i, name in enumerate(m.tensors.names)}
+    from ckptcore._storage import Store
+
+    store = Store(url)
+    reading = _io.Reading(store, m, range(len(m.tensors)), lazy=True)
+    try:
+        assert not any(t.name.startswith("ckptcore-verify") for t in threading.enumerate())
+        reading.check(index[f"model/{_names()[0]}"])  # a sound tensor: no error
+        with pytest.raises(CorruptCheckpointError) as exc:
+            reading.check(index[bad])
+        assert exc.value.tensor == bad
+        with pytest.raises(CorruptCheckpointError) as exc:
+            reading.result()  # the batches, for the rest, find the same damage
+        assert exc.value.tensor == bad
+    finally:
+        reading.close()
