@@ -305,3 +305,24 @@ def test_restore_plans_copies_in_groups(tmp_path, monkeypatch, group) -> None:
     assert np.array_equal(after[bad], before[bad])  # the damaged tensor is never written
     for k in names[names.index(bad):]:  # nor is anything after it
         assert np.array_equal(after[k], before[k]), k
+
+
+@pytest.mark.parametrize("ahead", [0, 1 << 40])
+def test_gradients_scanned_in_a_helper_or_in_place(monkeypatch, ahead) -> None:
+    """Gradients in flight are captured bit for bit and cleared ones listed as zero, whether a
+    helper thread looked at them (any size from 0 on) or the capturing thread did."""
+    from ckptcore_paddle import _capture
+
+    monkeypatch.setattr(_capture, "_SCAN_AHEAD", ahead)
+    net, opt = _trained()
+    train_step(net, opt, None, X)
+    opt.clear_grad()  # every gradient zero
+    net(paddle.to_tensor(X)).mean().backward()  # then most in flight again
+    net.fc2.bias.clear_gradient(True)  # and one cleared in place
+    state = cp.capture(net, opt, rng=False)
+    buffers = state.accumulation.buffers
+    assert "fc2.bias" not in buffers and "fc2.bias" in state.extra["paddle"]["zero_grads"]
+    for name, p in {n: p for n, p in net.named_parameters()}.items():
+        if name in buffers:
+            assert np.array_equal(buffers[name], p.grad.numpy()), name
+    assert buffers, "some gradients are in flight"
