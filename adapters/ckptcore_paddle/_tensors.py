@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable
@@ -248,8 +249,7 @@ class Copies:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptcore-paddle-copy")
         first, second = _halves(pairs, nbytes)
-        _both(self._pool, _check_all, check, first, second)  # every value verified,
-        _both(self._pool, _copy_all, None, first, second)    # then every value written
+        _both(self._pool, check, first, second)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -257,33 +257,43 @@ class Copies:
             self._pool = None
 
 
-GROUP = 8 << 20  # bytes per planned group of copies
+GROUP = 16 << 20  # bytes per planned group of copies
 _SPLIT = 1 << 20  # a group this large is halved between two threads
 
 _Part = list  # [(target view, saved array, the array to verify or None)]
 
 
-def _check_all(part: _Part, check: Callable[[Any], None]) -> None:
-    for _, _, whole in part:
-        if whole is not None:
-            check(whole)
-
-
-def _copy_all(part: _Part, check: Any) -> None:
+def _check_then_copy(part: _Part, check: Callable[[Any], None], barrier: threading.Barrier) -> None:
+    """Verify ``part``, wait until the other half is verified too (the barrier), then write it.
+    A failure breaks the barrier: neither half writes anything."""
+    try:
+        for _, _, whole in part:
+            if whole is not None:
+                check(whole)
+    except BaseException:
+        barrier.abort()
+        raise
+    barrier.wait()  # BrokenBarrierError: the other half failed (its error is the one raised)
     for dst, src, _ in part:
         np.copyto(dst, src)
 
 
-def _both(pool: ThreadPoolExecutor, work: Callable[[_Part, Any], None], check: Any,
-          first: _Part, second: _Part) -> None:
-    """``work`` on ``second`` in the helper and on ``first`` here; returns once both are done,
-    raising the first half's error before the second's (the earlier tensors')."""
-    fut = pool.submit(contextvars.copy_context().run, work, second, check)
+def _both(pool: ThreadPoolExecutor, check: Callable[[Any], None], first: _Part, second: _Part) -> None:
+    """``second`` in the helper and ``first`` here, each verified then written; returns once
+    both are done, raising the first half's error before the second's (the earlier tensors')."""
+    barrier = threading.Barrier(2)
+    fut = pool.submit(contextvars.copy_context().run, _check_then_copy, second, check, barrier)
+    mine: BaseException | None = None
     try:
-        work(first, check)
-    finally:
-        wait([fut])
-    fut.result()
+        _check_then_copy(first, check, barrier)
+    except BaseException as e:  # noqa: BLE001 - raised below, after the helper is done
+        mine = e
+    wait([fut])
+    theirs = fut.exception()
+    if mine is not None and not (isinstance(mine, threading.BrokenBarrierError) and theirs is not None):
+        raise mine
+    if theirs is not None:
+        raise theirs
 
 
 def _halves(pairs: list[tuple[np.ndarray, np.ndarray]], nbytes: int) -> tuple[_Part, _Part]:
