@@ -216,8 +216,9 @@ class Copies:
         self._items: list[tuple[str, np.ndarray, tuple, np.dtype]] = []
         self._pairs: list[tuple[np.ndarray, np.ndarray]] = []
         self._bytes = 0
-        self._threaded = helper
-        self._pool: ThreadPoolExecutor | None = None
+        # What the planned puts hold: never this object, which holds the plan (a cycle would
+        # keep the loaded arrays, and the mapped shard under them, alive until a collection).
+        self._helper = _Helper() if helper else None
 
     def add(self, name: str, target: Any, view: np.ndarray | None, value: np.ndarray) -> None:
         """Plan ``value`` into ``target``: through ``view`` in a group, or by :func:`assign`
@@ -234,27 +235,44 @@ class Copies:
 
     def flush(self) -> None:
         if self._items:
-            self._plan.assign_many(self._items, functools.partial(self._copy, self._pairs, self._bytes),
-                                   verifies=True)
+            self._plan.assign_many(self._items, functools.partial(_copy_group, self._pairs, self._bytes,
+                                                                  self._helper), verifies=True)
             self._items, self._pairs, self._bytes = [], [], 0
 
-    def _copy(self, pairs: list[tuple[np.ndarray, np.ndarray]], nbytes: int) -> None:
-        check = value_check()  # here, in the applying thread: the helper gets the callable
-        if nbytes < _SPLIT or not self._threaded:
-            for _, src in pairs:
-                check(src)
-            for dst, src in pairs:
-                np.copyto(dst, src)
-            return
+    def close(self) -> None:
+        if self._helper is not None:
+            self._helper.close()
+
+
+class _Helper:
+    """The second thread of a restore's copies, started at its first large group."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptcore-paddle-copy")
-        first, second = _halves(pairs, nbytes)
-        _both(self._pool, check, first, second)
+        return self._pool
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _copy_group(pairs: list[tuple[np.ndarray, np.ndarray]], nbytes: int, helper: _Helper | None) -> None:
+    """A planned group: every value verified (``value_check``), then every value written; from
+    :data:`_SPLIT` bytes on with a helper, half of each by the helper thread."""
+    check = value_check()  # here, in the applying thread: the helper gets the callable
+    if nbytes < _SPLIT or helper is None:
+        for _, src in pairs:
+            check(src)
+        for dst, src in pairs:
+            np.copyto(dst, src)
+        return
+    first, second = _halves(pairs, nbytes)
+    _both(helper.pool(), check, first, second)
 
 
 GROUP = 16 << 20  # bytes per planned group of copies

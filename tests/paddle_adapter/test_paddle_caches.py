@@ -326,3 +326,23 @@ def test_gradients_scanned_in_a_helper_or_in_place(monkeypatch, ahead) -> None:
         if name in buffers:
             assert np.array_equal(buffers[name], p.grad.numpy()), name
     assert buffers, "some gradients are in flight"
+
+
+def test_a_restore_leaves_no_shard_mapped(tmp_path) -> None:
+    """Once load_state(model=, optimizer=) returns (and its state is dropped), the shard it
+    mapped is unmapped at once: nothing of the restore (its plan, its copy groups) holds the
+    loaded arrays in a reference cycle, so the page cache under them can be dropped."""
+    import gc
+
+    src, src_opt = _trained()
+    url = str(tmp_path / "ck")
+    ckptcore.save_state(url, model=src, optimizer=src_opt)
+    net, opt = _trained(Tiny(), steps=2)
+    gc.collect()
+    gc.disable()
+    try:
+        ckptcore.load_state(url, model=net, optimizer=opt)
+        with open("/proc/self/maps") as f:
+            assert not [line for line in f if str(tmp_path) in line]
+    finally:
+        gc.enable()
