@@ -1,10 +1,10 @@
 /* Fault injection below Python for tests/test_durability.py (LD_PRELOAD).
  *
- * Wraps fsync, fdatasync, write and close.  Each fails when the path of its file descriptor
+ * Wraps fsync, fdatasync, write, writev and close.  Each fails when the path of its file descriptor
  * (readlink /proc/self/fd/N) contains the substring in an environment variable:
  *
  *   CKPT_FAIL_FSYNC=pattern   fsync and fdatasync fail with EIO (nothing is synced)
- *   CKPT_FAIL_WRITE=pattern   write fails with ENOSPC (nothing is written)
+ *   CKPT_FAIL_WRITE=pattern   write and writev fail with ENOSPC (nothing is written)
  *   CKPT_FAIL_CLOSE=pattern   close closes the descriptor, then reports EIO (as NFS can)
  *   CKPT_FAIL_DIRS_ONLY=1     only descriptors of directories match (fsync of a folder)
  *
@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 static int matches(int fd, const char *var) {
@@ -77,6 +78,17 @@ ssize_t write(int fd, const void *buf, size_t count) {
         return -1;
     }
     return real(fd, buf, count);
+}
+
+ssize_t writev(int fd, const struct iovec *iov, int iovcnt) {
+    static ssize_t (*real)(int, const struct iovec *, int);
+    if (!real)
+        real = (ssize_t (*)(int, const struct iovec *, int))dlsym(RTLD_NEXT, "writev");
+    if (iovcnt > 0 && matches(fd, "CKPT_FAIL_WRITE")) {
+        errno = ENOSPC;
+        return -1;
+    }
+    return real(fd, iov, iovcnt);
 }
 
 int close(int fd) {
