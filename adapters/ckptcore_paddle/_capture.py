@@ -41,7 +41,7 @@ import collections
 import dataclasses
 import functools
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import paddle
@@ -142,9 +142,10 @@ class _GradScan:
     are all zero (what ``clear_grad()`` leaves: listed in ``zero_grads``).
 
     Telling them apart reads every gradient's bytes: 100 MB for resnet50, 10 ms.  From
-    :data:`_SCAN_AHEAD` bytes on, a helper thread starts reading them (numpy's reductions
-    release the GIL) while the capture goes on with the optimizer, and :meth:`result` reads
-    along with it from the same queue; :meth:`join` waits for the helper (after a failure)."""
+    :data:`_SCAN_AHEAD` bytes on, a helper thread starts reading them, largest first (numpy's
+    reductions release the GIL for those: the capture goes on with the optimizer meanwhile),
+    and :meth:`result` reads along with it from the other end of the same queue, smallest
+    first; :meth:`join` waits for the helper (after a failure)."""
 
     def __init__(self, tensors: dict[str, Any], copy: bool) -> None:
         self._copy = copy
@@ -153,19 +154,22 @@ class _GradScan:
             g = None if t.stop_gradient else t.grad
             if g is not None:
                 self._grads.append((name, to_numpy(g, copy=False)))  # looked at before any copy
-        self._todo = collections.deque(range(len(self._grads)))  # popleft is atomic
+        sizes = [v.nbytes for _, v in self._grads]
+        # largest first: popleft (the helper) and pop (the capturing thread) are atomic
+        self._todo = collections.deque(sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True))
         self._bits: list[bool | None] = [None] * len(self._grads)
         self._errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
-        if sum(v.nbytes for _, v in self._grads) >= _SCAN_AHEAD:
-            self._thread = threading.Thread(target=self._work, name="ckptcore-paddle-grads", daemon=True)
+        if sum(sizes) >= _SCAN_AHEAD:
+            self._thread = threading.Thread(target=self._work, args=(self._todo.popleft,),
+                                            name="ckptcore-paddle-grads", daemon=True)
             self._thread.start()
 
-    def _work(self) -> None:
+    def _work(self, take: Callable[[], int]) -> None:
         try:
             while True:
                 try:
-                    k = self._todo.popleft()
+                    k = take()
                 except IndexError:
                     return
                 self._bits[k] = any_bit(self._grads[k][1])
@@ -178,7 +182,7 @@ class _GradScan:
 
     def result(self) -> tuple[dict[str, np.ndarray], list[str]]:
         """``(buffers, zero_grads)``, in the model's order, once every gradient is looked at."""
-        self._work()
+        self._work(self._todo.pop)
         self.join()
         if self._errors:
             raise self._errors[0]
