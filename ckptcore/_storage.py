@@ -304,9 +304,10 @@ class LocalStore(Store):
         return _localfs.read_file(self.join(rel), max_bytes,
                                   lambda size: self._check_max(rel, size, max_bytes))
 
-    def listdir(self, rel: str = "") -> list[Entry]:
-        """Entries directly below ``rel``; empty when it does not exist."""
-        return [Entry(*e) for e in _localfs.scan(self.join(rel))]
+    def listdir(self, rel: str = "", *, details: bool = True) -> list[Entry]:
+        """Entries directly below ``rel``; empty when it does not exist.  ``details=False``: no
+        mtime or size where they cost a request or a system call each (local disk)."""
+        return [Entry(*e) for e in _localfs.scan(self.join(rel), details)]
 
     def find(self, rel: str = "") -> list[Entry]:
         """Every file below ``rel``, recursively, named by its path relative to ``rel``; empty when
@@ -454,8 +455,9 @@ class RemoteStore(Store):
         """The ``threads`` knob, at least ``remote_concurrency`` (writers wait on the network)."""
         return max(_knobs.threads(), _knobs.remote_concurrency())
 
-    def listdir(self, rel: str = "") -> list[Entry]:
-        """Entries directly below ``rel``; empty when it does not exist."""
+    def listdir(self, rel: str = "", *, details: bool = True) -> list[Entry]:
+        """Entries directly below ``rel``; empty when it does not exist (``details``: as for
+        local disk; a listing brings them anyway here)."""
         path = self.join(rel)
         try:
             with self.translate_errors("list", rel):
