@@ -167,7 +167,7 @@ class WriterLock:
         self.generation: int | None = None  # this holder's generation of the root (_fence)
         self._accepted: set[int] = set()  # the steps of its claim's record
         self._committed: set[int] = set()  # steps committed under this generation
-        # What retention knows of the named steps: (created, metrics), written with the record.
+        # What retention knows of the named steps, (created, metrics): the retention index.
         self._entries: dict[int, tuple[float, Any]] = {}
         self._unwritten = False  # entries learned since the index was last written
         self._indexed = 0.0  # monotonic time of the last index write
@@ -250,7 +250,6 @@ class WriterLock:
     def _claim(self, extra: tuple[int, ...] = ()) -> None:
         """Claim the root's next generation (the caller holds the flock or the lease)."""
         g, accepted, entries = _fence.claim(self.store, self.holder, extra=extra)
-
         if self.generation is not None:
             log.warning("%s: this writer's lease renewal was overdue (%.1f s since the last one, "
                         "lease %s s), so it may have been taken over meanwhile; nobody had: "
@@ -395,7 +394,7 @@ class WriterLock:
                            self.holder)
 
     def entry(self, step: int) -> tuple[float, Any] | None:
-        """What the record says of ``step`` for retention (created, metrics), if anything."""
+        """What the retention index says of ``step`` (created, metrics), if anything."""
         return self._entries.get(step)
 
     def remember(self, step: int, created: float, metrics: Any) -> None:
