@@ -436,6 +436,9 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
                 describe: Callable[[Manifest], bytes | None]) -> Manifest:
     started = broken = False
     spread = int(group.size) >= _knobs.prefix_ranks()  # decided here, for every rank
+    if spread:
+        log.debug("%s: %d ranks (prefix_ranks %d): shards in folders hashed from the rank",
+                  store.url, int(group.size), _knobs.prefix_ranks())
 
     def write(target: Store) -> Manifest:
         nonlocal started, broken

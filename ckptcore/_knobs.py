@@ -64,7 +64,8 @@ _DEFAULTS = {
     # A distributed save by a group of at least this many ranks puts each rank's shards in one
     # of 256 folders named by a hash of the rank (<checkpoint>/3f/shard-...): S3 scales request
     # rates per key prefix (about 3,500 PUT/s each), and 1,000 ranks' shards under one prefix
-    # would queue there.  Smaller groups keep the flat layout every reader since format 1 knows.
+    # would queue there.  Smaller groups keep the flat layout every reader since format 1 knows
+    # (0 or 1: every group spreads).
     "prefix_ranks": 256,
     # A backup replication that fails on the store (network, throttling, an outage) is tried
     # again this many times, waiting backup_retry_seconds, then twice that, ... (at most 60 s)

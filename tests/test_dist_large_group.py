@@ -202,6 +202,14 @@ def nested_ckpt(tmp_path):
     return tmp_path / "ck"
 
 
+def test_the_reader_printed_in_format_md_reads_shard_folders(nested_ckpt):
+    from test_golden import _format_md_reader
+
+    tree = _format_md_reader()(str(nested_ckpt))
+    for name, want in _state(4).model.items():
+        assert tree["model"][name].tobytes() == want.tobytes(), name
+
+
 @pytest.mark.parametrize("path", ["../x", "a/b/c", "zz/shard", "/abs", "ab/../../x",
                                   "00/11/shard.bin"])
 def test_a_hostile_manifest_naming_shards_outside_is_refused(nested_ckpt, path):
