@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _codec, _io, _knobs
 from ._manifest import Manifest, TensorTable
-from ._storage import Store, named_error, open_regular
+from ._storage import Store, named_error
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, SchemaError
 from .sharding import Chunks, Shard
 from .state import TrainingState
@@ -206,7 +206,7 @@ def _pread(store: Store, shard: Any, ranges: list[tuple[int, int]]) -> list[memo
     the manifest says) and read with ``pread`` into buffers of our own."""
     path = store.join(shard.path)
     try:
-        fd, st = open_regular(path)
+        fd, st = store.open_file(shard.path)
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"{path}: shard file is missing") from e
     try:

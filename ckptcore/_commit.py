@@ -48,8 +48,8 @@ import os
 from typing import Any, Callable
 
 from . import _knobs
-from ._manifest import MANIFEST_NAME, Manifest, safe_shard_name
-from ._storage import CAS_PREFIX, Store, tick, fsync_dir
+from ._manifest import MANIFEST_NAME, SHARD_FOLDER, Manifest, safe_shard_name, shard_folder
+from ._storage import CAS_PREFIX, Entry, Store, tick, fsync_dir
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError,
                      SchemaError, StorageError)
 
@@ -96,7 +96,7 @@ def publishable(target: Store, manifest: Manifest) -> bytes:
                           f"{limit}-byte limit every reader applies (max_manifest_bytes): nothing "
                           "committed; keep large values in tensors, not in metadata")
     Manifest.from_bytes(data, source=f"{target.join(MANIFEST_NAME)} (before publishing)")
-    sizes = {e.name: e.size for e in target.listdir() if not e.is_dir and not e.is_link}
+    sizes = {e.name: e.size for e in shard_files(target) if not e.is_link}
     for s in manifest.shards:
         if s.path.startswith(CAS_PREFIX):
             continue
@@ -108,6 +108,23 @@ def publishable(target: Store, manifest: Manifest) -> bytes:
     return data
 
 
+def shard_files(store: Store) -> list[Entry]:
+    """The files of a checkpoint folder that may be shards: those directly in it and, when it
+    has shard folders (a large group's save, ``_manifest.SHARD_FOLDER``), those in them, named
+    relative to the folder (``3f/shard-...``).  Links are listed as links, never followed."""
+    top = store.listdir()
+    files = [e for e in top if not e.is_dir]
+    if any(e.is_dir and SHARD_FOLDER.fullmatch(e.name) for e in top):
+        # One recursive listing (one paginated LIST on an object store), not one per folder.
+        files += [e for e in store.find() if "/" in e.name and safe_shard_name(e.name)]
+    return files
+
+
+def is_shard_file(name: str) -> bool:
+    """Whether a listed name (:func:`shard_files`) is named like a shard of some save."""
+    return name.rpartition("/")[2].startswith("shard-")
+
+
 def _commit_rename(store: Store, write, *, token: str, overwrite: bool, fence: Any) -> Manifest:
     parent = os.path.dirname(store.path)
     os.makedirs(parent, exist_ok=True)
@@ -117,6 +134,8 @@ def _commit_rename(store: Store, write, *, token: str, overwrite: bool, fence: A
     try:
         manifest = write(tmp)  # raises any failed write/fsync/close of a shard
         data = publishable(tmp, manifest)
+        for folder in sorted({shard_folder(s.path) for s in manifest.shards} - {""}):
+            fsync_dir(tmp.join(folder))  # the shards' names in their folders, before the commit
         tmp.write_bytes(MANIFEST_NAME, data)  # raises a failed write/fsync/close, as above
         fsync_dir(tmp.path)
         if fence is not None:
@@ -210,7 +229,7 @@ def _rename_exchange(a: str, b: str) -> bool:
 def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: Any) -> Manifest:
     old_shards: set[str] = set()
     if overwrite:
-        old_shards = {e.name for e in store.listdir() if e.name.startswith("shard-")}
+        old_shards = {e.name for e in shard_files(store) if is_shard_file(e.name)}
     manifest = None
     try:
         manifest = write(store)
@@ -242,7 +261,7 @@ def _remove_shards(store: Store, manifest: Manifest | None, token: str | None = 
     ``../evil.bin``), and a deduplicated replica's blobs are shared with other steps (never
     removed here; unreferenced ones are swept under the root's lock, ``_backup.sweep``)."""
     try:
-        names = {e.name for e in store.listdir() if token and token in e.name}
+        names = {e.name for e in shard_files(store) if token and token in e.name}
         if manifest is not None:
             names |= {s.path for s in manifest.shards
                       if safe_shard_name(s.path) and not s.path.startswith(CAS_PREFIX)}

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _codec, _knobs
 from ._manifest import CRC_BLOCK, Manifest, ShardEntry, TensorEntry, TensorTable
-from ._storage import Store, close_quietly, named_error, fsync_close, open_regular, start_writeback
+from ._storage import Store, close_quietly, named_error, fsync_close, start_writeback
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 # Callback for progress display (the CLI sets it): called with a number of bytes done.
@@ -190,9 +190,11 @@ def _write_pieces(f: Any, buf: np.ndarray, n: int, offset: int, pos: int, kicked
 
 def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[str],
                   token: str, dtypes: Sequence[str] | None = None, *,
-                  chunks: _codec.Chunking | None = None) -> tuple[list[ShardEntry], TensorTable]:
+                  chunks: _codec.Chunking | None = None,
+                  folder: str = "") -> tuple[list[ShardEntry], TensorTable]:
     """Write ``arrays`` (little-endian, C-contiguous) into shards under ``store``; ``dtypes`` are
-    their format names when the caller has them already (see ``_codec.Encoded``).
+    their format names when the caller has them already (see ``_codec.Encoded``).  ``folder``: a
+    shard folder (``_manifest.SHARD_FOLDER``) to put them in, made here, instead of the top.
 
     With ``chunks`` (``_codec.Encoded.chunks``, or ``Chunking.whole(arrays)``), the table is a
     chunked (version-3) one: the arrays' logical tensors, global shapes and starts, and the
@@ -201,7 +203,10 @@ def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[st
     alignment = _knobs.alignment()
     sizes = [a.nbytes for a in arrays]
     layout = plan_shards(sizes, store.shard_size, alignment)
-    paths = [f"shard-{i:05d}-{token}.bin" for i in range(len(layout))]
+    base = f"{folder}/" if folder else ""
+    paths = [f"{base}shard-{i:05d}-{token}.bin" for i in range(len(layout))]
+    if folder and layout:
+        store.makedirs(folder)
     ctx = contextvars.copy_context()
     block = CRC_BLOCK if chunks is not None else 0
     if len(layout) == 1:  # no pool for one shard: its thread would only add a hand-over
@@ -263,7 +268,7 @@ def map_local(store: Store, shard: ShardEntry) -> memoryview:
     FIFO, directory, ...), its size checked on that descriptor, then mapped from it."""
     path = store.join(shard.path)
     try:
-        fd, st = open_regular(path)
+        fd, st = store.open_file(shard.path)
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"{path}: shard file is missing{_of(store, shard)}") from e
     try:

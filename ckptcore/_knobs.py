@@ -61,6 +61,12 @@ _DEFAULTS = {
     # a rank that does not arrive in time is taken for dead, and the save fails on every rank
     # with nothing committed.  It must exceed the slowest rank's write of its part.
     "group_timeout": 120.0,
+    # A distributed save by a group of at least this many ranks puts each rank's shards in one
+    # of 256 folders named by a hash of the rank (<checkpoint>/3f/shard-...): S3 scales request
+    # rates per key prefix (about 3,500 PUT/s each), and 1,000 ranks' shards under one prefix
+    # would queue there.  Smaller groups keep the flat layout every reader since format 1 knows
+    # (0 or 1: every group spreads).
+    "prefix_ranks": 256,
     # A backup replication that fails on the store (network, throttling, an outage) is tried
     # again this many times, waiting backup_retry_seconds, then twice that, ... (at most 60 s)
     # in between; a step that still fails is left to the next successful replication or the
@@ -160,6 +166,11 @@ def remote_concurrency() -> int:
 def group_timeout() -> float:
     """Seconds a distributed save or load waits for each collective."""
     return _float("group_timeout")
+
+
+def prefix_ranks() -> int:
+    """Group size from which a distributed save spreads its shards over shard folders."""
+    return _int("prefix_ranks")
 
 
 def backup_retries() -> int | float:

@@ -39,6 +39,11 @@ CHECKSUM = "crc32c"
 # Shard names are plain file names: no separators, no "..", so a manifest can never point outside
 # its checkpoint directory (matched with fullmatch: "$" would admit a trailing newline).
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+# ... or a plain name in one folder of two lower-case hex digits ("3f/shard-..."): a large group's
+# save spreads its shards over 256 key prefixes, so that no single prefix carries every PUT of
+# the save (S3 scales request rates per prefix; ``_dist.shard_folder``).  One level, exactly this
+# shape: nothing else a separator could reach is admitted.
+SHARD_FOLDER = re.compile(r"[0-9a-f]{2}")
 CAS_NAME = re.compile(r"cas:[0-9a-f]{64}")  # a deduplicated replica's chunk (_storage.CAS_PREFIX)
 # numpy's limits, checked here so that building an array from a valid manifest cannot fail:
 # at most 64 dimensions, and the product of the non-zero dimensions times the itemsize must fit
@@ -60,9 +65,21 @@ MIN_CRC_BLOCK = 4096  # what readers accept (bounds the number of block checksum
 
 def safe_shard_name(path: Any) -> bool:
     """Whether ``path`` may name a shard: a plain file name inside the checkpoint folder (never
-    ``..``, a separator or the manifest itself), or a deduplicated replica's ``cas:`` chunk."""
-    return isinstance(path, str) and path != MANIFEST_NAME and ".." not in path and bool(
-        _SHARD_NAME.fullmatch(path) or CAS_NAME.fullmatch(path))
+    ``..`` or the manifest itself), optionally in one :data:`SHARD_FOLDER` (``3f/shard-...``;
+    no other separator), or a deduplicated replica's ``cas:`` chunk."""
+    if not isinstance(path, str) or ".." in path:
+        return False
+    if CAS_NAME.fullmatch(path):
+        return True
+    folder, sep, name = path.rpartition("/")
+    if sep and not SHARD_FOLDER.fullmatch(folder):  # "a/b/c", "/abs", "zz/x", "ab//x"
+        return False
+    return name != MANIFEST_NAME and bool(_SHARD_NAME.fullmatch(name))
+
+
+def shard_folder(path: str) -> str:
+    """The :data:`SHARD_FOLDER` a (safe) shard path is in, or "" for a plain name."""
+    return path.rpartition("/")[0]
 
 
 def block_count(length: np.ndarray, crc_block: int) -> np.ndarray:
@@ -457,7 +474,8 @@ def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
         path = _req(s, "path", str, where)
         if not safe_shard_name(path):
             raise UnsafeCheckpointError(f"{where}: shard path {_codec.short_repr(path)} is not a plain "
-                                        "file name inside the checkpoint directory; refusing to read it")
+                                        "file name inside the checkpoint directory (optionally in "
+                                        "one folder of two hex digits); refusing to read it")
         if path in seen:
             raise SchemaError(f"{where}: shard path {path!r} is listed twice")
         seen.add(path)

@@ -37,6 +37,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from . import _knobs, _localfs, _remote
+from ._manifest import safe_shard_name
 from ._localfs import (close_quietly, file_kind, fsync_close, fsync_dir, named_error,  # noqa: F401
                        open_regular, start_writeback)
 from ._objstore import (RemoteWriter, as_time, bucket_missing, error_chain, listed_size,  # noqa: F401
@@ -258,6 +259,10 @@ class Store:
         """How many shards to write at once: the ``threads`` knob (the disk's queue depth)."""
         return _knobs.threads()
 
+    def open_file(self, rel: str) -> tuple[int, os.stat_result]:
+        """A local file's descriptor and fstat (``LocalStore`` only: memory maps and ``pread``)."""
+        raise NotImplementedError(f"{self.url}: not on local disk")
+
     # -- writes ---------------------------------------------------------------------------------
     def makedirs(self, rel: str = "") -> None:
         """Make the folder ``rel`` and its parents (object stores have no folders: nothing)."""
@@ -291,10 +296,20 @@ class LocalStore(Store):
         """Whether ``rel`` exists."""
         return os.path.exists(self.join(rel))
 
+    def open_file(self, rel: str) -> tuple[int, os.stat_result]:
+        """``rel`` opened for reading, never through a link, nor through a nested shard's folder
+        (``3f/shard-...``) that is one: ``(fd, fstat of fd)``, see ``_localfs.open_regular``."""
+        return open_regular(self.join(rel), in_folder=self._nested(rel))
+
+    @staticmethod
+    def _nested(rel: str) -> bool:
+        """Whether ``rel`` is a shard in a shard folder, whose folder is the checkpoint's too."""
+        return "/" in rel and safe_shard_name(rel)
+
     def size(self, rel: str) -> int:
         """Size in bytes; ``FileNotFoundError`` when absent; never through a link
         (:class:`UnsafeCheckpointError` for anything but a regular file)."""
-        fd, st = open_regular(self.join(rel))
+        fd, st = self.open_file(rel)
         os.close(fd)
         return st.st_size
 
@@ -302,7 +317,8 @@ class LocalStore(Store):
         """The whole file.  ``max_bytes``: a larger file raises :class:`SchemaError` before any of
         it is read.  Never through a link (:class:`UnsafeCheckpointError`)."""
         return _localfs.read_file(self.join(rel), max_bytes,
-                                  lambda size: self._check_max(rel, size, max_bytes))
+                                  lambda size: self._check_max(rel, size, max_bytes),
+                                  in_folder=self._nested(rel))
 
     def listdir(self, rel: str = "", *, details: bool = True) -> list[Entry]:
         """Entries directly below ``rel``; empty when it does not exist.  ``details=False``: no

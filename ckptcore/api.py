@@ -20,7 +20,8 @@ from ._commit import commit
 from ._convert import convert_for, convert_state_for, restore_converted  # noqa: F401 (convert_for: api's name)
 from ._manifest import (CHUNKED_VERSION, READ_VERSIONS, Manifest, ShardEntry, TensorTable,
                         check_chunks)
-from ._read import CheckpointInfo, TensorInfo, info_of, inspect, read_manifest
+from ._read import (CheckpointInfo, TensorInfo, info_from_summary, info_of, inspect,
+                    read_manifest, summary_of)
 from ._storage import Store
 from .errors import CheckpointError, IncompleteCheckpointError, SchemaError, caller_level
 from .group import ProcessGroup
@@ -57,6 +58,13 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     (``ckptcore/_dist.py``).  ``fence``: the writer lease of the root ``url`` is in (what a
     ``CheckpointManager`` passes; docs/RELIABILITY.md, "Fencing").
 
+    Returns:
+        The :class:`CheckpointInfo` of what was committed.  With ``group``, on the ranks other
+        than 0 it is built from a summary rank 0 sends them, without reading the store: its
+        ``tensors`` and ``shards`` lists (and ``data``/``metadata`` when they are larger than a
+        few KiB) are read from the manifest on first use, once.  By then the step may be gone
+        (a rewind, retention) or replaced: that first use raises ``CheckpointNotFoundError``.
+
     Raises:
         CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
         TypeError: the state holds a value that cannot be stored (the message names it).
@@ -71,16 +79,9 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     token = uuid.uuid4().hex[:16]
     make_manifest = _manifest_maker(state, enc, version, token, fence, len(arrays))
     if group is not None:
-        manifest = _dist.save(store, group, enc, arrays, make_manifest, token=token,
-                              overwrite=overwrite, fence=fence)
-        try:
-            if manifest is None:  # another rank: rank 0 committed; describe what it committed
-                manifest = read_manifest(store)
-        finally:
-            # Rank 0 goes on only once every rank has read the manifest: its next act may
-            # delete this very step (a rewind), and a rank still reading would find it gone.
-            _dist.settle(store, group)
-        return info_of(store.url, manifest)
+        return _save_with_group(store, group, enc, arrays, make_manifest, token=token,
+                                overwrite=overwrite, fence=fence)
+
     def write(target: Store) -> Manifest:
         shards, table = _io.write_payload(target, arrays, enc.names, token, enc.dtypes,
                                           chunks=enc.chunks)
@@ -92,6 +93,35 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
         return make_manifest(shards, table)
 
     return info_of(store.url, commit(store, write, token=token, overwrite=overwrite, fence=fence))
+
+
+def _save_with_group(store: Store, group: ProcessGroup, enc: Any, arrays: list[np.ndarray],
+                     make_manifest: Any, *, token: str, overwrite: bool,
+                     fence: Any) -> CheckpointInfo:
+    """``save_state``'s part with a group: the save (``_dist``), then this rank's answer."""
+    committed = _dist.save(store, group, enc, arrays, make_manifest, token=token,
+                           overwrite=overwrite, fence=fence, describe=summary_of)
+    try:
+        return _group_info(store, committed)
+    finally:
+        # Rank 0 goes on only once every rank has its answer: its next act may delete this very
+        # step (a rewind), and a rank still reading the manifest (one that missed rank 0's
+        # summary) would find it gone.  Lists read later, on first use, are not covered: they
+        # raise CheckpointNotFoundError if the step is gone by then (save_state's docstring).
+        _dist.settle(store, group)
+
+
+def _group_info(store: Store, committed: Manifest | bytes | None) -> CheckpointInfo:
+    """This rank's answer to a group save (``_dist.save``'s result): rank 0 has the manifest;
+    the others build it from rank 0's summary, reading nothing; a rank without a usable one (it
+    missed the outcome and found the commit in the store) reads the manifest."""
+    if isinstance(committed, Manifest):
+        return info_of(store.url, committed)
+    info = info_from_summary(store, committed) if committed is not None else None
+    if info is None:
+        log.info("%s: no summary of the commit from rank 0; reading the manifest", store.url)
+        info = info_of(store.url, read_manifest(store))
+    return info
 
 
 def _encode(store: Store, state: TrainingState | None, objects: dict[str, Any],

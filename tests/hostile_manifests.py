@@ -263,6 +263,18 @@ BODY_CASES: dict[str, Callable[[dict], Any]] = {
     "shard-path-nul": _s(0, path="shard\x00.bin"),
     "shard-path-unicode-sep": _s(0, path="shard\u2215x.bin"),
     "shard-path-int": _s(0, path=7),
+    # a large group's shard folders ("3f/shard-..."): only one folder of two lower-case hex digits
+    "shard-path-folder-dotdot": _s(0, path="3f/../../outside.bin"),
+    "shard-path-folder-deeper": _s(0, path="3f/00/shard.bin"),
+    "shard-path-folder-not-hex": _s(0, path="zz/shard.bin"),
+    "shard-path-folder-upper": _s(0, path="3F/shard.bin"),
+    "shard-path-folder-one-digit": _s(0, path="3/shard.bin"),
+    "shard-path-folder-absolute": _s(0, path="/3f/shard.bin"),
+    "shard-path-folder-empty-name": _s(0, path="3f/"),
+    "shard-path-folder-double-slash": _s(0, path="3f//shard.bin"),
+    "shard-path-folder-hidden": _s(0, path="3f/.shard.bin"),
+    "shard-path-folder-manifest": _s(0, path="3f/" + MANIFEST_NAME),
+    "shard-path-folder-backslash": _s(0, path="3f\\shard.bin"),
     # a deduplicated replica's chunk names (cas:<64 hex>), crafted
     "shard-path-cas-dotdot": _s(0, path="cas:../../../etc/passwd"),
     "shard-path-cas-short": _s(0, path="cas:" + "ab" * 31),
@@ -661,6 +673,19 @@ def _replace_shard(d: Path, make: Callable[[Path], None]) -> None:
     make(shard)
 
 
+def _link_shard_folder(d: Path, outside: Path) -> None:
+    """The first shard moved into a shard folder (a valid name, ``3f/...``), and that folder
+    replaced by a link to a copy outside the checkpoint: the bytes would verify if followed."""
+    body = read_body(d)
+    shard = d / body["shards"][0]["path"]
+    (outside / "3f").mkdir()
+    shutil.copyfile(shard, outside / "3f" / shard.name)
+    shard.unlink()
+    body["shards"][0]["path"] = f"3f/{shard.name}"
+    write_manifest(d, body)
+    (d / "3f").symlink_to(outside / "3f", target_is_directory=True)
+
+
 def _sparse_manifest(d: Path, outside: Path) -> None:
     with open(d / MANIFEST_NAME, "r+b") as f:
         f.truncate(3 << 30)  # 3 GiB, sparse: nothing is allocated on disk
@@ -672,6 +697,7 @@ FILE_CASES: dict[str, Callable[[Path, Path], None]] = {
     "link-manifest-to-outside-copy": _link_manifest_to_copy,
     "link-shard-to-passwd": lambda d, o: _replace_shard(d, lambda p: p.symlink_to("/etc/passwd")),
     "link-shard-dangling": lambda d, o: _replace_shard(d, lambda p: p.symlink_to(o / "nothing")),
+    "link-shard-folder-to-outside-copy": _link_shard_folder,
     "link-shard-to-dev-zero": lambda d, o: _replace_shard(d, lambda p: p.symlink_to("/dev/zero")),
     "shard-is-fifo": lambda d, o: _replace_shard(d, lambda p: os.mkfifo(p)),
     "shard-is-directory": lambda d, o: _replace_shard(d, lambda p: p.mkdir()),
