@@ -170,6 +170,7 @@ class WriterLock:
         # What retention knows of the named steps, (created, metrics): the retention index.
         self._entries: dict[int, tuple[float, Any]] = {}
         self._unwritten = False  # entries learned since the index was last written
+        self._claimed: list[int] | None = None
         self._indexed = 0.0  # monotonic time of the last index write
 
     def acquire(self) -> None:
@@ -258,6 +259,7 @@ class WriterLock:
         self.generation = g
         self._accepted = set(accepted)  # what the claim wrote, not read back (see claim)
         self._committed = set()
+        self._claimed: list[int] | None = sorted(accepted)  # a listing as fresh as any
         self._entries = {s: e for s, e in {**entries, **self._entries}.items() if s in self._accepted}
         if self._entries:  # this generation's own index, at once: a run that dies before its
             self._write_index()  # first write would leave its successor no index to read
@@ -392,6 +394,12 @@ class WriterLock:
             return None
         return _fence.View(self.generation, frozenset(self._accepted | self._committed),
                            self.holder)
+
+    def claimed_steps(self) -> list[int] | None:
+        """The steps readers accepted at this holder's claim, once (then None): the listing the
+        claim just made, which the holder's tier takes instead of listing the root again."""
+        steps, self._claimed = self._claimed, None
+        return steps
 
     def entry(self, step: int) -> tuple[float, Any] | None:
         """What the retention index says of ``step`` (created, metrics), if anything."""

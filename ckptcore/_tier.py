@@ -93,6 +93,8 @@ class Tier:
     def committed(self) -> list[int]:
         """Committed steps, from this tier's last listing while its lock keeps other writers out
         (a save's order check need not list the root every time)."""
+        if self._listed is None and self._tracked:
+            self._listed = self.lock.claimed_steps()  # the claim's own listing, if just made
         if self._listed is None or self.lock is None:
             return self.steps()
         return list(self._listed)
