@@ -108,7 +108,9 @@ class _Written:
 
 def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
                layout: list[tuple[int, int]], block: int = 0) -> _Written:
-    f = store.open_write(path)
+    # ``stable``: the arrays stay unchanged until the shard is closed (the save holds them), so
+    # an object store may upload them from their own memory instead of copies.
+    f = store.open_write(path, stable=True)
     chunk = max(1, _knobs.write_chunk())
     kick = _knobs.writeback_bytes() if store.local else 0
     if block:  # the write pieces must not straddle checksum blocks

@@ -53,9 +53,8 @@ _DEFAULTS = {
     # tools use (8-64 MiB; s3fs 50 MiB).  Store.shard_size bounds remote shards to one part.
     "remote_part_size": 32 * 1024 * 1024,
     # How many parts (uploads) or pieces (reads) of one save or load are in flight at once: 8, like
-    # boto3's and s3fs's defaults (10), within botocore's pool of 10 connections.  Memory held by a
-    # save's part buffers is at most remote_concurrency x remote_part_size (256 MiB); the HTTP client
-    # may hold a copy of what it is still sending (asyncio buffers what the socket has not taken).
+    # boto3's and s3fs's defaults (10), within botocore's pool of 10 connections.  A save's uploads
+    # hold at most remote_concurrency x remote_part_size (256 MiB) above its state (_remote.py).
     "remote_concurrency": 8,
     # A distributed save (save_state(..., group=)) waits this long (seconds) for each collective:
     # a rank that does not arrive in time is taken for dead, and the save fails on every rank
