@@ -36,6 +36,7 @@ benchmarks=(
   bench_dist.py
   bench_backup.py
   bench_scale_sim.py
+  bench_memory.py
 )
 
 # --quick for the scripts that lack it: their own options for a small, short run.

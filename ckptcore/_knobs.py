@@ -53,10 +53,15 @@ _DEFAULTS = {
     # tools use (8-64 MiB; s3fs 50 MiB).  Store.shard_size bounds remote shards to one part.
     "remote_part_size": 32 * 1024 * 1024,
     # How many parts (uploads) or pieces (reads) of one save or load are in flight at once: 8, like
-    # boto3's and s3fs's defaults (10), within botocore's pool of 10 connections.  Memory held by a
-    # save's part buffers is at most remote_concurrency x remote_part_size (256 MiB); the HTTP client
-    # may hold a copy of what it is still sending (asyncio buffers what the socket has not taken).
+    # boto3's and s3fs's defaults (10), within botocore's pool of 10 connections.  A save's uploads
+    # hold at most remote_concurrency x remote_part_size (256 MiB) above its state (_remote.py).
     "remote_concurrency": 8,
+    # An async save's staging budget in bytes (0: unlimited).  save() copies the state's arrays
+    # into staging buffers so the caller may go on training while a thread writes them; with a
+    # budget smaller than the state, the arrays that do not fit are written from the caller's own
+    # arrays before save() returns (the caller blocks for that part only), so a state larger
+    # than free memory can still be saved asynchronously.
+    "staging_bytes": 0,
     # A distributed save (save_state(..., group=)) waits this long (seconds) for each collective:
     # a rank that does not arrive in time is taken for dead, and the save fails on every rank
     # with nothing committed.  It must exceed the slowest rank's write of its part.
@@ -161,6 +166,11 @@ def remote_part_size() -> int:
 def remote_concurrency() -> int:
     """Object-store parts or pieces of one save or load in flight at once."""
     return _int("remote_concurrency")
+
+
+def staging_bytes() -> int:
+    """Bytes an async save may copy into staging buffers (0: the whole state)."""
+    return _int("staging_bytes")
 
 
 def group_timeout() -> float:

@@ -333,9 +333,9 @@ class LocalStore(Store):
     def makedirs(self, rel: str = "") -> None:
         os.makedirs(self.join(rel), exist_ok=True)
 
-    def open_write(self, rel: str):
+    def open_write(self, rel: str, *, stable: bool = False):
         """A binary file for streaming writes: ``fsync_close`` makes it durable and raises any
-        write, flush, fsync or close error."""
+        write, flush, fsync or close error.  (``stable``: see :meth:`RemoteStore.open_write`.)"""
         tick("open_write", self.join(rel))
         return open(self.join(rel), "wb", buffering=1 << 20)
 
@@ -374,7 +374,7 @@ class RemoteStore(Store):
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) \
             else (self.fs.protocol,)
         self.atomic_create = bool(_ATOMIC_CREATE & set(protocols))
-        self._pool: _remote.PartPool | None = None  # part buffers of this store's uploads
+        self._pool: _remote.PartPool | None = None  # part slots of this store's uploads
         self._pool_lock = threading.Lock()
 
     def same_place(self, other: Store) -> bool:
@@ -501,17 +501,19 @@ class RemoteStore(Store):
                 for full, info in infos.items()]
 
     # -- writes ---------------------------------------------------------------------------------
-    def open_write(self, rel: str):
-        """A binary file for streaming writes: its ``close`` uploads and raises."""
+    def open_write(self, rel: str, *, stable: bool = False):
+        """A binary file for streaming writes: its ``close`` uploads and raises.  ``stable``:
+        the caller leaves what it writes unchanged until ``close`` returns, so large writes may
+        be uploaded from its own buffers rather than copies (S3)."""
         tick("open_write", self.join(rel))
         with self.translate_errors("write", rel, write=True):
             if _remote.multipart_capable(self.fs):
                 # S3: parts uploaded concurrently while the caller writes the next ones.
-                return _remote.PartWriter(self, rel, pool=self._part_pool())
+                return _remote.PartWriter(self, rel, pool=self._part_pool(), stable=stable)
             return RemoteWriter(self, rel, self.fs.open(self.join(rel), "wb"))
 
     def _part_pool(self) -> _remote.PartPool:
-        """The part buffers this store's uploads share (``remote_concurrency`` of
+        """The part slots this store's uploads share (``remote_concurrency`` parts of at most
         ``remote_part_size``): every shard of a save goes through one store, so this bounds the
         memory of a save's uploads."""
         with self._pool_lock:

@@ -45,7 +45,15 @@ class CheckpointManager:
         keep: Retention: a policy (``KeepLast(3) | KeepBest("loss")``), an int n
             (``KeepLast(n)``), a list of policies (kept if any keeps it), or None to keep all.
             The newest committed checkpoint is always kept.
-        async_save: Write in a background thread after snapshotting the state.
+        async_save: Write in a background thread after snapshotting the state: ``save()``
+            copies the state's arrays into staging buffers (kept for the next save) and returns;
+            the shards, the manifest, retention and replication follow in the background.  With
+            the ``staging_bytes`` knob (``CKPTCORE_STAGING_BYTES``) below the state's size, only
+            the arrays that fit are copied (in order, each that still fits), and ``save()`` also
+            blocks until every other array has been written to its shard files (on an object
+            store: uploaded and acknowledged), straight from the caller's arrays; the copied
+            ones, the manifest and the commit still happen in the background.  Memory above the
+            state: at most the budget (plus, on an object store, the uploads' parts).
         storage_options: Passed to fsspec for ``root``.
         lock: Hold each tier's writer lock while writing there (on object stores a lease,
             taken over once its holder is gone: docs/RELIABILITY.md, "The writer lock").
@@ -170,7 +178,8 @@ class CheckpointManager:
         self._wait_inflight()  # at most one save in flight; raises a previous background error
         overwrite = self._on_coordinator(lambda: self._prepare(step))
         try:
-            snapshot = self._staging.snapshot(step, state, metrics, objects, self.async_save)
+            # (a synchronous save is written before it returns: nothing to copy)
+            snapshot, handoff = self._staging.snapshot(step, state, metrics, objects, not sync)
         except Exception as e:
             if self.group is not None:
                 # The other ranks are about to save: take part, so they fail at once.
@@ -178,8 +187,11 @@ class CheckpointManager:
             raise
         if sync:
             return SaveHandle(step, url, completed(self._write(step, url, snapshot, overwrite)))
-        return SaveHandle(step, url, self._inflight.submit(self._write, step, url, snapshot,
-                                                            overwrite))
+        write = self._write if handoff is None else handoff.bind(self._write)
+        handle = SaveHandle(step, url, self._inflight.submit(write, step, url, snapshot, overwrite))
+        if handoff is not None:
+            handoff.wait()  # the arrays beyond the staging budget are written: the caller's again
+        return handle
 
     def _prepare(self, step: int) -> bool:
         """The checks before a save (the writer lock, the step order, a damaged step in the
