@@ -18,6 +18,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .errors import CheckpointError
+
 _current: contextvars.ContextVar[Handoff | None] = contextvars.ContextVar(
     "ckptcore_handoff", default=None)
 
@@ -84,3 +86,18 @@ def _span(array: np.ndarray) -> tuple[int, int]:
     lo, hi = np.lib.array_utils.byte_bounds(array) if hasattr(np.lib, "array_utils") \
         else np.byte_bounds(array)
     return int(lo), int(hi)
+
+
+def first_writes(handoff: Handoff | None, arrays: Sequence[np.ndarray]) -> list[int]:
+    """Indices of the arrays still in the caller's memory, written before ``save()`` returns."""
+    if handoff is None:
+        return []
+    first = [i for i, a in enumerate(arrays) if handoff.holds(a)]
+    if first and handoff.released:
+        # A second attempt of the same save (after another writer's step was cleared out of the
+        # way): the caller has its arrays back and may have changed them since.
+        raise CheckpointError(
+            f"an async save that wrote {len(first)} array(s) beyond its staging budget straight "
+            "from the caller's memory cannot write them again once save() returned: save this "
+            "step again (or raise the staging_bytes knob)")
+    return first

@@ -23,7 +23,7 @@ import numpy as np
 from . import _codec, _handoff, _knobs
 from ._manifest import CRC_BLOCK, Manifest, ShardEntry, TensorEntry, TensorTable
 from ._storage import Store, close_quietly, named_error, fsync_close, start_writeback
-from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 # Callback for progress display (the CLI sets it): called with a number of bytes done.
 progress: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar(
@@ -190,21 +190,6 @@ def _write_pieces(f: Any, buf: np.ndarray, n: int, offset: int, pos: int, kicked
     return crc, pos, kicked
 
 
-def _first_writes(handoff: _handoff.Handoff | None, arrays: Sequence[np.ndarray]) -> list[int]:
-    """Indices of the arrays still in the caller's memory, written before ``save()`` returns."""
-    if handoff is None:
-        return []
-    first = [i for i, a in enumerate(arrays) if handoff.holds(a)]
-    if first and handoff.released:
-        # A second attempt of the same save (after another writer's step was cleared out of the
-        # way): the caller has its arrays back and may have changed them since.
-        raise CheckpointError(
-            f"an async save that wrote {len(first)} array(s) beyond its staging budget straight "
-            "from the caller's memory cannot write them again once save() returned: save this "
-            "step again (or raise the staging_bytes knob)")
-    return first
-
-
 def _plan(sizes: Sequence[int], first: Sequence[int], shard_size: int, alignment: int
           ) -> tuple[list[list[tuple[int, int]]], int]:
     """:func:`plan_shards`, with the arrays at ``first`` in shards of their own, planned first;
@@ -248,7 +233,7 @@ def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[st
     alignment = _knobs.alignment()
     sizes = [a.nbytes for a in arrays]
     handoff = _handoff.current()
-    first = _first_writes(handoff, arrays)
+    first = _handoff.first_writes(handoff, arrays)
     layout, cut = _plan(sizes, first, store.shard_size, alignment)
     base = f"{folder}/" if folder else ""
     paths = [f"{base}shard-{i:05d}-{token}.bin" for i in range(len(layout))]
