@@ -196,6 +196,24 @@ def after_commit(manifest, data: bytes, rounds: int) -> dict:
     return {"summary": len(summary), "make": make, "build": build, "before": len(data)}
 
 
+def format4(manifest, rounds: int) -> dict:
+    """The sharded manifest as format 4 (``_manifest4``): sizes, encode and full-parse times."""
+    from ckptcore._manifest import Manifest
+    from ckptcore._manifest4 import encode_manifest, memory_fetch, reader
+
+    (m4, root, extra), enc, _, _ = _timed(lambda: encode_manifest(manifest, "0" * 16), rounds)
+    assert m4.version == 4, "the table is below manifest_split_rows"
+    _, parse, _, _ = _timed(lambda: Manifest.from_bytes(
+        root, rows=reader(memory_fetch(dict(extra)))), rounds)
+    import numpy as np
+    import msgpack
+    length = np.frombuffer(msgpack.unpackb(msgpack.unpackb(root)["body"], raw=False,
+                                           strict_map_key=False)["tensors"]["index"]["length"],
+                           "<u8")
+    return {"encode": enc, "parse": parse, "root": len(root), "rows": len(extra[0][1]),
+            "groups": len(length), "largest": int(length.max())}
+
+
 def prefix_load(ranks: int) -> tuple[int, int]:
     """Shard folders (``_dist.rank_folder``) of ``ranks`` ranks: (most ranks in one, folders)."""
     from collections import Counter
@@ -303,6 +321,7 @@ def main(argv=None) -> int:
                           version=3, referenced=tuple(range(args.tensors)))
     s_data = s_manifest.to_bytes()
     _, sp_med, sp_min, sp_max = _timed(lambda: Manifest.from_bytes(s_data), args.rounds)
+    v4 = format4(s_manifest, args.rounds)
     flat_after = after_commit(manifest, data, args.rounds)
     s_after = after_commit(s_manifest, s_data, args.rounds)
     most, folders = prefix_load(args.ranks)
@@ -332,6 +351,12 @@ def main(argv=None) -> int:
         f"{s_med:.2f} s [{s_min:.2f}-{s_max:.2f}] (building the tables took {s_built:.1f} s) |",
         f"| sharded: manifest size; parse + validate (chunk rules, overlaps) | "
         f"{len(s_data) / 2**20:.1f} MiB; {sp_med:.2f} s [{sp_min:.2f}-{sp_max:.2f}] |",
+        f"| sharded, format 4 (rows object): encode; manifest / rows object size; groups (largest) "
+        f"| {v4['encode']:.2f} s; {v4['root'] / 2**20:.2f} MiB / {v4['rows'] / 2**20:.1f} MiB; "
+        f"{v4['groups']} ({v4['largest'] / 1024:.0f} KiB) |",
+        f"| sharded, format 4: full parse + validate (rows object read whole) | {v4['parse']:.2f} s |",
+        f"| sharded, format 4: manifest + one rank's own group (what a ranged load of its blocks "
+        f"would read; that reader is not built yet) | {(v4['root'] + v4['largest']) / 2**20:.2f} MiB |",
         f"| bytes each other rank reads from the store after a save | before: the manifest, "
         f"{len(data) / 2**20:.1f} MiB (sharded: {len(s_data) / 2**20:.1f} MiB); now: 0 |",
         f"| bytes the {others} other ranks read per save | before: {others * len(data) / 2**30:.1f} "

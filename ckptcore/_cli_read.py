@@ -354,7 +354,7 @@ def _young_leftovers(root: Store) -> list[str]:
             found.append(child.url)
         elif STEP.fullmatch(e.name):
             try:
-                named = {sh.path for sh in api.read_manifest(child).shards}
+                named = set(api.read_manifest(child).files())
             except CheckpointError:
                 continue
             found += [child.join(f.name) for f in shard_files(child)

@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 from . import _knobs
 from ._manifest import MANIFEST_NAME, SHARD_FOLDER, Manifest, safe_shard_name, shard_folder
+from ._manifest4 import encode_manifest, memory_fetch, reader
 from ._storage import CAS_PREFIX, Entry, Store, tick, fsync_dir
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError,
                      SchemaError, StorageError)
@@ -82,20 +83,25 @@ def commit(store: Store, write: Callable[[Store], Manifest], *, token: str, over
     return manifest
 
 
-def publishable(target: Store, manifest: Manifest) -> bytes:
-    """The bytes of ``manifest``, once a reader would accept them: within ``max_manifest_bytes``,
-    valid by :meth:`Manifest.from_bytes` (structure, names, byte ranges), and every shard it names
-    in ``target`` present with its size.  A refusal raises; nothing is published then.
+def publishable(target: Store, manifest: Manifest, token: str = "0" * 16
+                ) -> tuple[Manifest, bytes, list[tuple[str, bytes]]]:
+    """The manifest as committed, its bytes and the objects to write before it (a version-4
+    manifest's rows object, :func:`_manifest4.encode_manifest`), once a reader would accept
+    them: within ``max_manifest_bytes``, valid by :meth:`Manifest.from_bytes` (structure, names,
+    byte ranges), and every shard it names in ``target`` present with its size.  A refusal
+    raises; nothing is published then.
 
     (``cas:`` blobs of a deduplicated replica live outside the folder; ``_replica`` checks them.)
     """
-    data = manifest.to_bytes()
+    manifest, data, extra = encode_manifest(manifest, token)
     limit = _knobs.max_manifest_bytes()
-    if len(data) > limit:
-        raise SchemaError(f"{target.url}: the manifest would be {len(data)} bytes, over the "
-                          f"{limit}-byte limit every reader applies (max_manifest_bytes): nothing "
-                          "committed; keep large values in tensors, not in metadata")
-    Manifest.from_bytes(data, source=f"{target.join(MANIFEST_NAME)} (before publishing)")
+    for what, size in [("manifest", len(data))] + [(p, len(b)) for p, b in extra]:
+        if size > limit:
+            raise SchemaError(f"{target.url}: the {what} would be {size} bytes, over the "
+                              f"{limit}-byte limit every reader applies (max_manifest_bytes): "
+                              "nothing committed; keep large values in tensors, not in metadata")
+    Manifest.from_bytes(data, source=f"{target.join(MANIFEST_NAME)} (before publishing)",
+                        rows=reader(memory_fetch(dict(extra))))
     sizes = {e.name: e.size for e in shard_files(target) if not e.is_link}
     for s in manifest.shards:
         if s.path.startswith(CAS_PREFIX):
@@ -105,7 +111,7 @@ def publishable(target: Store, manifest: Manifest) -> bytes:
             raise IncompleteCheckpointError(
                 f"{target.join(s.path)}: the manifest to publish names it with {s.size} bytes, "
                 f"but it is {what}; nothing committed")
-    return data
+    return manifest, data, extra
 
 
 def shard_files(store: Store) -> list[Entry]:
@@ -133,7 +139,9 @@ def _commit_rename(store: Store, write, *, token: str, overwrite: bool, fence: A
     swapped = False
     try:
         manifest = write(tmp)  # raises any failed write/fsync/close of a shard
-        data = publishable(tmp, manifest)
+        manifest, data, extra = publishable(tmp, manifest, token)
+        for path, blob in extra:  # (a rows object, named by this attempt's token)
+            tmp.write_bytes(path, blob)
         for folder in sorted({shard_folder(s.path) for s in manifest.shards} - {""}):
             fsync_dir(tmp.join(folder))  # the shards' names in their folders, before the commit
         tmp.write_bytes(MANIFEST_NAME, data)  # raises a failed write/fsync/close, as above
@@ -233,7 +241,9 @@ def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: 
     manifest = None
     try:
         manifest = write(store)
-        data = publishable(store, manifest)
+        manifest, data, extra = publishable(store, manifest, token)
+        for path, blob in extra:  # before the manifest that names it
+            store.write_bytes(path, blob)
         if fence is not None:
             fence.before_commit()
         tick("publish", store.join(MANIFEST_NAME))
@@ -248,7 +258,7 @@ def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: 
                  "attempt's shards", store.url, type(e).__name__, e)
         _remove_shards(store, manifest, token=token)
         raise
-    for name in sorted(old_shards - {s.path for s in manifest.shards}):
+    for name in sorted(old_shards - set(manifest.files())):
         log.debug("%s: removing %s of the overwritten checkpoint", store.url, name)
         store.delete(name)
     return manifest
@@ -263,8 +273,8 @@ def _remove_shards(store: Store, manifest: Manifest | None, token: str | None = 
     try:
         names = {e.name for e in shard_files(store) if token and token in e.name}
         if manifest is not None:
-            names |= {s.path for s in manifest.shards
-                      if safe_shard_name(s.path) and not s.path.startswith(CAS_PREFIX)}
+            names |= {p for p in manifest.files()
+                      if safe_shard_name(p) and not p.startswith(CAS_PREFIX)}
         for name in sorted(names):
             store.delete(name)
     except Exception as e:  # cleanup must never mask the original error

@@ -69,6 +69,7 @@ from . import _codec, _io, _knobs
 from ._commit import commit
 from ._manifest import (MANIFEST_NAME, Manifest, ShardEntry, TensorTable, merge_tables,
                         read_table, safe_shard_name)
+from ._read import rows_reader
 from ._storage import Store
 from .errors import CheckpointError, GroupError, SchemaError
 
@@ -389,7 +390,7 @@ def _committed(store: Store, token: str) -> bool:
     try:
         manifest = Manifest.from_bytes(
             store.read(MANIFEST_NAME, max_bytes=_knobs.max_manifest_bytes()),
-            source=store.join(MANIFEST_NAME))
+            source=store.join(MANIFEST_NAME), rows=rows_reader(store))
     except Exception:  # noqa: BLE001 - no manifest, another one, or the store failing: not ours
         return False
     return isinstance(manifest.writer, dict) and manifest.writer.get("id") == token

@@ -72,6 +72,11 @@ _DEFAULTS = {
     # would queue there.  Smaller groups keep the flat layout every reader since format 1 knows
     # (0 or 1: every group spreads).
     "prefix_ranks": 256,
+    # A chunked tensor table of at least this many rows is written as format 4: the manifest
+    # keeps one name per logical tensor and an index, the rows go to a separate rows object read
+    # whole or, by a load of some blocks, by range (docs/FORMAT.md, section 12).  Below it the
+    # manifest stays format 3, which every earlier reader of sharded checkpoints knows.
+    "manifest_split_rows": 100_000,
     # A backup replication that fails on the store (network, throttling, an outage) is tried
     # again this many times, waiting backup_retry_seconds, then twice that, ... (at most 60 s)
     # in between; a step that still fails is left to the next successful replication or the
@@ -181,6 +186,11 @@ def group_timeout() -> float:
 def prefix_ranks() -> int:
     """Group size from which a distributed save spreads its shards over shard folders."""
     return _int("prefix_ranks")
+
+
+def manifest_split_rows() -> int:
+    """Chunk rows from which a manifest is written as format 4 (rows in a separate object)."""
+    return _int("manifest_split_rows")
 
 
 def backup_retries() -> int | float:

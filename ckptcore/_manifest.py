@@ -33,7 +33,11 @@ FORMAT_VERSION = 2
 # Version 3 adds chunked tensors (global shapes, chunk offsets, per-block checksums); writers use
 # it only for states holding ``ckptcore.Shard`` leaves, so plain saves stay version 2.
 CHUNKED_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+# Version 4 moves a large chunked table's rows to a separate rows object (``_manifest4``);
+# ``_commit`` writes it for tables of at least ``manifest_split_rows`` rows.
+SPLIT_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
+WRITE_VERSIONS = (1, 2, 3)  # what the format_version knob may ask for (4 is chosen by size)
 MANIFEST_NAME = "manifest.msgpack"
 CHECKSUM = "crc32c"
 # Shard names are plain file names: no separators, no "..", so a manifest can never point outside
@@ -125,7 +129,8 @@ class TensorTable(Sequence[TensorEntry]):
 
     __slots__ = ("names", "dtypes", "dtype", "ndim", "dims", "shard", "offset", "length",
                  "checksum", "tensor", "gdims", "start", "block_crc", "crc_block",
-                 "_starts", "_shapes", "_lists", "_rows", "_block_pos", "firsts_cache")
+                 "_starts", "_shapes", "_lists", "_rows", "_block_pos", "firsts_cache",
+                 "interned")
 
     def __init__(self, *, names: list[str], dtypes: list[str], dtype: np.ndarray, ndim: np.ndarray,
                  dims: np.ndarray, shard: np.ndarray, offset: np.ndarray, length: np.ndarray,
@@ -143,6 +148,8 @@ class TensorTable(Sequence[TensorEntry]):
         self._rows: list[list[int]] | None = None
         self._block_pos: np.ndarray | None = None
         self.firsts_cache: np.ndarray | None = None
+        # Version 4: the names of the logical tensors (one each), as the manifest lists them.
+        self.interned: list[str] | None = None
 
     @classmethod
     def from_columns(cls, names: list[str], dtype_names: Sequence[str],
@@ -370,6 +377,11 @@ class Manifest:
     version: int = FORMAT_VERSION
     # The tensor indices the tree refers to, ascending (found while the tree is validated).
     referenced: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    # Version 4: the rows object holding the tensor table (section 12 of docs/FORMAT.md), named
+    # and checksummed like a shard; ``partial``: only some of its row groups were read (a load
+    # of some blocks), so the table holds only their rows.
+    rows: ShardEntry | None = field(default=None, repr=False, compare=False)
+    partial: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensors, TensorTable):
@@ -381,27 +393,43 @@ class Manifest:
                                tuple(sorted({r.index for r in _codec.refs(self.tree)})))
         return self.referenced  # type: ignore[return-value]
 
+    def files(self) -> list[str]:
+        """Every file of the checkpoint the manifest names: its shards and (version 4) its rows
+        object; cleanup and gc keep these."""
+        return [s.path for s in self.shards] + ([self.rows.path] if self.rows else [])
+
+    def envelope(self, tensors: Any, version: int) -> bytes:
+        """The manifest's bytes with ``tensors`` as the body's tensor table."""
+        body = _codec.pack({
+            "created": self.created, "writer": self.writer, "library": self.library,
+            "framework": self.framework, "checksum": CHECKSUM, "alignment": self.alignment,
+            "shards": [{"path": s.path, "size": s.size, "checksum": s.checksum} for s in self.shards],
+            "tensors": tensors, "tree": self.tree,
+        })
+        return _codec.pack({"format": FORMAT_NAME, "version": version, "body": body,
+                            "body_crc32c": crc32c.crc32c(body)})
+
     def to_bytes(self) -> bytes:
+        if self.version == SPLIT_VERSION:
+            raise ValueError("a version-4 manifest comes with its rows object: "
+                             "_manifest4.encode_manifest writes both")
         if self.version not in READ_VERSIONS:
             raise ValueError(f"cannot write format version {self.version!r}; "
                              f"choose one of {READ_VERSIONS}")
         if self.tensors.chunked and self.version < CHUNKED_VERSION:
             raise ValueError(f"chunked tensors need format version {CHUNKED_VERSION}, "
                              f"not {self.version}")
-        body = _codec.pack({
-            "created": self.created, "writer": self.writer, "library": self.library,
-            "framework": self.framework, "checksum": CHECKSUM, "alignment": self.alignment,
-            "shards": [{"path": s.path, "size": s.size, "checksum": s.checksum} for s in self.shards],
-            "tensors": (self.tensors.to_v3() if self.version >= CHUNKED_VERSION
-                        else self.tensors.to_v2() if self.version == 2 else self.tensors.to_v1()),
-            "tree": self.tree,
-        })
-        return _codec.pack({"format": FORMAT_NAME, "version": self.version, "body": body,
-                            "body_crc32c": crc32c.crc32c(body)})
+        return self.envelope(self.tensors.to_v3() if self.version >= CHUNKED_VERSION
+                             else self.tensors.to_v2() if self.version == 2
+                             else self.tensors.to_v1(), self.version)
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, source: str = MANIFEST_NAME) -> Manifest:
-        """Parse and validate untrusted manifest bytes; every defect is a typed error naming ``source``."""
+    def from_bytes(cls, data: bytes, *, source: str = MANIFEST_NAME, rows: Any = None
+                   ) -> Manifest:
+        """Parse and validate untrusted manifest bytes; every defect is a typed error naming
+        ``source``.  Version 4 needs ``rows(tensors, shards, source) -> (table, rows object
+        entry, partial)``, which reads its rows object (``_manifest4.reader``: this module
+        builds no table from another object itself)."""
         outer = _codec.unpack_plain(data, source)
         if not isinstance(outer, dict) or outer.get("format") != FORMAT_NAME:
             raise SchemaError(f"{source}: not a ckptcore manifest")
@@ -428,7 +456,7 @@ class Manifest:
         except SchemaError as e:
             raise SchemaError(f"{source}: {e}") from e
         try:
-            return _validate(b, version, refs, source)
+            return _validate(b, version, refs, source, rows)
         except CheckpointError:
             raise
         except (RecursionError, TypeError, ValueError, OverflowError, IndexError) as e:  # backstop
@@ -461,7 +489,8 @@ def _nonneg(d: dict, key: str, where: str) -> int:
     return v
 
 
-def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
+def _validate(b: Any, version: int, refs: list, source: str, rows_reader: Any = None
+              ) -> Manifest:
     if not isinstance(b, dict):
         raise SchemaError(f"{source}: body is not a map")
     if b.get("checksum") != CHECKSUM:
@@ -487,12 +516,20 @@ def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
         if len({t.name for t in entries}) != len(entries):  # readers key tensors by name
             raise SchemaError(f"{source}: tensor names are not unique")
         table = TensorTable.from_entries(entries)
+    elif version == SPLIT_VERSION:
+        if rows_reader is None:
+            raise SchemaError(f"{source}: a format-4 manifest is read with its rows object, "
+                              "from its checkpoint's store (read_manifest)")
+        table, rows, partial = rows_reader(b.get("tensors"), shards, source)
     else:
         table = _table_v2(_req(b, "tensors", dict, source), shards, source,
                           chunked=version >= CHUNKED_VERSION)
-    _check_layout(table, shards, source)
+    if version != SPLIT_VERSION:
+        rows, partial = None, False
+    if not partial:  # (a partial table holds some rows only: the shards' ends are not all known)
+        _check_layout(table, shards, source)
     tree = _req(b, "tree", dict, source)
-    referenced = _check_tree(tree, refs, table, source)
+    referenced = _check_tree(tree, refs, table, source, partial)
     created = _req(b, "created", (int, float), source)
     if isinstance(created, bool) or not math.isfinite(created):
         raise SchemaError(f"{source}: field 'created' is not a finite number")
@@ -500,7 +537,8 @@ def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
                     writer=_req(b, "writer", dict, source), library=_req(b, "library", dict, source),
                     framework=_req(b, "framework", dict, source),
                     alignment=_nonneg(b, "alignment", source), shards=tuple(shards),
-                    tensors=table, tree=tree, version=version, referenced=referenced)
+                    tensors=table, tree=tree, version=version, referenced=referenced, rows=rows,
+                    partial=partial)
 
 
 def _uint32(d: dict, key: str, where: str) -> int:
@@ -723,11 +761,14 @@ def _check_layout(table: TensorTable, shards: list[ShardEntry], source: str) -> 
                           f"overlap in shard {shards[int(shard[i0])].path!r}")
 
 
-def _check_tree(tree: dict, refs: list, table: TensorTable, source: str) -> tuple[int, ...]:
+def _check_tree(tree: dict, refs: list, table: TensorTable, source: str,
+                partial: bool = False) -> tuple[int, ...]:
     """Every reference indexes the tensor table once, scalar references name 0-d tensors, and
     the tree decodes to a valid state (with the references standing in for the tensors).
-    Returns the referenced indices, ascending."""
-    n = table.logical_count()
+    Returns the referenced indices, ascending.  ``partial`` (a version-4 table of some row
+    groups): the references are checked against the tensors' names, as the rows are not all
+    there (the loader refuses a tensor whose rows it did not read)."""
+    n = len(table.interned or ()) if partial else table.logical_count()
     indices = [r.index for r in refs]
     if indices and max(indices) >= n:
         bad = next(i for i in indices if i >= n)
@@ -740,7 +781,7 @@ def _check_tree(tree: dict, refs: list, table: TensorTable, source: str) -> tupl
         raise SchemaError(f"{source}: the state tree refers to tensor "
                           f"{table.logical_name(dup)!r} twice")
     scalars = [r.index for r in refs if r.scalar]
-    if scalars:
+    if scalars and not partial:
         rows = table.firsts()[np.array(scalars, np.intp)]
         nd = table.ndim[rows]
         if nd.any():

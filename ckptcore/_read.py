@@ -22,11 +22,13 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from . import _codec, _knobs, _steps
 from ._manifest import MANIFEST_NAME, Manifest
+from ._manifest4 import reader
 from ._storage import Store
 from .errors import CheckpointError, CheckpointNotFoundError, SchemaError
 from .state import TrainingState
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect", "read_manifest", "read_manifest_bytes",
+           "rows_fetch", "rows_reader",
            "info_of", "summary_of", "info_from_summary", "LazyManifest"]
 
 log = logging.getLogger("ckptcore")
@@ -362,7 +364,23 @@ def read_manifest_bytes(store: Store) -> tuple[Manifest, bytes]:
             what = ("has no manifest: it is not a committed checkpoint (perhaps the leftovers of "
                     "an interrupted save)")
         raise CheckpointNotFoundError(f"{store.url}: {what}") from e
-    return Manifest.from_bytes(data, source=store.join(MANIFEST_NAME)), data
+    return Manifest.from_bytes(data, source=store.join(MANIFEST_NAME), rows=rows_reader(store)), data
+
+
+def rows_reader(store: Store, select: Any = None) -> Any:
+    """What :meth:`Manifest.from_bytes` takes as ``rows=`` for a manifest at ``store``: its
+    rows object read whole, or the row groups ``select`` picks (``_manifest4``)."""
+    return reader(rows_fetch(store), select)
+
+
+def rows_fetch(store: Store) -> Any:
+    """``fetch(entry, ranges)`` for a version-4 manifest at ``store``: byte ranges of its rows
+    object, a whole read bounded like the manifest's own (``max_manifest_bytes``)."""
+    def fetch(entry: Any, ranges: list[tuple[int, int]]) -> list[Any]:
+        if ranges == [(0, entry.size)]:
+            return [store.read(entry.path, max_bytes=_knobs.max_manifest_bytes())]
+        return list(store.read_ranges(entry.path, ranges))
+    return fetch
 
 
 def _is_root(store: Store) -> bool:

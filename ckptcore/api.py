@@ -18,7 +18,7 @@ from .adapter import restore_gate, warn_unapplied
 from ._version import __version__
 from ._commit import commit
 from ._convert import convert_for, convert_state_for, restore_converted  # noqa: F401 (convert_for: api's name)
-from ._manifest import (CHUNKED_VERSION, READ_VERSIONS, Manifest, ShardEntry, TensorTable,
+from ._manifest import (CHUNKED_VERSION, WRITE_VERSIONS, Manifest, ShardEntry, TensorTable,
                         check_chunks)
 from ._read import (CheckpointInfo, TensorInfo, info_from_summary, info_of, inspect,
                     read_manifest, summary_of)
@@ -149,9 +149,9 @@ def _writer_version(enc: Any, arrays: Sequence[np.ndarray] = ()) -> int:
     """The manifest version to write: the ``format_version`` knob's, or 3 (chunked tensors) for
     a state with ``Shard`` leaves; ``ValueError`` for a knob this ckptcore cannot write."""
     version = _knobs.format_version()
-    if version not in READ_VERSIONS:
+    if version not in WRITE_VERSIONS:  # (4 is chosen by the table's size, _manifest4)
         raise ValueError(f"the format_version knob is {version}; this ckptcore writes "
-                         f"{', '.join(map(str, READ_VERSIONS))}")
+                         f"{', '.join(map(str, WRITE_VERSIONS))}")
     if enc is not None and (enc.chunks is not None or version >= CHUNKED_VERSION):
         if version < 2:
             raise ValueError("the format_version knob is 1, but the state holds ckptcore.Shard "

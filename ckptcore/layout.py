@@ -181,7 +181,7 @@ def _older(store: Store, entry: Entry, cutoff: float) -> bool:
 def _gc_shards(ckpt: Store, cutoff: float) -> list[str]:
     """Shards in a committed step folder that its manifest does not name (a losing writer's)."""
     try:
-        named = {s.path for s in read_manifest(ckpt).shards}
+        named = set(read_manifest(ckpt).files())  # shards and a rows object
     except CheckpointError:
         return []
     removed = []
