@@ -37,6 +37,7 @@ benchmarks=(
   bench_backup.py
   bench_scale_sim.py
   bench_memory.py
+  bench_history.py
 )
 
 # --quick for the scripts that lack it: their own options for a small, short run.
