@@ -206,10 +206,14 @@ class InFlight:
         self._future: Future | None = None
         self._error: BaseException | None = None
 
-    def submit(self, fn: Any, *args: Any) -> Future:
+    def submit(self, fn: Any, *args: Any, handoff: Any = None) -> Future:
+        """Run ``fn(*args)`` in the background; with a ``handoff`` (a staging budget), return
+        only once the arrays beyond the budget are written: the caller's arrays are its again."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptcore-save")
-        self._future = self._pool.submit(fn, *args)
+        self._future = self._pool.submit(fn if handoff is None else handoff.bind(fn), *args)
+        if handoff is not None:
+            handoff.wait()
         return self._future
 
     def wait(self) -> None:
