@@ -187,3 +187,31 @@ def test_rows_read_that_miss_a_block_fall_back_to_all(grouped, caplog):
     assert got.model["l0/w"].tobytes() == _globals()["l0/w"].tobytes()
     assert got.model["l1/w"].data.tobytes() == _blocks(RANKS, 1).model["l1/w"].data.tobytes()
     assert "reading every row group" in caplog.text
+
+
+def test_a_manager_restore_like_reads_only_its_groups(tmp_path, monkeypatch):
+    from ckptcore import ThreadGroup, _manifest4
+    from _support import run_ranks
+
+    monkeypatch.setattr(_manifest4, "GROUP_MIN", 8)
+    root = str(tmp_path / "run")
+
+    def save(g):
+        with ckptcore.CheckpointManager(root, group=g) as mgr:
+            mgr.save(3, _blocks(RANKS, g.rank))
+
+    with _knobs.override(manifest_split_rows=10):
+        out = run_ranks(ThreadGroup.create(RANKS), save)
+    assert not any(isinstance(v, BaseException) for v in out.values()), out
+    with ckptcore.CheckpointManager(root) as mgr:
+        folder = tmp_path / "run" / mgr.step_url(3).rsplit("/", 1)[-1]
+    rows = next(folder.glob("shard-rows-*.bin"))
+    body = msgpack.unpackb(_outer(folder)["body"], raw=False, strict_map_key=False)
+    offset = np.frombuffer(body["tensors"]["index"]["offset"], "<u8")
+    data = bytearray(rows.read_bytes())
+    data[int(offset[3]) + 5] ^= 0x40  # rank 3's group: ranks 0-2 never read it
+    rows.write_bytes(bytes(data))
+    for r in range(RANKS - 1):
+        with ckptcore.CheckpointManager(root) as mgr:
+            got = mgr.restore(like=_blocks(RANKS, r, template=True))
+        _same_blocks(got, RANKS, r)
