@@ -196,12 +196,21 @@ def after_commit(manifest, data: bytes, rounds: int) -> dict:
     return {"summary": len(summary), "make": make, "build": build, "before": len(data)}
 
 
-def format4(manifest, rounds: int) -> dict:
-    """The sharded manifest as format 4 (``_manifest4``): sizes, encode and full-parse times."""
+def format4(manifest, rounds: int, ranks: int) -> dict:
+    """The sharded manifest as format 4 (``_manifest4``): sizes, encode and full-parse times,
+    and what a rank loading its own blocks (``load_state(like=...)``: ``_chunks.selector``
+    picks the row groups) reads: the manifest and the groups fetched, counted on the encoded
+    objects, for ranks 0, the middle one and the last (the largest is reported)."""
     from ckptcore._manifest import Manifest
     from ckptcore._manifest4 import encode_manifest, memory_fetch, reader
 
-    (m4, root, extra), enc, _, _ = _timed(lambda: encode_manifest(manifest, "0" * 16), rounds)
+    from ckptcore import _knobs
+
+    # (--quick: a table below the knob's default is split all the same)
+    with _knobs.override(manifest_split_rows=min(_knobs.manifest_split_rows(),
+                                                  len(manifest.tensors))):
+        (m4, root, extra), enc, _, _ = _timed(lambda: encode_manifest(manifest, "0" * 16),
+                                              rounds)
     assert m4.version == 4, "the table is below manifest_split_rows"
     _, parse, _, _ = _timed(lambda: Manifest.from_bytes(
         root, rows=reader(memory_fetch(dict(extra)))), rounds)
@@ -210,8 +219,59 @@ def format4(manifest, rounds: int) -> dict:
     length = np.frombuffer(msgpack.unpackb(msgpack.unpackb(root)["body"], raw=False,
                                            strict_map_key=False)["tensors"]["index"]["length"],
                            "<u8")
+    own = [_own_blocks(root, dict(extra), manifest, ranks, r, rounds)
+           for r in sorted({0, ranks // 2, ranks - 1})]
+    worst = max(own, key=lambda o: o["bytes"])
     return {"encode": enc, "parse": parse, "root": len(root), "rows": len(extra[0][1]),
-            "groups": len(length), "largest": int(length.max())}
+            "groups": len(length), "largest": int(length.max()), "own": worst["bytes"],
+            "own_groups": worst["groups"], "own_parse": worst["parse"],
+            "own_rows": worst["rows"]}
+
+
+def _own_blocks(root: bytes, objects: dict, manifest, ranks: int, r: int, rounds: int) -> dict:
+    """Rank ``r``'s ``like=`` load of its blocks (rows ``8r..8r+7`` of every tensor) from the
+    format-4 ``root``: bytes read (manifest + groups fetched), groups, rows, parse time; its
+    rows checked to cover every block (``_chunks.covers``: else the load would read all)."""
+    import numpy as np
+
+    from ckptcore import Shard, TrainingState, _chunks
+    from ckptcore._manifest import Manifest
+    from ckptcore._manifest4 import memory_fetch, reader
+    from ckptcore._storage import Store
+
+    table = manifest.tensors
+    gshape = table.global_shape(0)
+    names = [table.logical_name(k) for k in range(table.logical_count())]
+    like = TrainingState(model={f"w{k}": Shard(np.zeros(8, np.float32), gshape, (8 * r,))
+                                for k in range(len(names))})
+    select = _chunks.selector(like)
+    assert select is not None
+    inner = memory_fetch(objects)
+    fetched: list[int] = []
+
+    def fetch(entry, ranges):
+        fetched.append(sum(b - a for a, b in ranges))
+        return inner(entry, ranges)
+
+    m, parse, _, _ = _timed(lambda: Manifest.from_bytes(root, rows=reader(fetch, select)), rounds)
+    assert m.partial
+    # The bench's tree names its tensors w<k> (the table's names are longer): map them.
+    tree = {"model": {f"w{k}": m.tree["model"][f"w{k}"] for k in range(len(names))}}
+    m.tensors.names = [f"model/w{int(k)}" for k in m.tensors.tensor]
+    assert _chunks.covers(Store("memory://bench-scale-sim/none"), m, tree, like), r
+    groups = int(select(_index(root)).sum())
+    return {"bytes": len(root) + fetched[-1], "groups": groups, "parse": parse,
+            "rows": len(m.tensors)}
+
+
+def _index(root: bytes) -> dict:
+    import msgpack
+    import numpy as np
+
+    from ckptcore._manifest4 import INDEX
+
+    t = msgpack.unpackb(msgpack.unpackb(root)["body"], raw=False, strict_map_key=False)["tensors"]
+    return {k: np.frombuffer(t["index"][k], c) for k, c in INDEX.items()}
 
 
 def prefix_load(ranks: int) -> tuple[int, int]:
@@ -321,7 +381,7 @@ def main(argv=None) -> int:
                           version=3, referenced=tuple(range(args.tensors)))
     s_data = s_manifest.to_bytes()
     _, sp_med, sp_min, sp_max = _timed(lambda: Manifest.from_bytes(s_data), args.rounds)
-    v4 = format4(s_manifest, args.rounds)
+    v4 = format4(s_manifest, args.rounds, args.ranks)
     flat_after = after_commit(manifest, data, args.rounds)
     s_after = after_commit(s_manifest, s_data, args.rounds)
     most, folders = prefix_load(args.ranks)
@@ -355,8 +415,10 @@ def main(argv=None) -> int:
         f"| {v4['encode']:.2f} s; {v4['root'] / 2**20:.2f} MiB / {v4['rows'] / 2**20:.1f} MiB; "
         f"{v4['groups']} ({v4['largest'] / 1024:.0f} KiB) |",
         f"| sharded, format 4: full parse + validate (rows object read whole) | {v4['parse']:.2f} s |",
-        f"| sharded, format 4: manifest + one rank's own group (what a ranged load of its blocks "
-        f"would read; that reader is not built yet) | {(v4['root'] + v4['largest']) / 2**20:.2f} MiB |",
+        f"| sharded, format 4: a rank's like= load of its own blocks reads the manifest + "
+        f"{v4['own_groups']} row group(s), {v4['own_rows']:,} rows (largest of ranks 0, middle, "
+        f"last; counted on the encoded objects); its parse + checks | "
+        f"{v4['own'] / 2**20:.2f} MiB; {v4['own_parse'] * 1000:.0f} ms |",
         f"| bytes each other rank reads from the store after a save | before: the manifest, "
         f"{len(data) / 2**20:.1f} MiB (sharded: {len(s_data) / 2**20:.1f} MiB); now: 0 |",
         f"| bytes the {others} other ranks read per save | before: {others * len(data) / 2**30:.1f} "

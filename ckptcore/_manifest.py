@@ -223,18 +223,24 @@ class TensorTable(Sequence[TensorEntry]):
         return self._rows
 
     def firsts(self) -> np.ndarray:
-        """The first row of each logical tensor (cached; set when a chunked table is checked)."""
+        """The first row of each logical tensor (cached; set when a chunked table is checked);
+        -1 for one without a row (a version-4 table of some row groups)."""
         if self.firsts_cache is None:
             if self.tensor is None:
                 self.firsts_cache = np.arange(len(self))
             else:
-                self.firsts_cache = np.array([r[0] for r in self.rows_of()], np.intp)
+                self.firsts_cache = np.array([r[0] if r else -1 for r in self.rows_of()],
+                                             np.intp)
         return self.firsts_cache
 
     def logical_name(self, k: int) -> str:
+        if self.interned is not None:  # (version 4: a partial table may hold no row of k)
+            return self.interned[k]
         return self.names[int(self.firsts()[k])]
 
     def logical_count(self) -> int:
+        if self.interned is not None:
+            return len(self.interned)
         if self.tensor is None:
             return len(self)
         return int(self.tensor.max()) + 1 if len(self.tensor) else 0
@@ -526,8 +532,8 @@ def _validate(b: Any, version: int, refs: list, source: str, rows_reader: Any = 
                           chunked=version >= CHUNKED_VERSION)
     if version != SPLIT_VERSION:
         rows, partial = None, False
-    if not partial:  # (a partial table holds some rows only: the shards' ends are not all known)
-        _check_layout(table, shards, source)
+    # (a partial table holds some rows only: the shards' ends are not all known)
+    _check_layout(table, shards, source, ends=not partial)
     tree = _req(b, "tree", dict, source)
     referenced = _check_tree(tree, refs, table, source, partial)
     created = _req(b, "created", (int, float), source)
@@ -739,15 +745,17 @@ def merge_tables(tables: Sequence[TensorTable], shard_offsets: Sequence[int], *,
     return merged
 
 
-def _check_layout(table: TensorTable, shards: list[ShardEntry], source: str) -> None:
+def _check_layout(table: TensorTable, shards: list[ShardEntry], source: str, *,
+                  ends: bool = True) -> None:
     """No two tensors share a byte (overlapping ranges would alias the loaded arrays), and each
-    shard ends where its last tensor ends (docs/FORMAT.md, section 7).  Offsets and lengths are
-    already known to lie inside their shards, so ``offset + length`` cannot overflow."""
+    shard ends where its last tensor ends (docs/FORMAT.md, section 7; not with ``ends`` False:
+    some rows only).  Offsets and lengths are already known to lie inside their shards, so
+    ``offset + length`` cannot overflow."""
     shard, start = table.shard.astype(np.intp), table.offset
     end = start + table.length
-    ends = np.zeros(len(shards), np.uint64)
-    np.maximum.at(ends, shard, end)
-    for s, e in zip(shards, ends.tolist()):
+    last = np.zeros(len(shards), np.uint64)
+    np.maximum.at(last, shard, end)
+    for s, e in zip(shards, last.tolist() if ends else ()):
         if s.size != e:
             raise SchemaError(f"{source}: shard {s.path!r} is declared {s.size} bytes, but its "
                               f"tensors end at byte {e}")
@@ -781,8 +789,9 @@ def _check_tree(tree: dict, refs: list, table: TensorTable, source: str,
         raise SchemaError(f"{source}: the state tree refers to tensor "
                           f"{table.logical_name(dup)!r} twice")
     scalars = [r.index for r in refs if r.scalar]
-    if scalars and not partial:
+    if scalars:  # (partial: of the tensors with a row read; the loader reads the others whole)
         rows = table.firsts()[np.array(scalars, np.intp)]
+        rows = rows[rows >= 0]
         nd = table.ndim[rows]
         if nd.any():
             i = int(rows[_first(nd != 0)])

@@ -22,6 +22,7 @@ import crc32c
 import numpy as np
 
 from . import _codec, _knobs
+from ._chunkrules import check_chunks
 from ._manifest import (CHUNK_COLUMNS, COLUMNS, ShardEntry, TensorTable, block_count, read_table,
                         safe_shard_name)
 from .errors import (CorruptCheckpointError, IncompleteCheckpointError,
@@ -265,8 +266,23 @@ def _table(groups_: list[dict], names: list, t: dict, shards: Sequence[ShardEntr
     cols["names"] = np.array(names + [""], object)[tensor].tolist() if len(tensor) else []
     cols["dtypes"], cols["crc_block"] = t.get("dtypes"), t.get("crc_block")
     table = read_table(cols, list(shards), source=source, partial=partial)
+    if partial:
+        _check_partial(table, source)
     table.interned = names
     return table
+
+
+def _check_partial(table: TensorTable, source: str) -> None:
+    """The chunk rules (``check_chunks``: dtypes, ranks, global shapes, bounds, no overlap) on
+    the rows of some groups: their tensors renumbered densely on a copy, so that a tensor
+    without a row read is not taken for a hole."""
+    _, dense = np.unique(table.tensor, return_inverse=True)
+    copy = TensorTable(names=table.names, dtypes=table.dtypes, dtype=table.dtype,
+                       ndim=table.ndim, dims=table.dims, shard=table.shard, offset=table.offset,
+                       length=table.length, checksum=table.checksum,
+                       tensor=dense.astype(np.uint32).reshape(-1), gdims=table.gdims,
+                       start=table.start, block_crc=table.block_crc, crc_block=table.crc_block)
+    check_chunks(copy, source)
 
 
 def encode_manifest(manifest: Any, token: str) -> tuple[Any, bytes, list[tuple[str, bytes]]]:

@@ -28,7 +28,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, SchemaError
 from .state import TrainingState
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect", "read_manifest", "read_manifest_bytes",
-           "rows_fetch", "rows_reader",
+           "manifest_whole", "rows_fetch", "rows_reader",
            "info_of", "summary_of", "info_from_summary", "LazyManifest"]
 
 log = logging.getLogger("ckptcore")
@@ -346,8 +346,10 @@ def read_manifest(store: Store) -> Manifest:
     return read_manifest_bytes(store)[0]
 
 
-def read_manifest_bytes(store: Store) -> tuple[Manifest, bytes]:
-    """:func:`read_manifest` and the bytes it was parsed from (a copy writes them back)."""
+def read_manifest_bytes(store: Store, select: Any = None) -> tuple[Manifest, bytes]:
+    """:func:`read_manifest` and the bytes it was parsed from (a copy writes them back).
+    ``select``: of a version-4 manifest, read only the row groups it picks (``_manifest4``;
+    ``Manifest.partial`` then tells whether some were left unread)."""
     try:
         data = store.read(MANIFEST_NAME, max_bytes=_knobs.max_manifest_bytes())
     except CheckpointError:
@@ -364,7 +366,14 @@ def read_manifest_bytes(store: Store) -> tuple[Manifest, bytes]:
             what = ("has no manifest: it is not a committed checkpoint (perhaps the leftovers of "
                     "an interrupted save)")
         raise CheckpointNotFoundError(f"{store.url}: {what}") from e
-    return Manifest.from_bytes(data, source=store.join(MANIFEST_NAME), rows=rows_reader(store)), data
+    return Manifest.from_bytes(data, source=store.join(MANIFEST_NAME),
+                               rows=rows_reader(store, select)), data
+
+
+def manifest_whole(store: Store, data: bytes) -> Manifest:
+    """The manifest of ``data`` (bytes :func:`read_manifest_bytes` returned) with all its rows:
+    a load whose row groups read do not hold every block it asks for reads them all."""
+    return Manifest.from_bytes(data, source=store.join(MANIFEST_NAME), rows=rows_reader(store))
 
 
 def rows_reader(store: Store, select: Any = None) -> Any:

@@ -21,7 +21,7 @@ from ._convert import convert_for, convert_state_for, restore_converted  # noqa:
 from ._manifest import (CHUNKED_VERSION, WRITE_VERSIONS, Manifest, ShardEntry, TensorTable,
                         check_chunks)
 from ._read import (CheckpointInfo, TensorInfo, info_from_summary, info_of, inspect,
-                    read_manifest, summary_of)
+                    manifest_whole, read_manifest, read_manifest_bytes, summary_of)
 from ._storage import Store
 from .errors import CheckpointError, IncompleteCheckpointError, SchemaError, caller_level
 from .group import ProcessGroup
@@ -276,8 +276,7 @@ def _open(store: Store, keys: Iterable[str] | None, like: TrainingState | None, 
     and verified already) or the :class:`_io.Reading` of its tensors, started.  A checkpoint
     overwritten between its manifest and its shards is read again."""
     for attempt in range(_READ_ATTEMPTS):
-        manifest = read_manifest(store)
-        tree = _select(manifest.tree, keys)
+        manifest, tree = _manifest_for(store, keys, like)
         wanted = (manifest.referenced_indices() if keys is None
                   else sorted({r.index for r in _codec.refs(tree)}))
         try:
@@ -295,6 +294,26 @@ def _open(store: Store, keys: Iterable[str] | None, like: TrainingState | None, 
             log.info("load_state: %s was overwritten while it was read; reading the new one "
                      "(attempt %d of %d)", store.url, attempt + 2, _READ_ATTEMPTS)
     raise AssertionError("unreachable")  # the last attempt returned or raised
+
+
+def _manifest_for(store: Store, keys: Iterable[str] | None, like: TrainingState | None
+                  ) -> tuple[Manifest, dict]:
+    """The manifest and the selected tree for a load; with ``like``, of a version-4 manifest
+    only the row groups that can hold its blocks, unless the rows read do not cover them all
+    (then all of them: docs/FORMAT.md, section 12)."""
+    if like is None:
+        manifest = read_manifest(store)
+        return manifest, _select(manifest.tree, keys)
+    from . import _chunks
+
+    manifest, data = read_manifest_bytes(store, _chunks.selector(like))
+    tree = _select(manifest.tree, keys)
+    if manifest.partial and not _chunks.covers(store, manifest, tree, like):
+        log.debug("load_state: %s: the row groups that can hold the blocks asked for do not "
+                  "hold them all; reading every row group", store.url)
+        manifest = manifest_whole(store, data)
+        tree = _select(manifest.tree, keys)
+    return manifest, tree
 
 
 def _assign(manifest: Manifest, tree: dict, reading: _io.Reading, objects: dict,
