@@ -6,7 +6,11 @@ process with the real functions: each rank's reply is built and packed as
 coordinator decodes and merges them (``_dist._merge``) into the manifest's columnar tensor table,
 the manifest is encoded (``Manifest.to_bytes``) and parsed and validated again as a reader does
 (``Manifest.from_bytes``).  A tree-shaped gather (leaders of ``--fan`` ranks merge first) is
-simulated with the same functions.  Object-store request latencies are measured against moto's
+simulated with the same functions.  After the commit, rank 0 sends the other ranks a summary of
+the manifest with the outcome (``_read.summary_of``), from which they build their
+``CheckpointInfo`` without reading the store (``_read.info_from_summary``): both are run on the
+simulated manifests, and the bytes the other ranks read (before: the whole manifest each) are
+reported.  Shard folders (``_dist.rank_folder``) are counted per key prefix.  Object-store request latencies are measured against moto's
 S3 server on 127.0.0.1 (unless ``--no-s3``) and composed into the commit's critical path.
 
 Default: ``--ranks 1000 --tensors 2000`` (2 million tensors: each rank writes 2,000, about a
@@ -21,6 +25,8 @@ import argparse
 import datetime
 import hashlib
 import os
+import platform
+import socket
 import statistics
 import sys
 import time
@@ -28,6 +34,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+
+
+TOKEN = "0123456789abcdef"  # the save's token every simulated reply carries in its shard names
 
 
 def _timed(fn, rounds: int):
@@ -70,9 +79,8 @@ def build(ranks: int, per_rank: int):
         part = _Part([], {"index": idx, "shard": np.zeros(len(idx), np.uint32),
                           "offset": np.asarray(offsets, np.uint64),
                           "crc": ((idx * 2654435761) & 0xFFFFFFFF).astype(np.uint32)})
-        token = "0123456789abcdef"
         replies.append(msgpack.packb({"digest": digest, "shards": [
-            [f"shard-00000-r{r:05d}-{token}.bin", end, r]], "rows": part.packed_rows()},
+            [f"shard-00000-r{r:05d}-{TOKEN}.bin", end, r]], "rows": part.packed_rows()},
             use_bin_type=True))
     return enc, arrays, digest, replies, mine
 
@@ -85,18 +93,33 @@ def merge(enc, arrays, digest, packed: list[bytes]):
     from ckptcore._manifest import Manifest
 
     replies = [msgpack.unpackb(b, raw=False) for b in packed]
-    part = _Part.from_reply(replies[0], 0, "sim://")
+    part = _Part.from_reply(replies[0], 0, "sim://", TOKEN)
 
     def make(shards, table):
-        return Manifest(created=0.0, writer={"id": "sim", "host": "sim", "pid": 0},
-                        library={"ckptcore": "sim"}, framework={"name": None, "versions": {}},
+        return Manifest(created=time.time(), writer=_writer(), library=_library(),
+                        framework={"name": None, "versions": {}},
                         alignment=64, shards=tuple(shards), tensors=table,
-                        tree={"model": {}}, version=2, referenced=())
+                        tree={"model": {}, "step": 1000, "epoch": 3,
+                              "data": {"epoch": 3, "position": 123456}},
+                        version=2, referenced=())
 
     class _S:  # only .url is read on the happy path
         url = "sim://"
 
-    return _merge(_S(), enc, arrays, digest, part, replies[1:], make)
+    return _merge(_S(), enc, arrays, digest, part, replies[1:], make, TOKEN)
+
+
+def _writer() -> dict:
+    """What ``api`` records as a manifest's writer (the summary carries it)."""
+    return {"id": TOKEN, "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _library() -> dict:
+    import numpy as np
+
+    from ckptcore import __version__
+    return {"ckptcore": __version__, "numpy": np.__version__,
+            "python": platform.python_version()}
 
 
 def build_sharded(ranks: int, tensors: int):
@@ -121,7 +144,7 @@ def build_sharded(ranks: int, tensors: int):
             global_shapes=[gshape] * tensors, starts=[(8 * r,)] * tensors, block_crc=[],
             crc_block=CRC_BLOCK)
         replies.append(msgpack.packb({"digest": digest, "shards": [
-            [f"shard-00000-r{r:05d}-0123456789abcdef.bin", 64 * (tensors - 1) + 32, r]],
+            [f"shard-00000-r{r:05d}-{TOKEN}.bin", 64 * (tensors - 1) + 32, r]],
             "table": table.to_v3()}, use_bin_type=True))
     block = np.zeros(8, np.float32)
     enc = _codec.Encoded(tree={"model": {}}, arrays=[block] * tensors, names=names,
@@ -152,9 +175,113 @@ def merge_sharded(enc, packed: list[bytes]):
     class _S:
         url = "sim://"
 
-    parts = [_Part.from_reply(msgpack.unpackb(b, raw=False), r, "sim://")
+    parts = [_Part.from_reply(msgpack.unpackb(b, raw=False), r, "sim://", TOKEN)
              for r, b in enumerate(packed)]
     return _merge_chunks(_S(), enc, enc.arrays, parts)
+
+
+def after_commit(manifest, data: bytes, rounds: int) -> dict:
+    """What a rank other than 0 costs once rank 0 committed ``manifest`` (``data``: its bytes,
+    what each of them read before): the summary rank 0 broadcasts with the outcome, the time to
+    make it, and the time to build a rank's ``CheckpointInfo`` from it, against an empty store
+    (a read there would raise: it reads nothing)."""
+    from ckptcore._read import info_from_summary, summary_of
+    from ckptcore._storage import Store
+
+    summary, make, _, _ = _timed(lambda: summary_of(manifest), rounds)
+    store = Store("memory://bench-scale-sim/nothing-here")
+    info, build, _, _ = _timed(lambda: info_from_summary(store, summary), rounds)
+    assert info is not None and len(info.tensors) == len(manifest.tensors)
+    assert info.created == manifest.created and info.writer == manifest.writer
+    return {"summary": len(summary), "make": make, "build": build, "before": len(data)}
+
+
+def format4(manifest, rounds: int, ranks: int) -> dict:
+    """The sharded manifest as format 4 (``_manifest4``): sizes, encode and full-parse times,
+    and what a rank loading its own blocks (``load_state(like=...)``: ``_chunks.selector``
+    picks the row groups) reads: the manifest and the groups fetched, counted on the encoded
+    objects, for ranks 0, the middle one and the last (the largest is reported)."""
+    from ckptcore._manifest import Manifest
+    from ckptcore._manifest4 import encode_manifest, memory_fetch, reader
+
+    from ckptcore import _knobs
+
+    # (--quick: a table below the knob's default is split all the same)
+    with _knobs.override(manifest_split_rows=min(_knobs.manifest_split_rows(),
+                                                  len(manifest.tensors))):
+        (m4, root, extra), enc, _, _ = _timed(lambda: encode_manifest(manifest, "0" * 16),
+                                              rounds)
+    assert m4.version == 4, "the table is below manifest_split_rows"
+    _, parse, _, _ = _timed(lambda: Manifest.from_bytes(
+        root, rows=reader(memory_fetch(dict(extra)))), rounds)
+    import numpy as np
+    import msgpack
+    length = np.frombuffer(msgpack.unpackb(msgpack.unpackb(root)["body"], raw=False,
+                                           strict_map_key=False)["tensors"]["index"]["length"],
+                           "<u8")
+    own = [_own_blocks(root, dict(extra), manifest, ranks, r, rounds)
+           for r in sorted({0, ranks // 2, ranks - 1})]
+    worst = max(own, key=lambda o: o["bytes"])
+    return {"encode": enc, "parse": parse, "root": len(root), "rows": len(extra[0][1]),
+            "groups": len(length), "largest": int(length.max()), "own": worst["bytes"],
+            "own_groups": worst["groups"], "own_parse": worst["parse"],
+            "own_rows": worst["rows"]}
+
+
+def _own_blocks(root: bytes, objects: dict, manifest, ranks: int, r: int, rounds: int) -> dict:
+    """Rank ``r``'s ``like=`` load of its blocks (rows ``8r..8r+7`` of every tensor) from the
+    format-4 ``root``: bytes read (manifest + groups fetched), groups, rows, parse time; its
+    rows checked to cover every block (``_chunks.covers``: else the load would read all)."""
+    import numpy as np
+
+    from ckptcore import Shard, TrainingState, _chunks
+    from ckptcore._manifest import Manifest
+    from ckptcore._manifest4 import memory_fetch, reader
+    from ckptcore._storage import Store
+
+    table = manifest.tensors
+    gshape = table.global_shape(0)
+    names = [table.logical_name(k) for k in range(table.logical_count())]
+    like = TrainingState(model={f"w{k}": Shard(np.zeros(8, np.float32), gshape, (8 * r,))
+                                for k in range(len(names))})
+    select = _chunks.selector(like)
+    assert select is not None
+    inner = memory_fetch(objects)
+    fetched: list[int] = []
+
+    def fetch(entry, ranges):
+        fetched.append(sum(b - a for a, b in ranges))
+        return inner(entry, ranges)
+
+    m, parse, _, _ = _timed(lambda: Manifest.from_bytes(root, rows=reader(fetch, select)), rounds)
+    assert m.partial
+    # The bench's tree names its tensors w<k> (the table's names are longer): map them.
+    tree = {"model": {f"w{k}": m.tree["model"][f"w{k}"] for k in range(len(names))}}
+    m.tensors.names = [f"model/w{int(k)}" for k in m.tensors.tensor]
+    assert _chunks.covers(Store("memory://bench-scale-sim/none"), m, tree, like), r
+    groups = int(select(_index(root)).sum())
+    return {"bytes": len(root) + fetched[-1], "groups": groups, "parse": parse,
+            "rows": len(m.tensors)}
+
+
+def _index(root: bytes) -> dict:
+    import msgpack
+    import numpy as np
+
+    from ckptcore._manifest4 import INDEX
+
+    t = msgpack.unpackb(msgpack.unpackb(root)["body"], raw=False, strict_map_key=False)["tensors"]
+    return {k: np.frombuffer(t["index"][k], c) for k, c in INDEX.items()}
+
+
+def prefix_load(ranks: int) -> tuple[int, int]:
+    """Shard folders (``_dist.rank_folder``) of ``ranks`` ranks: (most ranks in one, folders)."""
+    from collections import Counter
+
+    from ckptcore._dist import rank_folder
+
+    counts = Counter(rank_folder(r) for r in range(ranks))
+    return max(counts.values()), len(counts)
 
 
 def s3_latencies(rounds: int) -> dict[str, float]:
@@ -221,18 +348,22 @@ def main(argv=None) -> int:
 
     from ckptcore._dist import _Part
 
-    def leader(group: list[bytes]) -> bytes:
+    def leader(j: int, group: list[bytes]) -> bytes:
         shards, cols = [], {k: [] for k in ("index", "shard", "offset", "crc")}
-        for b in group:
-            p = _Part.from_reply(msgpack.unpackb(b, raw=False), 0, "sim://")
+        for i, b in enumerate(group):
+            p = _Part.from_reply(msgpack.unpackb(b, raw=False), j * fan + i, "sim://", TOKEN)
             for k in cols:
                 cols[k].append(p.rows[k] + (len(shards) if k == "shard" else 0))
             shards.extend([s.path, s.size, s.checksum] for s in p.shards)
+        # Rank 0 checks each reply's shard names against the rank it comes from: the leader's
+        # reply names its ranks' shards as if it were that rank (same count, same checks).
+        shards = [[f"shard-{k:05d}-r{j:05d}-{TOKEN}.bin", size, crc]
+                  for k, (_, size, crc) in enumerate(shards)]
         rows = _Part([], {k: np.concatenate(v) for k, v in cols.items()}).packed_rows()
         return msgpack.packb({"digest": digest, "shards": shards, "rows": rows}, use_bin_type=True)
 
     t = time.perf_counter()
-    leaders = [leader(g) for g in groups]
+    leaders = [leader(j, g) for j, g in enumerate(groups)]
     level1 = (time.perf_counter() - t) / len(groups)  # one leader's work (leaders run in parallel)
     _, l2_med, _, _ = _timed(lambda: merge(enc, arrays, digest, leaders), args.rounds)
     per_leader_in = statistics.median([sum(map(len, g)) for g in groups])
@@ -242,14 +373,19 @@ def main(argv=None) -> int:
     s_built = time.perf_counter() - t
     (_, s_table), s_med, s_min, s_max = _timed(lambda: merge_sharded(s_enc, s_replies), args.rounds)
     s_gathered = sum(map(len, s_replies))
-    s_manifest = Manifest(created=0.0, writer={"id": "sim", "host": "sim", "pid": 0},
-                          library={"ckptcore": "sim"}, framework={"name": None, "versions": {}},
+    s_manifest = Manifest(created=time.time(), writer=_writer(), library=_library(),
+                          framework={"name": None, "versions": {}},
                           alignment=64, shards=tuple(p for p in _sharded_shards(s_replies)),
                           tensors=s_table, tree={"model": {f"w{k}": _codec._ext(_codec.EXT_TENSOR, k)
                                                            for k in range(args.tensors)}},
                           version=3, referenced=tuple(range(args.tensors)))
     s_data = s_manifest.to_bytes()
     _, sp_med, sp_min, sp_max = _timed(lambda: Manifest.from_bytes(s_data), args.rounds)
+    v4 = format4(s_manifest, args.rounds, args.ranks)
+    flat_after = after_commit(manifest, data, args.rounds)
+    s_after = after_commit(s_manifest, s_data, args.rounds)
+    most, folders = prefix_load(args.ranks)
+    others = args.ranks - 1
 
     lat = {} if args.no_s3 else s3_latencies(max(5, args.rounds * 3))
     # Shard keys: "<checkpoint>/shard-<n>-r<rank>-<token>.bin" all share the checkpoint's prefix;
@@ -275,6 +411,25 @@ def main(argv=None) -> int:
         f"{s_med:.2f} s [{s_min:.2f}-{s_max:.2f}] (building the tables took {s_built:.1f} s) |",
         f"| sharded: manifest size; parse + validate (chunk rules, overlaps) | "
         f"{len(s_data) / 2**20:.1f} MiB; {sp_med:.2f} s [{sp_min:.2f}-{sp_max:.2f}] |",
+        f"| sharded, format 4 (rows object): encode; manifest / rows object size; groups (largest) "
+        f"| {v4['encode']:.2f} s; {v4['root'] / 2**20:.2f} MiB / {v4['rows'] / 2**20:.1f} MiB; "
+        f"{v4['groups']} ({v4['largest'] / 1024:.0f} KiB) |",
+        f"| sharded, format 4: full parse + validate (rows object read whole) | {v4['parse']:.2f} s |",
+        f"| sharded, format 4: a rank's like= load of its own blocks reads the manifest + "
+        f"{v4['own_groups']} row group(s), {v4['own_rows']:,} rows (largest of ranks 0, middle, "
+        f"last; counted on the encoded objects); its parse + checks | "
+        f"{v4['own'] / 2**20:.2f} MiB; {v4['own_parse'] * 1000:.0f} ms |",
+        f"| bytes each other rank reads from the store after a save | before: the manifest, "
+        f"{len(data) / 2**20:.1f} MiB (sharded: {len(s_data) / 2**20:.1f} MiB); now: 0 |",
+        f"| bytes the {others} other ranks read per save | before: {others * len(data) / 2**30:.1f} "
+        f"GiB (sharded: {others * len(s_data) / 2**30:.1f} GiB); now: 0 |",
+        f"| summary broadcast with the outcome (what the other ranks get instead) | "
+        f"{flat_after['summary']} bytes (sharded: {s_after['summary']} bytes) |",
+        f"| rank 0 makes the summary; a rank builds its CheckpointInfo from it | "
+        f"{flat_after['make'] * 1000:.1f} ms (sharded {s_after['make'] * 1000:.1f} ms); "
+        f"{flat_after['build'] * 1e6:.0f} us |",
+        f"| shard PUTs per key prefix (one shard per rank) | one prefix: {args.ranks}; shard "
+        f"folders (groups of >= prefix_ranks ranks): at most {most} in each of {folders} prefixes |",
     ]
     if lat:
         put, create, head = lat["PUT 1 KiB"], lat["create-only PUT 1 KiB"], lat["HEAD"]

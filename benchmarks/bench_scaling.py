@@ -8,7 +8,9 @@ arrays durably (fsync included, for everyone), loads them back warm (page cache 
 (cache emptied as in bench_save_load.py).  Contenders: ckptcore (save_state /
 load_state(verify=True)), raw bytes in one file (the floor), safetensors.numpy, numpy.savez, and
 tf.train.Checkpoint and paddle.save in their own worker processes (_workers.py), torch.save and
-torch.distributed.checkpoint (DCP) in theirs (_torch_sweep.py).
+torch.distributed.checkpoint (DCP) in theirs (_torch_sweep.py), Orbax's StandardCheckpointer in its
+own (_orbax_sweep.py), under the Python ``--orbax-python`` names (jax and Orbax need not share an
+environment with TensorFlow and Paddle; skipped, with the reason, where it cannot import Orbax).
 
 Writes the raw results to benchmarks/scaling.json, the figure to benchmarks/scaling.png
 (plot_scaling.py; needs the ``bench`` extra, matplotlib) and appends tables to
@@ -168,22 +170,28 @@ class Local:
         return {"save": t_save, "warm": t_warm, "cold": t_cold, "bytes": nbytes}
 
 
-TORCH_MODES = {"torch-save": "torch", "dcp": "torch"}  # served by _torch_sweep.py
+PACKAGES = {"tf": "tensorflow", "torch-save": "torch", "dcp": "torch", "orbax": "orbax-checkpoint"}
+SCRIPTS = {"torch-save": ["_torch_sweep.py", "torch-save"], "dcp": ["_torch_sweep.py", "dcp"],
+           "orbax": ["_orbax_sweep.py"]}  # the others: _workers.py <mode>-sweep
 
 
 class Worker:
-    """A framework contender in a worker subprocess (``_workers.py <mode>-sweep``, or
-    ``_torch_sweep.py <mode>`` for PyTorch's savers)."""
+    """A framework contender in a worker subprocess (``_workers.py <mode>-sweep``,
+    ``_torch_sweep.py <mode>`` for PyTorch's savers, ``_orbax_sweep.py`` for Orbax), run by
+    ``python`` (default: this interpreter)."""
 
-    def __init__(self, name: str, mode: str, scratch: str, method: str):
-        self.name, self.package = name, {"tf": "tensorflow"}.get(mode, TORCH_MODES.get(mode, mode))
-        script, arg = ("_torch_sweep.py", mode) if mode in TORCH_MODES else ("_workers.py", f"{mode}-sweep")
-        cmd = [sys.executable, os.path.join(HERE, script), arg,
+    def __init__(self, name: str, mode: str, scratch: str, method: str, python: str | None = None):
+        self.name, self.package = name, PACKAGES.get(mode, mode)
+        script, *arg = SCRIPTS.get(mode, ["_workers.py", f"{mode}-sweep"])
+        cmd = [python or sys.executable, os.path.join(HERE, script), *arg,
                "--dir", os.path.join(scratch, mode), "--evict", method]
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", GLOG_minloglevel="2")  # quiet logs
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=HERE, env=env)
         self.info: dict = {}
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, cwd=HERE, env=env)
+        except OSError as e:  # no such interpreter
+            self.proc, self.info = None, {"error": f"cannot run {cmd[0]} ({e})"}
 
     def _ask(self, msg: dict | None = None) -> dict:
         if msg is not None:
@@ -195,6 +203,8 @@ class Worker:
         return json.loads(line)
 
     def wait_ready(self) -> bool:
+        if self.proc is None:
+            return False
         try:
             self.info = self._ask()
         except RuntimeError as e:
@@ -215,7 +225,7 @@ class Worker:
         return self._ask({"run": {"cold": cold, "check": check}})
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=120)
 
@@ -339,7 +349,11 @@ def parse_args(argv=None):
     ap.add_argument("--evict", choices=["auto", "drop_caches", "fadvise"], default="auto",
                     help="cold-cache method (auto: drop_caches as root, else fadvise; fadvise "
                          "touches only this benchmark's files, kinder to a shared machine)")
-    ap.add_argument("--no-frameworks", action="store_true", help="skip TensorFlow, Paddle and PyTorch")
+    ap.add_argument("--no-frameworks", action="store_true",
+                    help="skip TensorFlow, Paddle, PyTorch and Orbax")
+    ap.add_argument("--orbax-python", default=os.environ.get("CKPT_ORBAX_PYTHON") or sys.executable,
+                    help="the Python that runs the Orbax worker: one with orbax-checkpoint and jax "
+                         "(default: $CKPT_ORBAX_PYTHON, else this one; skipped if it has no Orbax)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: small points, outputs in $TMPDIR, not recorded")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a new one in $TMPDIR)")
@@ -375,7 +389,8 @@ def main(argv=None) -> int:
         Worker("tf.train.Checkpoint", "tf", args.dir, method),
         Worker("paddle.save", "paddle", args.dir, method),
         Worker("torch.save", "torch-save", args.dir, method),
-        Worker("DCP", "dcp", args.dir, method)]
+        Worker("DCP", "dcp", args.dir, method),
+        Worker("Orbax", "orbax", args.dir, method, python=args.orbax_python)]
     contenders: list = [Local(n) for n in LOCAL]
     versions = {"ckptcore": ckptcore.__version__, "numpy": np.__version__}
     try:
@@ -390,7 +405,9 @@ def main(argv=None) -> int:
                 contenders.append(w)
                 versions[w.package] = w.info.get("version")
             else:
-                print(f"  {w.name}: skipped ({w.info.get('error')})", flush=True)
+                hint = (f"; --orbax-python names a Python with orbax-checkpoint, this run used "
+                        f"{args.orbax_python}" if w.package == "orbax-checkpoint" else "")
+                print(f"  {w.name}: skipped ({w.info.get('error')}{hint})", flush=True)
         sweeps = {}
         for kind in ("count", "size"):
             if args.only in (None, kind):

@@ -32,12 +32,14 @@ STYLE = {  # contender: (colour, marker); ckptcore drawn thicker and on top
     "paddle.save": ("#2ca02c", "D"),
     "torch.save": ("#8c564b", "P"),
     "DCP": ("#e377c2", "X"),
+    "Orbax": ("#17becf", "h"),
 }
 LABEL = {"raw (one file)": "raw one file (writev+fsync / readinto): the floor",
          "tf.train.Checkpoint": "tf.train.Checkpoint write / read",
          "paddle.save": "paddle.save / paddle.load",
          "torch.save": "torch.save / torch.load",
          "DCP": "torch.distributed.checkpoint save / load (in place)",
+         "Orbax": "Orbax StandardCheckpointer save / restore (NumPy leaves; zstd, its default)",
          "ckptcore": "ckptcore save_state / load_state(verify=True)",
          "numpy.savez": "numpy.savez / np.load (uncompressed)",
          "safetensors.numpy": "safetensors.numpy save_file / load_file"}
@@ -118,7 +120,7 @@ def plot(data: dict, path: str) -> None:
     fig.suptitle(
         f"ckptcore vs alternatives: save and restore time by tensor count and state size\n"
         f"{m['date']} · {m['cpus']} CPUs, {m['machine']}, {m['platform'].split('-with')[0]} · "
-        f"Python {m['python']} · " + ", ".join(f"{k} {x}" for k, x in v.items()) + "\n"
+        f"Python {m['python']}\n" + ", ".join(f"{k} {x}" for k, x in v.items()) + "\n"
         f"medians of {m['rounds']} interleaved rounds; cold cache by {m['cache']}",
         fontsize=11.5)
     fig.savefig(path, dpi=110)

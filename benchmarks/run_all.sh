@@ -6,13 +6,19 @@
 #   benchmarks/run_all.sh            # the full set (expect 20 minutes or more)
 #   benchmarks/run_all.sh --quick    # smoke run: --quick where a script has it, nothing recorded
 #
-# PYTHON picks the interpreter (default: python3). A failing benchmark does not stop the others;
-# the failures are listed at the end and make the exit status non-zero.
+# PYTHON picks the interpreter (default: python3). PEERS_PYTHON (default: PYTHON) runs
+# bench_peers.py and is bench_scaling.py's Orbax worker (CKPT_ORBAX_PYTHON): a Python with the
+# `bench` extra (torch, orbax-checkpoint, jax), kept apart from TensorFlow and Paddle (see
+# README.md); without Orbax there, its contender is skipped with the reason printed. A failing
+# benchmark does not stop the others; the failures are listed at the end and make the exit status
+# non-zero.
 set -u
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"
 python="${PYTHON:-python3}"
+peers_python="${PEERS_PYTHON:-$python}"
+export CKPT_ORBAX_PYTHON="${CKPT_ORBAX_PYTHON:-$peers_python}"
 # Run from a checkout as well as from an installed ckptcore: the checkout comes first.
 export PYTHONPATH="$root:$root/adapters${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -29,6 +35,7 @@ benchmarks=(
   bench_models_keras.py
   bench_models_paddle.py
   bench_models_torch.py
+  bench_peers.py
   bench_s3.py
   bench_keras.py
   bench_paddle.py
@@ -36,10 +43,14 @@ benchmarks=(
   bench_dist.py
   bench_backup.py
   bench_scale_sim.py
+  bench_memory.py
+  bench_history.py
 )
 
 # --quick for the scripts that lack it: their own options for a small, short run.
 declare -A quick_args=([bench_async.py]="--size-mb 64 --rounds 2")
+# The interpreter of the scripts that need the peers' environment.
+declare -A interpreter=([bench_peers.py]="$peers_python")
 
 failed=()
 for name in "${benchmarks[@]}"; do
@@ -49,9 +60,10 @@ for name in "${benchmarks[@]}"; do
     continue
   fi
   args=()
+  py="${interpreter[$name]:-$python}"
   if (( quick )); then
     # Not every script has --quick (see quick_args); every run is kept out of RESULTS.md.
-    help="$("$python" "$script" --help 2>/dev/null)"
+    help="$("$py" "$script" --help 2>/dev/null)"
     if [[ "$help" == *--quick* ]]; then
       args+=(--quick)
     elif [[ -n "${quick_args[$name]:-}" ]]; then
@@ -62,7 +74,7 @@ for name in "${benchmarks[@]}"; do
   fi
   echo "=== $name ${args[*]:-}"
   start=$SECONDS
-  if "$python" "$script" "${args[@]}"; then
+  if "$py" "$script" "${args[@]}"; then
     echo "=== $name: done in $((SECONDS - start)) s"
   else
     echo "=== $name: FAILED (exit $?) after $((SECONDS - start)) s"

@@ -22,14 +22,14 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import crc32c
 import numpy as np
 
 from . import _codec, _io, _knobs
 from ._manifest import Manifest, TensorTable
-from ._storage import Store, named_error, open_regular
+from ._storage import Store, named_error
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, SchemaError
 from .sharding import Chunks, Shard
 from .state import TrainingState
@@ -206,7 +206,7 @@ def _pread(store: Store, shard: Any, ranges: list[tuple[int, int]]) -> list[memo
     the manifest says) and read with ``pread`` into buffers of our own."""
     path = store.join(shard.path)
     try:
-        fd, st = open_regular(path)
+        fd, st = store.open_file(shard.path)
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"{path}: shard file is missing") from e
     try:
@@ -316,22 +316,24 @@ def read_requests(store: Store, manifest: Manifest, requests: Sequence[Request],
     return out  # type: ignore[return-value]
 
 
-def load_tree(store: Store, manifest: Manifest, tree: dict, like: TrainingState | None, *,
-              verify: bool = True) -> dict:
-    """``tree`` with every reference replaced: by the whole tensor, or, for a template leaf
-    that is a ``Shard`` (``Chunks``), by a new one holding the requested block(s)."""
-    table = manifest.tensors
-    leaves: dict[str, Any] = {}
-    plain: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-    if like is not None:
-        if not isinstance(like, TrainingState):
-            raise TypeError(f"like= takes a ckptcore.TrainingState, got {type(like).__name__}")
-        enc = _codec.encode_state(like)
-        leaves = enc.leaves
-        for name, arr in zip(enc.names, enc.arrays):
-            if name not in leaves:
-                plain[name] = (arr.shape, arr.dtype)
-    refs = _codec.refs(tree)
+def _template(like: TrainingState | None) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """The ``Shard``/``Chunks`` leaves of ``like`` by name, and its plain arrays' shapes and
+    dtypes by name."""
+    if like is None:
+        return {}, {}
+    if not isinstance(like, TrainingState):
+        raise TypeError(f"like= takes a ckptcore.TrainingState, got {type(like).__name__}")
+    enc = _codec.encode_state(like)
+    plain = {name: (arr.shape, arr.dtype) for name, arr in zip(enc.names, enc.arrays)
+             if name not in enc.leaves}
+    return enc.leaves, plain
+
+
+def _requests(store: Store, table: TensorTable, refs: Sequence[Any], leaves: dict,
+              plain: dict) -> tuple[list[Request], dict[int, tuple[Any, list[int]]]]:
+    """The requests of the tensors ``refs`` refers to (a template's blocks, else whole), and
+    for each logical tensor its template leaf and requests; the template checked against the
+    checkpoint's global shapes and dtypes."""
     requests: list[Request] = []
     slots: dict[int, tuple[Any, list[int]]] = {}  # logical tensor -> (template leaf, requests)
     dtypes = table.np_dtypes()
@@ -354,6 +356,15 @@ def load_tree(store: Store, manifest: Manifest, tree: dict, like: TrainingState 
                  or [((0,) * len(gshape), gshape)])
         slots[k] = (leaf, list(range(len(requests), len(requests) + len(boxes))))
         requests += [Request(k, lo, hi) for lo, hi in boxes]
+    return requests, slots
+
+
+def load_tree(store: Store, manifest: Manifest, tree: dict, like: TrainingState | None, *,
+              verify: bool = True) -> dict:
+    """``tree`` with every reference replaced: by the whole tensor, or, for a template leaf
+    that is a ``Shard`` (``Chunks``), by a new one holding the requested block(s)."""
+    leaves, plain = _template(like)
+    requests, slots = _requests(store, manifest.tensors, _codec.refs(tree), leaves, plain)
     arrays = read_requests(store, manifest, requests, verify=verify)
 
     def fetch(ref: _codec.TensorRef) -> Any:
@@ -366,6 +377,61 @@ def load_tree(store: Store, manifest: Manifest, tree: dict, like: TrainingState 
         return arrays[qs[0]][()] if ref.scalar else arrays[qs[0]]
 
     return _codec.substitute(tree, fetch)
+
+
+def covers(store: Store, manifest: Manifest, tree: dict, like: TrainingState | None) -> bool:
+    """Whether the rows of ``manifest`` (a version-4 one read for some row groups only) cover
+    whole every block that :func:`load_tree` of ``tree`` and ``like`` asks for."""
+    table = manifest.tensors
+    refs = _codec.refs(tree)
+    if not manifest.partial:
+        return True
+    if any(table.firsts()[r.index] < 0 for r in refs):
+        return False  # a tensor none of whose rows was read
+    requests, _ = _requests(store, table, refs, *_template(like))
+    covered = plan(table, requests).covered
+    return all(c == _volume(q.lo, q.hi) for c, q in zip(covered, requests))
+
+
+# A tensor of more elements than this: its blocks' spans (float64 fractions) may not tell
+# neighbouring elements apart, so a load asking for it reads every row group.
+_EXACT = 1 << 50
+
+
+def selector(like: TrainingState | None) -> Callable[[dict], np.ndarray] | None:
+    """For a version-4 manifest, which of its row groups (``index``: each group's ``lo``,
+    ``hi``, docs/FORMAT.md, section 12) can hold a chunk meeting a block ``like`` asks for;
+    None (read them all) when ``like`` has plain arrays (whole tensors) or no blocks.  A chunk
+    meets a block iff chunk first <= block last and block first <= chunk last (elements in C
+    order): a group is kept iff ``lo <= last / total`` and ``hi > next(first / total)``
+    (``lo``, ``hi`` are rounded outwards by one ulp, and 1 / total is many ulps)."""
+    leaves, plain = _template(like)
+    if plain or not leaves:
+        return None
+    spans = set()
+    for leaf in leaves.values():
+        for p in (leaf.parts if isinstance(leaf, Chunks) else (leaf,)):
+            total = math.prod(p.global_shape)
+            if total > _EXACT:
+                return None
+            if not math.prod(p.shape):
+                continue  # nothing asked (the tensor still needs a row read: see covers)
+            strides = [math.prod(p.global_shape[d + 1:]) for d in range(len(p.global_shape))]
+            first = sum(o * s for o, s in zip(p.offsets, strides))
+            last = sum((o + n - 1) * s for o, n, s in zip(p.offsets, p.shape, strides))
+            spans.add((first / total, last / total))
+    if not spans:
+        return None
+    firsts, lasts = (np.array(x, np.float64) for x in zip(*sorted(spans)))
+    after = np.nextafter(firsts, np.inf)
+
+    def select(index: dict) -> np.ndarray:
+        lo, hi = index["lo"], index["hi"]
+        pick = np.zeros(len(lo), bool)
+        for a, z in zip(after.tolist(), lasts.tolist()):
+            pick |= (lo <= z) & (hi > a)
+        return pick
+    return select
 
 
 def _same_dtype(a: np.dtype, b: np.dtype) -> bool:

@@ -341,7 +341,7 @@ def _young_leftovers(root: Store) -> list[str]:
     """What ``gc`` left that it would remove once old enough (it just removed the older ones):
     temporary folders of saves, step folders without a manifest, shards a committed manifest
     does not name.  (Unreferenced blobs of a backup root are not counted.)"""
-    from ._commit import TMP_MARK
+    from ._commit import TMP_MARK, is_shard_file, shard_files
     from .layout import STEP
 
     root.fs.invalidate_cache()
@@ -354,9 +354,9 @@ def _young_leftovers(root: Store) -> list[str]:
             found.append(child.url)
         elif STEP.fullmatch(e.name):
             try:
-                named = {sh.path for sh in api.read_manifest(child).shards}
+                named = set(api.read_manifest(child).files())
             except CheckpointError:
                 continue
-            found += [child.join(f.name) for f in child.listdir()
-                      if f.name.startswith("shard-") and f.name not in named and not f.is_link]
+            found += [child.join(f.name) for f in shard_files(child)
+                      if is_shard_file(f.name) and f.name not in named and not f.is_link]
     return found

@@ -333,6 +333,17 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def pack_values(value: Any) -> bytes:
+    """``value``, made of plain values only (numbers, strings, bytes, None, lists, tuples, maps;
+    no arrays), as msgpack that :func:`unpack` turns back into an equal value, tuples included.
+    ``TypeError`` for anything else."""
+    enc = _Encoder()
+    tree = enc.encode(value, ("value",))
+    if enc.arrays:
+        raise TypeError(f"{_where(('value',))}: holds arrays, not only plain values")
+    return pack(tree)
+
+
 # A state tree may nest containers (maps, arrays, tuples) this deep, counted from the tree's root
 # (the section maps are level 1).  Real states nest < 10 (optimizer -> slots -> param -> slot).
 # The bound makes every walk over a decoded tree safe from stack exhaustion; writers refuse deeper

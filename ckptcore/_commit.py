@@ -49,8 +49,9 @@ import os
 from typing import Any, Callable
 
 from . import _knobs
-from ._manifest import MANIFEST_NAME, Manifest, safe_shard_name
-from ._storage import CAS_PREFIX, Store, tick, fsync_dir
+from ._manifest import MANIFEST_NAME, SHARD_FOLDER, Manifest, safe_shard_name, shard_folder
+from ._manifest4 import encode_manifest, memory_fetch, reader
+from ._storage import CAS_PREFIX, Entry, Store, tick, fsync_dir
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError,
                      SchemaError, StorageError)
 
@@ -88,21 +89,26 @@ def commit(store: Store, write: Callable[[Store], Manifest], *, token: str, over
     return manifest
 
 
-def publishable(target: Store, manifest: Manifest) -> bytes:
-    """The bytes of ``manifest``, once a reader would accept them: within ``max_manifest_bytes``,
-    valid by :meth:`Manifest.from_bytes` (structure, names, byte ranges), and every shard it names
-    in ``target`` present with its size.  A refusal raises; nothing is published then.
+def publishable(target: Store, manifest: Manifest, token: str = "0" * 16
+                ) -> tuple[Manifest, bytes, list[tuple[str, bytes]]]:
+    """The manifest as committed, its bytes and the objects to write before it (a version-4
+    manifest's rows object, :func:`_manifest4.encode_manifest`), once a reader would accept
+    them: within ``max_manifest_bytes``, valid by :meth:`Manifest.from_bytes` (structure, names,
+    byte ranges), and every shard it names in ``target`` present with its size.  A refusal
+    raises; nothing is published then.
 
     (``cas:`` blobs of a deduplicated replica live outside the folder; ``_replica`` checks them.)
     """
-    data = manifest.to_bytes()
+    manifest, data, extra = encode_manifest(manifest, token)
     limit = _knobs.max_manifest_bytes()
-    if len(data) > limit:
-        raise SchemaError(f"{target.url}: the manifest would be {len(data)} bytes, over the "
-                          f"{limit}-byte limit every reader applies (max_manifest_bytes): nothing "
-                          "committed; keep large values in tensors, not in metadata")
-    Manifest.from_bytes(data, source=f"{target.join(MANIFEST_NAME)} (before publishing)")
-    sizes = {e.name: e.size for e in target.listdir() if not e.is_dir and not e.is_link}
+    for what, size in [("manifest", len(data))] + [(p, len(b)) for p, b in extra]:
+        if size > limit:
+            raise SchemaError(f"{target.url}: the {what} would be {size} bytes, over the "
+                              f"{limit}-byte limit every reader applies (max_manifest_bytes): "
+                              "nothing committed; keep large values in tensors, not in metadata")
+    Manifest.from_bytes(data, source=f"{target.join(MANIFEST_NAME)} (before publishing)",
+                        rows=reader(memory_fetch(dict(extra))))
+    sizes = {e.name: e.size for e in shard_files(target) if not e.is_link}
     for s in manifest.shards:
         if s.path.startswith(CAS_PREFIX):
             continue
@@ -111,7 +117,24 @@ def publishable(target: Store, manifest: Manifest) -> bytes:
             raise IncompleteCheckpointError(
                 f"{target.join(s.path)}: the manifest to publish names it with {s.size} bytes, "
                 f"but it is {what}; nothing committed")
-    return data
+    return manifest, data, extra
+
+
+def shard_files(store: Store) -> list[Entry]:
+    """The files of a checkpoint folder that may be shards: those directly in it and, when it
+    has shard folders (a large group's save, ``_manifest.SHARD_FOLDER``), those in them, named
+    relative to the folder (``3f/shard-...``).  Links are listed as links, never followed."""
+    top = store.listdir()
+    files = [e for e in top if not e.is_dir]
+    if any(e.is_dir and SHARD_FOLDER.fullmatch(e.name) for e in top):
+        # One recursive listing (one paginated LIST on an object store), not one per folder.
+        files += [e for e in store.find() if "/" in e.name and safe_shard_name(e.name)]
+    return files
+
+
+def is_shard_file(name: str) -> bool:
+    """Whether a listed name (:func:`shard_files`) is named like a shard of some save."""
+    return name.rpartition("/")[2].startswith("shard-")
 
 
 def _commit_rename(store: Store, write, *, token: str, overwrite: bool, fence: Any,
@@ -123,7 +146,11 @@ def _commit_rename(store: Store, write, *, token: str, overwrite: bool, fence: A
     swapped = False
     try:
         manifest = write(tmp)  # raises any failed write/fsync/close of a shard
-        data = publishable(tmp, manifest)
+        manifest, data, extra = publishable(tmp, manifest, token)
+        for path, blob in extra:  # (a rows object, named by this attempt's token)
+            tmp.write_bytes(path, blob)
+        for folder in sorted({shard_folder(s.path) for s in manifest.shards} - {""}):
+            fsync_dir(tmp.join(folder))  # the shards' names in their folders, before the commit
         tmp.write_bytes(MANIFEST_NAME, data)  # raises a failed write/fsync/close, as above
         fsync_dir(tmp.path)
         if durable is not None:
@@ -220,11 +247,13 @@ def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: 
                     durable: Callable[[], None] | None = None) -> Manifest:
     old_shards: set[str] = set()
     if overwrite:
-        old_shards = {e.name for e in store.listdir() if e.name.startswith("shard-")}
+        old_shards = {e.name for e in shard_files(store) if is_shard_file(e.name)}
     manifest = None
     try:
         manifest = write(store)
-        data = publishable(store, manifest)
+        manifest, data, extra = publishable(store, manifest, token)
+        for path, blob in extra:  # before the manifest that names it
+            store.write_bytes(path, blob)
         if durable is not None:
             durable()
         if fence is not None:
@@ -241,7 +270,7 @@ def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: 
                  "attempt's shards", store.url, type(e).__name__, e)
         _remove_shards(store, manifest, token=token)
         raise
-    for name in sorted(old_shards - {s.path for s in manifest.shards}):
+    for name in sorted(old_shards - set(manifest.files())):
         log.debug("%s: removing %s of the overwritten checkpoint", store.url, name)
         store.delete(name)
     return manifest
@@ -254,10 +283,10 @@ def _remove_shards(store: Store, manifest: Manifest | None, token: str | None = 
     ``../evil.bin``), and a deduplicated replica's blobs are shared with other steps (never
     removed here; unreferenced ones are swept under the root's lock, ``_backup.sweep``)."""
     try:
-        names = {e.name for e in store.listdir() if token and token in e.name}
+        names = {e.name for e in shard_files(store) if token and token in e.name}
         if manifest is not None:
-            names |= {s.path for s in manifest.shards
-                      if safe_shard_name(s.path) and not s.path.startswith(CAS_PREFIX)}
+            names |= {p for p in manifest.files()
+                      if safe_shard_name(p) and not p.startswith(CAS_PREFIX)}
         for name in sorted(names):
             store.delete(name)
     except Exception as e:  # cleanup must never mask the original error

@@ -12,7 +12,8 @@ validates each as strictly as a manifest read from disk, concatenates them
 blocks do not cover whole.  A plain state keeps format 2 and sends raw row columns instead,
 checked as strictly: whatever the format, rank 0 refuses (``GroupError`` naming the rank,
 nothing committed) a reply whose shard names are not plain names carrying that rank's own
-``r<rank>-<token>`` marker, that lists a shard twice (or one another rank lists), or whose rows
+``r<rank>-<token>`` marker (in that rank's own shard folder, when the save spreads them), that
+lists a shard twice (or one another rank lists), or whose rows
 point at shards it does not list, at bytes beyond a shard's declared size, or at bytes another
 row of the shard uses.  (A shard file smaller than its entry says is caught by ``commit``'s
 listing before the manifest is published, and that refusal too reaches every rank.)
@@ -21,7 +22,11 @@ The order of collectives is the same on every rank, whatever happens:
 
 1. ``broadcast`` (rank 0 -> all): ``go`` with the token and the folder to write into, or
    ``abort`` with the reason (e.g. a checkpoint already exists and ``overwrite`` is False);
-2. every rank writes its tensors into its own shard files (``shard-<n>-r<rank>-<token>.bin``);
+2. every rank writes its tensors into its own shard files (``shard-<n>-r<rank>-<token>.bin``;
+   in a group of at least ``prefix_ranks`` ranks, a knob rank 0 reads and sends with ``go``, in
+   the rank's shard folder ``<hh>/``, two hex digits of a hash of the rank, :func:`rank_folder`:
+   object stores scale request rates per key prefix, and 1,000 ranks' PUTs under one would
+   queue);
 3. ``gather`` (all -> rank 0): each rank's shard entries and per-tensor rows, or its error,
    plus a digest of what it saved (tree, names, dtypes, shapes) so rank 0 can refuse ranks
    whose "replicated" states differ (only then does a second gather bring their names, to say
@@ -29,7 +34,10 @@ The order of collectives is the same on every rank, whatever happens:
 4. rank 0 merges the rows into one tensor table and commits with the single-process protocol
    (``_commit.commit``: rename locally, create-only manifest PUT on object stores), which also
    removes every rank's shards if anything failed;
-5. ``broadcast`` (rank 0 -> all): the outcome, so every rank returns or raises alike.
+5. ``broadcast`` (rank 0 -> all): the outcome, so every rank returns or raises alike; once
+   committed, with what the caller's ``describe(manifest)`` makes of it (``api``: a summary of a
+   few hundred bytes, what ``CheckpointInfo`` shows but its tensor and shard lists), so that the
+   other ranks need not read the manifest back: at 1,000 ranks it may be 149 MiB each.
 
 A dead or hung peer makes the next collective raise ``GroupTimeoutError`` after the
 ``group_timeout`` knob, or ``GroupError`` when the engine notices first (gloo: a killed peer
@@ -46,6 +54,7 @@ the save's token) and raising otherwise.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import logging
@@ -61,6 +70,7 @@ from . import _codec, _io, _knobs
 from ._commit import commit
 from ._manifest import (MANIFEST_NAME, Manifest, ShardEntry, TensorTable, merge_tables,
                         read_table, safe_shard_name)
+from ._read import rows_reader
 from ._storage import Store
 from .errors import CheckpointError, GroupError, SchemaError
 
@@ -120,9 +130,10 @@ class _Part:
         return reply
 
     @classmethod
-    def from_reply(cls, reply: dict, rank: int, source: str, token: str) -> _Part:
+    def from_reply(cls, reply: dict, rank: int, source: str, token: str,
+                   folder: str = "") -> _Part:
         try:
-            shards = _shards(reply["shards"], rank, token, source)
+            shards = _shards(reply["shards"], rank, token, source, folder)
             if "table" in reply:  # validated as strictly as a manifest read from disk
                 return cls(shards, {}, read_table(reply["table"], shards,
                                                   source=f"{source} (rank {rank}'s tensor table)",
@@ -137,29 +148,60 @@ class _Part:
         return cls(shards, rows)
 
 
-def _own_name(rank: int, token: str) -> re.Pattern[str]:
-    """The shard names rank ``rank`` writes in the save ``token`` (see :func:`_write_part`)."""
-    return re.compile(rf"shard-[0-9]{{5,}}-r{rank:05d}-{re.escape(token)}\.bin")
+def rank_folder(rank: int) -> str:
+    """The shard folder of ``rank`` when its group spreads its shards (the ``prefix_ranks``
+    knob): two hex digits of a multiplicative hash of the rank.  An odd multiplier maps the
+    ranks mod 256 one to one onto the 256 folders, so N ranks fill them evenly (at most
+    ceil(N / 256) each, where a random hash leaves some empty and others three times full), and
+    neighbouring ranks (often one host's) land far apart."""
+    return f"{(int(rank) * 157 + 90) % 256:02x}"
 
 
-def _shards(entries: Any, rank: int, token: str, source: str) -> list[ShardEntry]:
-    """A rank's shard entries, each a plain file name of this save written by that rank (never
-    ``../x``, another rank's or another save's shard), listed once, with a valid size and
-    checksum; ``GroupError`` naming the rank otherwise."""
+def _folder(rank: int, spread: bool) -> str:
+    return rank_folder(rank) if spread else ""
+
+
+@functools.lru_cache(maxsize=1024)
+def _name_pattern(token: str, folder: str) -> re.Pattern[str]:
+    """Shard names of the save ``token`` in ``folder`` (none: top level), the rank's digits
+    captured (compiled once per folder, not once per rank: about 50 ms of CPU in a 1,000-rank
+    merge)."""
+    where = re.escape(f"{folder}/") if folder else ""
+    return re.compile(rf"{where}shard-[0-9]{{5,}}-r([0-9]{{5,}})-{re.escape(token)}\.bin")
+
+
+def _own_name(rank: int, token: str, folder: str = "") -> Callable[[str], bool]:
+    """Whether a name is one rank ``rank`` writes in the save ``token`` (see
+    :func:`_write_part`), in its ``folder`` when the save spreads its shards (only there: never
+    another rank's)."""
+    pattern, digits = _name_pattern(token, folder), f"{rank:05d}"
+
+    def own(path: str) -> bool:
+        m = pattern.fullmatch(path)
+        return m is not None and m.group(1) == digits
+    return own
+
+
+def _shards(entries: Any, rank: int, token: str, source: str,
+            folder: str = "") -> list[ShardEntry]:
+    """A rank's shard entries, each a plain file name (in its ``folder``, if any) of this save
+    written by that rank (never ``../x``, another rank's or another save's shard, nor one in
+    another folder), listed once, with a valid size and checksum; ``GroupError`` naming the rank
+    otherwise."""
     if not isinstance(entries, list):
         raise GroupError(f"{source}: rank {rank}'s reply is malformed: its shards are a "
                          f"{type(entries).__name__}, not a list; nothing committed")
-    own = _own_name(rank, token)
+    own = _own_name(rank, token, folder)
     shards, seen = [], set()
     for i, entry in enumerate(entries):
         if not (isinstance(entry, (list, tuple)) and len(entry) == 3):
             raise GroupError(f"{source}: rank {rank}'s reply is malformed: shard {i} is not a "
                              "(path, size, checksum) triple; nothing committed")
         path, size, crc = entry
-        if not (safe_shard_name(path) and own.fullmatch(path)):
+        if not (safe_shard_name(path) and own(path)):
             raise GroupError(f"{source}: rank {rank} reports shard {_codec.short_repr(path)}, not a "
-                             f"shard it wrote in this save (r{rank:05d}-{token}); nothing "
-                             "committed")
+                             f"shard it wrote in this save (r{rank:05d}-{token}"
+                             f"{f' in folder {folder}/' if folder else ''}); nothing committed")
         if path in seen:
             raise GroupError(f"{source}: rank {rank} lists shard {path!r} twice; nothing "
                              "committed")
@@ -268,7 +310,7 @@ def plan(enc: _codec.Encoded, arrays: Sequence[np.ndarray], ranks: int) -> list[
 
 
 def _write_part(target: Store, rank: int, owner: list[int], arrays: Sequence[np.ndarray],
-                enc: _codec.Encoded, token: str) -> _Part:
+                enc: _codec.Encoded, token: str, folder: str = "") -> _Part:
     mine = [i for i, r in enumerate(owner) if r == rank or r == _OWN]
     chunks = None
     if enc.chunks is not None:
@@ -281,7 +323,8 @@ def _write_part(target: Store, rank: int, owner: list[int], arrays: Sequence[np.
                                  [c.starts[i] for i in mine])
     shards, table = _io.write_payload(target, [arrays[i] for i in mine],
                                       [enc.names[i] for i in mine], f"r{rank:05d}-{token}",
-                                      [enc.dtypes[i] for i in mine], chunks=chunks)
+                                      [enc.dtypes[i] for i in mine], chunks=chunks,
+                                      folder=folder)
     if chunks is not None:  # format 3: the rank's own chunk table goes to rank 0 whole
         return _Part(list(shards), {}, table)
     return _Part(list(shards), {"index": np.asarray(mine, np.int64), "shard": table.shard,
@@ -306,25 +349,32 @@ def fail(store: Store, group: Any, error: BaseException) -> None:
 
 def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
          make_manifest: Callable[[Sequence[ShardEntry], TensorTable], Manifest], *,
-         token: str, overwrite: bool, fence: Any = None) -> Manifest | None:
-    """Run one distributed save on this rank (see the module docstring).  Returns the committed
-    manifest on rank 0, None on the others; raises on every rank if nothing was committed."""
+         token: str, overwrite: bool, fence: Any = None,
+         describe: Callable[[Manifest], bytes | None] = lambda m: None
+         ) -> Manifest | bytes | None:
+    """Run one distributed save on this rank (see the module docstring); raises on every rank
+    if nothing was committed.  Returns the committed manifest on rank 0.  On the others: what
+    ``describe(manifest)`` returned on rank 0 once committed (bytes: a summary the caller builds
+    this rank's answer from, without reading the manifest), or None when there is none
+    (``describe`` gave none, or this rank missed the outcome and found the commit in the store)."""
     timeout = _knobs.group_timeout()
     rank, size = int(group.rank), int(group.size)
     owner = plan(enc, arrays, size)
     digest = _digest(enc, arrays)
     if rank == 0:
         return _coordinate(store, group, enc, arrays, owner, digest, make_manifest,
-                           token=token, overwrite=overwrite, timeout=timeout, fence=fence)
+                           token=token, overwrite=overwrite, timeout=timeout, fence=fence,
+                           describe=describe)
     go = _unpack(group.broadcast(None, timeout=timeout), "save")
     if go["kind"] == "abort":
         raise _error(go["error"], store)
     token = go["token"]
     target = store.sibling(go["folder"]) if go["folder"] else store
+    folder = _folder(rank, go.get("spread") is True)  # rank 0's decision, whatever our knob says
     reply: dict[str, Any] = {"digest": digest}
     failure: BaseException | None = None
     try:
-        reply.update(_write_part(target, rank, owner, arrays, enc, token).to_reply())
+        reply.update(_write_part(target, rank, owner, arrays, enc, token, folder).to_reply())
     except Exception as e:  # reported to rank 0, which commits nothing; raised here below
         failure = e
         reply["error"] = {"type": type(e).__name__, "message": f"rank {rank}: {e}"}
@@ -345,7 +395,8 @@ def save(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndar
         raise failure
     if outcome["kind"] != "ok":
         raise _error(outcome["error"], store)
-    return None
+    summary = outcome.get("summary")
+    return summary if isinstance(summary, bytes) else None
 
 
 def _committed(store: Store, token: str) -> bool:
@@ -354,7 +405,7 @@ def _committed(store: Store, token: str) -> bool:
     try:
         manifest = Manifest.from_bytes(
             store.read(MANIFEST_NAME, max_bytes=_knobs.max_manifest_bytes()),
-            source=store.join(MANIFEST_NAME))
+            source=store.join(MANIFEST_NAME), rows=rows_reader(store))
     except Exception:  # noqa: BLE001 - no manifest, another one, or the store failing: not ours
         return False
     return isinstance(manifest.writer, dict) and manifest.writer.get("id") == token
@@ -397,22 +448,27 @@ class _Mismatch(SchemaError):
 
 def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
                 owner: list[int], digest: bytes, make_manifest: Callable, *, token: str,
-                overwrite: bool, timeout: float, fence: Any = None) -> Manifest:
+                overwrite: bool, timeout: float, fence: Any = None,
+                describe: Callable[[Manifest], bytes | None]) -> Manifest:
     started = broken = False
+    spread = int(group.size) >= _knobs.prefix_ranks()  # decided here, for every rank
+    if spread:
+        log.debug("%s: %d ranks (prefix_ranks %d): shards in folders hashed from the rank",
+                  store.url, int(group.size), _knobs.prefix_ranks())
 
     def write(target: Store) -> Manifest:
         nonlocal started, broken
-        folder = "" if target.path == store.path else target.name
+        tmp = "" if target.path == store.path else target.name
         try:
-            group.broadcast(_pack({"kind": "go", "token": token, "folder": folder}),
-                            timeout=timeout)
+            group.broadcast(_pack({"kind": "go", "token": token, "folder": tmp,
+                                   "spread": spread}), timeout=timeout)
         except GroupError:
             broken = True
             raise
         started = True
         own: BaseException | None = None
         try:
-            part = _write_part(target, 0, owner, arrays, enc, token)
+            part = _write_part(target, 0, owner, arrays, enc, token, _folder(0, spread))
         except Exception as e:  # the others still reply: gather first, then fail
             own, part = e, None
         try:
@@ -423,7 +479,7 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
         replies = [_unpack(r, "save") for r in gathered[1:]]
         if own is not None:
             raise own
-        return _merge(store, enc, arrays, digest, part, replies, make_manifest, token)
+        return _merge(store, enc, arrays, digest, part, replies, make_manifest, token, spread)
 
     try:
         manifest = commit(store, write, token=token, overwrite=overwrite, fence=fence)
@@ -439,13 +495,27 @@ def _coordinate(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[
             log.warning("ckptcore: %s: could not tell the other ranks the save failed (%s)",
                         store.url, g)
         raise
-    # Committed: whatever happens now, the save stands (a GroupError would say it did not).
+    _announce(store, group, manifest, describe, timeout)
+    return manifest
+
+
+def _announce(store: Store, group: Any, manifest: Manifest,
+              describe: Callable[[Manifest], bytes | None], timeout: float) -> None:
+    """Committed: tell every rank, with ``describe(manifest)`` (a few hundred bytes: what their
+    ``CheckpointInfo`` shows), so that none reads the manifest back (1,000 ranks reading a
+    149 MiB manifest would be 149 GB of GETs per save).  Whatever happens now, the save stands
+    (a GroupError would say it did not): failures are logged, not raised."""
     try:
-        group.broadcast(_pack({"kind": "ok"}), timeout=timeout)
+        summary = describe(manifest)
+    except Exception as e:  # noqa: BLE001 - the others read the manifest instead
+        log.warning("%s: committed, but its summary for the other ranks could not be made "
+                    "(%s: %s); they read the manifest instead", store.url, type(e).__name__, e)
+        summary = None
+    try:
+        group.broadcast(_pack({"kind": "ok", "summary": summary}), timeout=timeout)
     except Exception as e:
         log.warning("%s: committed, but the outcome could not be told to every rank (%s: %s); "
                     "a rank lost after its reply is only logged", store.url, type(e).__name__, e)
-    return manifest
 
 
 def _refuse_mismatch(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
@@ -468,19 +538,24 @@ def _refuse_mismatch(store: Store, group: Any, enc: _codec.Encoded, arrays: Sequ
 
 
 def settle(store: Store, group: Any) -> None:
-    """After a committed save: wait until every rank has read what was committed.  The save is
-    committed whatever happens here, so a peer lost now is logged, not raised."""
+    """After a committed save: wait until every rank has built its answer.  Most ranks read
+    nothing (rank 0's summary suffices); one that missed the outcome reads the manifest, and
+    must be done before rank 0 may delete the step (a rewind, retention).  What a rank reads
+    later (its ``CheckpointInfo``'s tensor list, on first use) is not covered: the step may be
+    gone by then.  The save is committed whatever happens here, so a peer lost now is logged,
+    not raised."""
     try:
         group.barrier(timeout=_knobs.group_timeout())
     except GroupError as e:
-        log.warning("%s: committed, but a rank did not confirm reading the manifest (%s)",
+        log.warning("%s: committed, but a rank did not confirm it has its answer (%s)",
                     store.url, e)
 
 
 def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], digest: bytes,
-           part: _Part, replies: list[dict], make_manifest: Callable, token: str) -> Manifest:
+           part: _Part, replies: list[dict], make_manifest: Callable, token: str,
+           spread: bool = False) -> Manifest:
     """One manifest from every rank's part; refuses failed ranks, differing states and replies
-    that do not fit (see the module docstring), whatever the format."""
+    that do not fit (module docstring; ``spread``: not in the rank's own :func:`rank_folder`)."""
     for r, reply in enumerate(replies, start=1):
         if not isinstance(reply, dict):  # a peer's bytes decode to anything: trust no shape
             raise GroupError(f"{store.url}: rank {r}'s reply is not a map but a "
@@ -494,7 +569,7 @@ def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], dige
     differ = [r for r, reply in enumerate(replies, start=1) if reply.get("digest") != digest]
     if differ:
         raise _Mismatch(store, differ)
-    parts = [part] + [_Part.from_reply(reply, r, store.url, token)
+    parts = [part] + [_Part.from_reply(reply, r, store.url, token, _folder(r, spread))
                       for r, reply in enumerate(replies, start=1)]
     owner: dict[str, int] = {}
     for r, p in enumerate(parts):

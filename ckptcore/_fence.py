@@ -80,9 +80,6 @@ class View:
     named: frozenset[int] = field(default_factory=frozenset)
     holder: str = "unknown"
     readable: bool = True
-    # What retention knows of each named step (creation time, metrics), as the holder recorded
-    # it: a manager need not read a manifest per step to apply its policy.
-    entries: Mapping[int, tuple[float, Any]] = field(default_factory=dict)
 
     def accepts(self, step: int, generation: Callable[[], int | None]) -> bool:
         """Whether readers accept ``step`` (``generation()`` reads its manifest's generation,
@@ -104,12 +101,46 @@ def view(root: Store) -> View | None:
     if record is None:
         return View(gens[-1], readable=False)
     named = frozenset(_steps(record.get("accepted")) | _steps(record.get("committed")))
-    return View(gens[-1], named, str(record.get("holder", "unknown")),
-                entries=_entries(record.get("entries"), named))
+    return View(gens[-1], named, str(record.get("holder", "unknown")))
+
+
+# -- the retention index ------------------------------------------------------------------------
+# Beside its record, a holder keeps ``<g>.index``: what retention knows of each step (creation
+# time and metrics), so that a new manager applies its policy without reading a manifest per
+# step.  A cache of the manifests, not a source of truth: written at most every INDEX_SECONDS
+# and at release (its size grows with the steps kept; the record, rewritten at every commit,
+# holds only step numbers), trusted only when written by the newest generation before a claim,
+# and checked as data; a step it lacks is read from its manifest.
+INDEX_SECONDS = 30.0
+
+
+def index_name(g: int) -> str:
+    return gen_name(g) + ".index"
+
+
+def read_index(root: Store, g: int, named: Iterable[int]) -> dict[int, tuple[float, Any]]:
+    """Generation ``g``'s retention index, for the steps in ``named``; {} when absent, unreadable
+    or written by another generation."""
+    try:
+        body = json.loads(root.read(index_name(g), max_bytes=256 << 20))
+    except FileNotFoundError:
+        return {}
+    except (ValueError, CheckpointError, OSError) as e:
+        log.warning("%s: the retention index of writer generation %d cannot be read (%s); the "
+                    "steps' manifests are read instead", root.url, g, e)
+        return {}
+    if not isinstance(body, dict) or body.get("generation") != g:
+        return {}
+    return _entries(body.get("entries"), frozenset(named))
+
+
+def write_index(root: Store, g: int, entries: Mapping[int, tuple[float, Any]]) -> None:
+    body = {"generation": g, "entries": {str(s): [c, m] for s, (c, m) in sorted(entries.items())}}
+    root.write_bytes(index_name(g), json.dumps(body).encode())
 
 
 def _entries(value: Any, named: frozenset[int]) -> dict[int, tuple[float, Any]]:
-    """The ``entries`` of a record, as far as they are well formed (the rest: read from the
+    """An index's ``entries``, as far as they are well formed (the rest: read from the
     manifests).  ``{"<step>": [created, metrics or null]}``; metrics are checked by retention."""
     if not isinstance(value, dict):
         return {}
@@ -146,7 +177,7 @@ def step_folders(root: Store, named: Iterable[int] = ()) -> list[tuple[int, str]
     root.fs.invalidate_cache()  # object stores' cached listings miss other processes' commits
     named = frozenset(named)
     found = []
-    for e in root.listdir():
+    for e in root.listdir(details=False):
         m = STEP.fullmatch(e.name)
         if m and e.is_link:
             # A link could lead out of the root; retention would then delete through it.
@@ -173,10 +204,11 @@ def split(root: Store, found: Iterable[tuple[int, str]], known: View | None = No
     v = (known or view(root)) if found else None
     if v is None:
         return found, []
+    named = v.named
     accepted, fenced = [], []
     for step, name in found:
-        ckpt = root.child(name)
-        if v.accepts(step, lambda: manifest_generation(ckpt)):
+        # (a named step, the common case thousands of times over, needs no call)
+        if step in named or v.accepts(step, lambda: manifest_generation(root.child(name))):
             accepted.append((step, name))
             continue
         fenced.append((step, name))
@@ -197,7 +229,8 @@ def accepted_steps(root: Store) -> tuple[list[int], View | None]:
     return [s for s, _ in split(root, found, v)[0]], v
 
 
-def claim(root: Store, holder: str, *, extra: Iterable[int] = ()) -> tuple[int, list[int]]:
+def claim(root: Store, holder: str, *, extra: Iterable[int] = ()
+          ) -> tuple[int, list[int], dict[int, tuple[float, Any]]]:
     """Claim the next generation of ``root`` for ``holder`` (who holds its lock or lease) and
     return it with the steps its record accepts; ``LockedError`` if another writer claimed it
     first.  The record lists the steps readers accept now (and ``extra``: a step this holder
@@ -209,10 +242,9 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = ()) -> tuple[int, 
     g = (gens[-1] if gens else 0) + 1
     steps, before = accepted_steps(root)
     accepted = sorted(set(steps) | set(extra))
-    entries = {s: e for s, e in (before.entries if before is not None else {}).items()
-               if s in set(accepted)}
+    entries = read_index(root, before.newest, accepted) if before is not None else {}
     record = {"generation": g, "holder": holder, "claimed": time.time(), "accepted": accepted,
-              "committed": [], "entries": _entries_json(entries)}
+              "committed": []}
     root.makedirs(GEN_DIR)
     try:
         root.write_bytes(gen_name(g), json.dumps(record).encode(), create_only=True)
@@ -223,18 +255,13 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = ()) -> tuple[int, 
     for old in gens[:max(0, len(gens) + 1 - _KEEP_RECORDS)]:
         log.debug("%s: pruning the record of writer generation %d", root.url, old)
         root.delete(gen_name(old))
+        root.delete(index_name(old))  # (nothing if absent)
     return g, accepted, entries
 
 
-def _entries_json(entries: Mapping[int, tuple[float, Any]]) -> dict[str, list]:
-    return {str(s): [created, metrics] for s, (created, metrics) in sorted(entries.items())}
-
-
 def record(root: Store, g: int, holder: str, accepted: Iterable[int],
-           committed: Iterable[int], entries: Mapping[int, tuple[float, Any]] | None = None) -> None:
+           committed: Iterable[int]) -> None:
     """Rewrite generation ``g``'s record (only its holder does, while it holds the root)."""
-    named = set(accepted) | set(committed)
     body = {"generation": g, "holder": holder, "claimed": time.time(),
-            "accepted": sorted(set(accepted)), "committed": sorted(set(committed)),
-            "entries": _entries_json({s: e for s, e in (entries or {}).items() if s in named})}
+            "accepted": sorted(set(accepted)), "committed": sorted(set(committed))}
     root.write_bytes(gen_name(g), json.dumps(body).encode())

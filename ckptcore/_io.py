@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterator, Sequence
 import crc32c
 import numpy as np
 
-from . import _codec, _knobs
+from . import _codec, _handoff, _knobs
 from ._manifest import CRC_BLOCK, Manifest, ShardEntry, TensorEntry, TensorTable
-from ._storage import Store, close_quietly, named_error, fsync_close, open_regular, start_writeback
+from ._storage import Store, close_quietly, named_error, fsync_close, start_writeback
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 # Callback for progress display (the CLI sets it): called with a number of bytes done.
@@ -148,7 +148,9 @@ class _Written:
 
 def _write_one(store: Store, path: str, arrays: Sequence[np.ndarray],
                layout: list[tuple[int, int]], block: int = 0, syncs: Syncs | None = None) -> _Written:
-    f = store.open_write(path)
+    # ``stable``: the arrays stay unchanged until the shard is closed (the save holds them), so
+    # an object store may upload them from their own memory instead of copies.
+    f = store.open_write(path, stable=True)
     chunk = max(1, _knobs.write_chunk())
     kick = _knobs.writeback_bytes() if store.local else 0
     if block:  # the write pieces must not straddle checksum blocks
@@ -295,12 +297,44 @@ def _writev_all(fd: int, bufs: list[Any], sizes: list[int], total: int) -> None:
         done = os.writev(fd, bufs)
 
 
+def _plan(sizes: Sequence[int], first: Sequence[int], shard_size: int, alignment: int
+          ) -> tuple[list[list[tuple[int, int]]], int]:
+    """:func:`plan_shards`, with the arrays at ``first`` in shards of their own, planned first;
+    and how many shards those are."""
+    if not first:
+        return plan_shards(sizes, shard_size, alignment), 0
+    chosen = set(first)
+    out: list[list[tuple[int, int]]] = []
+    cut = 0
+    for group in (list(first), [i for i in range(len(sizes)) if i not in chosen]):
+        for shard in plan_shards([sizes[i] for i in group], shard_size, alignment):
+            out.append([(group[k], offset) for k, offset in shard])
+        cut = cut or len(out)
+    return out, cut
+
+
+def _write_shards(store: Store, paths: Sequence[str], arrays: Sequence[np.ndarray],
+                  layout: Sequence[list[tuple[int, int]]], block: int,
+                  syncs: Syncs | None) -> list[_Written]:
+    """Write each ``layout[j]`` to ``paths[j]``, ``store.writers`` shards at once."""
+    ctx = contextvars.copy_context()
+    if len(layout) <= 1:  # no pool for one shard: its thread would only add a hand-over
+        return [ctx.copy().run(_write_one, store, paths[j], arrays, layout[j], block, syncs)
+                for j in range(len(layout))]
+    with ThreadPoolExecutor(max(1, min(store.writers, len(layout)))) as pool:
+        return list(pool.map(lambda j: ctx.copy().run(_write_one, store, paths[j], arrays,
+                                                      layout[j], block, syncs),
+                             range(len(layout))))
+
+
 def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[str],
                   token: str, dtypes: Sequence[str] | None = None, *,
                   chunks: _codec.Chunking | None = None,
-                  syncs: Syncs | None = None) -> tuple[list[ShardEntry], TensorTable]:
+                  folder: str = "", syncs: Syncs | None = None
+                  ) -> tuple[list[ShardEntry], TensorTable]:
     """Write ``arrays`` (little-endian, C-contiguous) into shards under ``store``; ``dtypes`` are
-    their format names when the caller has them already (see ``_codec.Encoded``).  With
+    their format names when the caller has them already (see ``_codec.Encoded``).  ``folder``: a
+    shard folder (``_manifest.SHARD_FOLDER``) to put them in, made here, instead of the top.  With
     ``syncs``, local shards are left to become durable in the background (see :class:`Syncs`):
     the caller waits for them before it commits.
 
@@ -310,17 +344,20 @@ def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[st
     read and verify part of a chunk (docs/FORMAT.md, section 5)."""
     alignment = _knobs.alignment()
     sizes = [a.nbytes for a in arrays]
-    layout = plan_shards(sizes, store.shard_size, alignment)
-    paths = [f"shard-{i:05d}-{token}.bin" for i in range(len(layout))]
-    ctx = contextvars.copy_context()
+    handoff = _handoff.current()
+    first = _handoff.first_writes(handoff, arrays)
+    layout, cut = _plan(sizes, first, store.shard_size, alignment)
+    base = f"{folder}/" if folder else ""
+    paths = [f"{base}shard-{i:05d}-{token}.bin" for i in range(len(layout))]
+    if folder and layout:
+        store.makedirs(folder)
     block = CRC_BLOCK if chunks is not None else 0
-    if len(layout) == 1:  # no pool for one shard: its thread would only add a hand-over
-        written = [ctx.copy().run(_write_one, store, paths[0], arrays, layout[0], block, syncs)]
-    else:
-        with ThreadPoolExecutor(max(1, min(store.writers, len(layout)))) as pool:
-            written = list(pool.map(lambda j: ctx.copy().run(_write_one, store, paths[j], arrays,
-                                                             layout[j], block, syncs),
-                                    range(len(layout))))
+    # The caller's own arrays (an async save's beyond its staging budget) go first, in shards of
+    # their own; then the caller may go on, and the save's copies follow.
+    written = _write_shards(store, paths[:cut], arrays, layout[:cut], block, syncs)
+    if handoff is not None:
+        handoff.release()
+    written += _write_shards(store, paths[cut:], arrays, layout[cut:], block, syncs)
     n = len(arrays)
     shard, offset, crc = [0] * n, [0] * n, [0] * n
     for j, w in enumerate(written):
@@ -373,7 +410,7 @@ def map_local(store: Store, shard: ShardEntry) -> memoryview:
     FIFO, directory, ...), its size checked on that descriptor, then mapped from it."""
     path = store.join(shard.path)
     try:
-        fd, st = open_regular(path)
+        fd, st = store.open_file(shard.path)
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"{path}: shard file is missing{_of(store, shard)}") from e
     try:
@@ -680,16 +717,30 @@ def verify_shards(store: Store, manifest: Manifest, errors: list) -> None:
     for shard in manifest.shards:
         try:
             if store.local:
-                data = map_local(store, shard)
+                actual = crc32c.crc32c(map_local(store, shard))
             else:
                 check_size(store, shard)
-                data = memoryview(store.read(shard.path))
+                actual = _remote_crc(store, shard)
         except (IncompleteCheckpointError, CorruptCheckpointError) as e:
             errors.append(e)
             continue
-        actual = crc32c.crc32c(data)
         if actual != shard.checksum:
             errors.append(CorruptCheckpointError(
                 f"{store.join(shard.path)}: shard checksum mismatch (expected {shard.checksum:#010x}, "
                 f"got {actual:#010x})", file=store.join(shard.path), expected=shard.checksum,
                 actual=actual))
+
+
+def _remote_crc(store: Store, shard: ShardEntry) -> int:
+    """A remote shard's CRC-32C, read ``remote_concurrency`` parts at a time: a shard holding one
+    large tensor is never held whole (one ranged read, in concurrent pieces, per window)."""
+    window = max(1, _knobs.remote_part_size()) * max(1, _knobs.remote_concurrency())
+    crc = 0
+    for lo in range(0, shard.size, window):
+        hi = min(shard.size, lo + window)
+        blob = store.read_ranges(shard.path, [(lo, hi)])[0]
+        if len(blob) != hi - lo:  # shrank since its size was checked
+            raise IncompleteCheckpointError(f"{store.join(shard.path)}: short read ({lo + len(blob)}"
+                                            f" of {shard.size} bytes){_of(store, shard)}")
+        crc = crc32c.crc32c(blob, crc)
+    return crc

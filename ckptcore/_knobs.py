@@ -53,14 +53,30 @@ _DEFAULTS = {
     # tools use (8-64 MiB; s3fs 50 MiB).  Store.shard_size bounds remote shards to one part.
     "remote_part_size": 32 * 1024 * 1024,
     # How many parts (uploads) or pieces (reads) of one save or load are in flight at once: 8, like
-    # boto3's and s3fs's defaults (10), within botocore's pool of 10 connections.  Memory held by a
-    # save's part buffers is at most remote_concurrency x remote_part_size (256 MiB); the HTTP client
-    # may hold a copy of what it is still sending (asyncio buffers what the socket has not taken).
+    # boto3's and s3fs's defaults (10), within botocore's pool of 10 connections.  A save's uploads
+    # hold at most remote_concurrency x remote_part_size (256 MiB) above its state (_remote.py).
     "remote_concurrency": 8,
+    # An async save's staging budget in bytes (0: unlimited).  save() copies the state's arrays
+    # into staging buffers so the caller may go on training while a thread writes them; with a
+    # budget smaller than the state, the arrays that do not fit are written from the caller's own
+    # arrays before save() returns (the caller blocks for that part only), so a state larger
+    # than free memory can still be saved asynchronously.
+    "staging_bytes": 0,
     # A distributed save (save_state(..., group=)) waits this long (seconds) for each collective:
     # a rank that does not arrive in time is taken for dead, and the save fails on every rank
     # with nothing committed.  It must exceed the slowest rank's write of its part.
     "group_timeout": 120.0,
+    # A distributed save by a group of at least this many ranks puts each rank's shards in one
+    # of 256 folders named by a hash of the rank (<checkpoint>/3f/shard-...): S3 scales request
+    # rates per key prefix (about 3,500 PUT/s each), and 1,000 ranks' shards under one prefix
+    # would queue there.  Smaller groups keep the flat layout every reader since format 1 knows
+    # (0 or 1: every group spreads).
+    "prefix_ranks": 256,
+    # A chunked tensor table of at least this many rows is written as format 4: the manifest
+    # keeps one name per logical tensor and an index, the rows go to a separate rows object read
+    # whole or, by a load of some blocks, by range (docs/FORMAT.md, section 12).  Below it the
+    # manifest stays format 3, which every earlier reader of sharded checkpoints knows.
+    "manifest_split_rows": 100_000,
     # A backup replication that fails on the store (network, throttling, an outage) is tried
     # again this many times, waiting backup_retry_seconds, then twice that, ... (at most 60 s)
     # in between; a step that still fails is left to the next successful replication or the
@@ -157,9 +173,24 @@ def remote_concurrency() -> int:
     return _int("remote_concurrency")
 
 
+def staging_bytes() -> int:
+    """Bytes an async save may copy into staging buffers (0: the whole state)."""
+    return _int("staging_bytes")
+
+
 def group_timeout() -> float:
     """Seconds a distributed save or load waits for each collective."""
     return _float("group_timeout")
+
+
+def prefix_ranks() -> int:
+    """Group size from which a distributed save spreads its shards over shard folders."""
+    return _int("prefix_ranks")
+
+
+def manifest_split_rows() -> int:
+    """Chunk rows from which a manifest is written as format 4 (rows in a separate object)."""
+    return _int("manifest_split_rows")
 
 
 def backup_retries() -> int | float:

@@ -58,15 +58,19 @@ def _link_error(path: str) -> UnsafeCheckpointError:
         "inside a checkpoint (one could lead outside it). Replace the link with the file itself")
 
 
-def open_regular(path: str) -> tuple[int, os.stat_result]:
+def open_regular(path: str, *, in_folder: bool = False) -> tuple[int, os.stat_result]:
     """Open a local file for reading without following a link: ``(fd, fstat of fd)``.
+
+    ``in_folder``: the file's own folder is inside the checkpoint too (a nested shard,
+    ``3f/shard-...``), so it must not be a link either: it is opened first without following
+    one, and the file relative to it (``O_NOFOLLOW`` guards the last component only).
 
     Raises ``FileNotFoundError`` when absent and :class:`UnsafeCheckpointError` (naming the path
     and what is there) for anything but a regular file.  The caller closes ``fd``; sizes must come
     from the returned stat, and data from this descriptor, so nothing can be swapped in between.
     """
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = _open_in_folder(path) if in_folder else os.open(path, _READ_FLAGS)
     except OSError as e:
         # O_NOFOLLOW on a link gives ELOOP (EMLINK on FreeBSD, EFTYPE on NetBSD).
         if e.errno in (errno.ELOOP, errno.EMLINK, getattr(errno, "EFTYPE", -1)) \
@@ -85,10 +89,37 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def read_file(path: str, max_bytes: int | None, check: Callable[[int], None]) -> bytes:
-    """The whole regular file at ``path``, never through a link; ``check(size)`` is called with
-    its size before any of it is read, and with the length read when ``max_bytes`` is given."""
-    fd, st = open_regular(path)
+def _open_in_folder(path: str) -> int:
+    """``path`` opened relative to its folder, the folder opened without following a link:
+    :class:`UnsafeCheckpointError` when the folder is a link or not a folder at all."""
+    folder, name = os.path.split(path)
+    try:
+        dfd = os.open(folder, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        try:
+            mode = os.lstat(folder).st_mode
+        except OSError:
+            raise e from None
+        if stat.S_ISLNK(mode):
+            raise _link_error(folder) from None
+        what = "a regular file" if stat.S_ISREG(mode) else file_kind(mode)
+        raise UnsafeCheckpointError(
+            f"{folder}: is {what}, not a folder; a checkpoint's shard folders are plain "
+            "folders") from None
+    try:
+        return os.open(name, _READ_FLAGS, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def read_file(path: str, max_bytes: int | None, check: Callable[[int], None], *,
+              in_folder: bool = False) -> bytes:
+    """The whole regular file at ``path``, never through a link (``in_folder``: nor through its
+    folder, see :func:`open_regular`); ``check(size)`` is called with its size before any of it
+    is read, and with the length read when ``max_bytes`` is given."""
+    fd, st = open_regular(path, in_folder=in_folder)
     with open(fd, "rb", closefd=True) as f:
         check(st.st_size)
         if max_bytes is None:
@@ -102,15 +133,17 @@ def read_file(path: str, max_bytes: int | None, check: Callable[[int], None]) ->
         return data
 
 
-def scan(path: str) -> list[Listed]:
-    """Entries directly below ``path`` (links as links); empty when it does not exist."""
+def scan(path: str, details: bool = True) -> list[Listed]:
+    """Entries directly below ``path`` (links as links); empty when it does not exist.
+    ``details=False``: no mtime or size (no ``stat`` per entry: a root of thousands of steps)."""
     try:
         with os.scandir(path) as it:
             out = []
             for e in it:
-                st = e.stat(follow_symlinks=False)
-                out.append((e.name, e.is_dir(follow_symlinks=False), st.st_mtime,
-                            e.is_symlink(), st.st_size))
+                st = e.stat(follow_symlinks=False) if details else None
+                out.append((e.name, e.is_dir(follow_symlinks=False),
+                            st.st_mtime if st else None, e.is_symlink(),
+                            st.st_size if st else None))
             return out
     except (FileNotFoundError, NotADirectoryError):
         return []

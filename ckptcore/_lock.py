@@ -167,9 +167,11 @@ class WriterLock:
         self.generation: int | None = None  # this holder's generation of the root (_fence)
         self._accepted: set[int] = set()  # the steps of its claim's record
         self._committed: set[int] = set()  # steps committed under this generation
-        # What retention knows of the named steps: (created, metrics), written with the record.
+        # What retention knows of the named steps, (created, metrics): the retention index.
         self._entries: dict[int, tuple[float, Any]] = {}
-        self._unwritten = False  # entries learned since the record was last written
+        self._unwritten = False  # entries learned since the index was last written
+        self._claimed: list[int] | None = None
+        self._indexed = 0.0  # monotonic time of the last index write
 
     def acquire(self) -> None:
         if self._lost:  # superseded: for good (its run's view of the root is stale)
@@ -257,7 +259,10 @@ class WriterLock:
         self.generation = g
         self._accepted = set(accepted)  # what the claim wrote, not read back (see claim)
         self._committed = set()
+        self._claimed: list[int] | None = sorted(accepted)  # a listing as fresh as any
         self._entries = {s: e for s, e in {**entries, **self._entries}.items() if s in self._accepted}
+        if self._entries:  # this generation's own index, at once: a run that dies before its
+            self._write_index()  # first write would leave its successor no index to read
 
     def _overdue(self) -> bool:
         """Whether this holder's lease may have expired in another writer's eyes (its last
@@ -355,9 +360,17 @@ class WriterLock:
                             "check its manifest instead", self.store.url, step, type(e).__name__, e)
 
     def _write_record(self) -> None:
-        _fence.record(self.store, self.generation, self.holder, self._accepted, self._committed,
-                      self._entries)
-        self._unwritten = False
+        _fence.record(self.store, self.generation, self.holder, self._accepted, self._committed)
+
+    def _write_index(self) -> None:
+        """The retention index (``_fence``): a cache of the manifests, so a failure is only
+        logged (the next writer reads those steps' manifests instead)."""
+        try:
+            _fence.write_index(self.store, self.generation, self._entries)
+            self._unwritten, self._indexed = False, time.monotonic()
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: could not write the retention index (%s: %s); the next writer "
+                        "reads those steps' manifests", self.store.url, type(e).__name__, e)
 
     def _flush_entries(self) -> None:
         """At release, the entries learned since the last rewrite (the newest step's, mostly),
@@ -366,13 +379,13 @@ class WriterLock:
             return
         try:
             with self._mutex:
-                if not self.store.local and self._superseded():
-                    return
-                self._write_record()
-        except Exception as e:  # noqa: BLE001 - the entries are a cache of the manifests
-            log.warning("%s: could not write the retention entries into the writer record (%s: "
-                        "%s); the next writer reads those steps' manifests", self.store.url,
+                superseded = not self.store.local and self._superseded()
+        except Exception as e:  # noqa: BLE001 - the index is a cache of the manifests
+            log.warning("%s: not writing the retention index (%s: %s)", self.store.url,
                         type(e).__name__, e)
+            return
+        if not superseded:
+            self._write_index()
 
     def view(self) -> _fence.View | None:
         """The holder's own view of its root (no request): its generation and the steps its
@@ -380,18 +393,29 @@ class WriterLock:
         if self.generation is None or self._lost or not self._held:
             return None
         return _fence.View(self.generation, frozenset(self._accepted | self._committed),
-                           self.holder, entries=dict(self._entries))
+                           self.holder)
+
+    def claimed_steps(self) -> list[int] | None:
+        """The steps readers accepted at this holder's claim, once (then None): the listing the
+        claim just made, which the holder's tier takes instead of listing the root again."""
+        steps, self._claimed = self._claimed, None
+        return steps
 
     def entry(self, step: int) -> tuple[float, Any] | None:
-        """What the record says of ``step`` for retention (created, metrics), if anything."""
+        """What the retention index says of ``step`` (created, metrics), if anything."""
         return self._entries.get(step)
 
     def remember(self, step: int, created: float, metrics: Any) -> None:
-        """Keep ``step``'s retention entry; it is written with the record's next rewrite (the
-        next commit or deletion, else at release): no request of its own."""
+        """Keep ``step``'s retention entry; the index is rewritten at most every
+        ``_fence.INDEX_SECONDS`` (its size grows with the steps kept) and at release."""
         if step in self._accepted or step in self._committed:
             self._entries[step] = (float(created), dict(metrics) if metrics else None)
             self._unwritten = True
+            if time.monotonic() - self._indexed >= _fence.INDEX_SECONDS and self._current():
+                self._write_index()
+
+    def _current(self) -> bool:
+        return self.generation is not None and self._held and not self._lost
 
     def forget(self, step: int) -> None:
         """``step`` is about to be deleted: the record stops naming it first (readers trust a
@@ -400,7 +424,7 @@ class WriterLock:
         self._accepted.discard(step)
         self._committed.discard(step)
         self._entries.pop(step, None)
-        if named and self.generation is not None and self._held and not self._lost:
+        if named and self._current():
             with self._mutex:
                 self._write_record()
 

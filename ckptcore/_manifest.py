@@ -33,12 +33,21 @@ FORMAT_VERSION = 2
 # Version 3 adds chunked tensors (global shapes, chunk offsets, per-block checksums); writers use
 # it only for states holding ``ckptcore.Shard`` leaves, so plain saves stay version 2.
 CHUNKED_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+# Version 4 moves a large chunked table's rows to a separate rows object (``_manifest4``);
+# ``_commit`` writes it for tables of at least ``manifest_split_rows`` rows.
+SPLIT_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
+WRITE_VERSIONS = (1, 2, 3)  # what the format_version knob may ask for (4 is chosen by size)
 MANIFEST_NAME = "manifest.msgpack"
 CHECKSUM = "crc32c"
 # Shard names are plain file names: no separators, no "..", so a manifest can never point outside
 # its checkpoint directory (matched with fullmatch: "$" would admit a trailing newline).
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+# ... or a plain name in one folder of two lower-case hex digits ("3f/shard-..."): a large group's
+# save spreads its shards over 256 key prefixes, so that no single prefix carries every PUT of
+# the save (S3 scales request rates per prefix; ``_dist.shard_folder``).  One level, exactly this
+# shape: nothing else a separator could reach is admitted.
+SHARD_FOLDER = re.compile(r"[0-9a-f]{2}")
 CAS_NAME = re.compile(r"cas:[0-9a-f]{64}")  # a deduplicated replica's chunk (_storage.CAS_PREFIX)
 # numpy's limits, checked here so that building an array from a valid manifest cannot fail:
 # at most 64 dimensions, and the product of the non-zero dimensions times the itemsize must fit
@@ -60,9 +69,21 @@ MIN_CRC_BLOCK = 4096  # what readers accept (bounds the number of block checksum
 
 def safe_shard_name(path: Any) -> bool:
     """Whether ``path`` may name a shard: a plain file name inside the checkpoint folder (never
-    ``..``, a separator or the manifest itself), or a deduplicated replica's ``cas:`` chunk."""
-    return isinstance(path, str) and path != MANIFEST_NAME and ".." not in path and bool(
-        _SHARD_NAME.fullmatch(path) or CAS_NAME.fullmatch(path))
+    ``..`` or the manifest itself), optionally in one :data:`SHARD_FOLDER` (``3f/shard-...``;
+    no other separator), or a deduplicated replica's ``cas:`` chunk."""
+    if not isinstance(path, str) or ".." in path:
+        return False
+    if CAS_NAME.fullmatch(path):
+        return True
+    folder, sep, name = path.rpartition("/")
+    if sep and not SHARD_FOLDER.fullmatch(folder):  # "a/b/c", "/abs", "zz/x", "ab//x"
+        return False
+    return name != MANIFEST_NAME and bool(_SHARD_NAME.fullmatch(name))
+
+
+def shard_folder(path: str) -> str:
+    """The :data:`SHARD_FOLDER` a (safe) shard path is in, or "" for a plain name."""
+    return path.rpartition("/")[0]
 
 
 def block_count(length: np.ndarray, crc_block: int) -> np.ndarray:
@@ -108,7 +129,8 @@ class TensorTable(Sequence[TensorEntry]):
 
     __slots__ = ("names", "dtypes", "dtype", "ndim", "dims", "shard", "offset", "length",
                  "checksum", "tensor", "gdims", "start", "block_crc", "crc_block",
-                 "_starts", "_shapes", "_lists", "_rows", "_block_pos", "firsts_cache")
+                 "_starts", "_shapes", "_lists", "_rows", "_block_pos", "firsts_cache",
+                 "interned")
 
     def __init__(self, *, names: list[str], dtypes: list[str], dtype: np.ndarray, ndim: np.ndarray,
                  dims: np.ndarray, shard: np.ndarray, offset: np.ndarray, length: np.ndarray,
@@ -126,6 +148,8 @@ class TensorTable(Sequence[TensorEntry]):
         self._rows: list[list[int]] | None = None
         self._block_pos: np.ndarray | None = None
         self.firsts_cache: np.ndarray | None = None
+        # Version 4: the names of the logical tensors (one each), as the manifest lists them.
+        self.interned: list[str] | None = None
 
     @classmethod
     def from_columns(cls, names: list[str], dtype_names: Sequence[str],
@@ -199,18 +223,24 @@ class TensorTable(Sequence[TensorEntry]):
         return self._rows
 
     def firsts(self) -> np.ndarray:
-        """The first row of each logical tensor (cached; set when a chunked table is checked)."""
+        """The first row of each logical tensor (cached; set when a chunked table is checked);
+        -1 for one without a row (a version-4 table of some row groups)."""
         if self.firsts_cache is None:
             if self.tensor is None:
                 self.firsts_cache = np.arange(len(self))
             else:
-                self.firsts_cache = np.array([r[0] for r in self.rows_of()], np.intp)
+                self.firsts_cache = np.array([r[0] if r else -1 for r in self.rows_of()],
+                                             np.intp)
         return self.firsts_cache
 
     def logical_name(self, k: int) -> str:
+        if self.interned is not None:  # (version 4: a partial table may hold no row of k)
+            return self.interned[k]
         return self.names[int(self.firsts()[k])]
 
     def logical_count(self) -> int:
+        if self.interned is not None:
+            return len(self.interned)
         if self.tensor is None:
             return len(self)
         return int(self.tensor.max()) + 1 if len(self.tensor) else 0
@@ -353,6 +383,11 @@ class Manifest:
     version: int = FORMAT_VERSION
     # The tensor indices the tree refers to, ascending (found while the tree is validated).
     referenced: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    # Version 4: the rows object holding the tensor table (section 12 of docs/FORMAT.md), named
+    # and checksummed like a shard; ``partial``: only some of its row groups were read (a load
+    # of some blocks), so the table holds only their rows.
+    rows: ShardEntry | None = field(default=None, repr=False, compare=False)
+    partial: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensors, TensorTable):
@@ -364,27 +399,43 @@ class Manifest:
                                tuple(sorted({r.index for r in _codec.refs(self.tree)})))
         return self.referenced  # type: ignore[return-value]
 
+    def files(self) -> list[str]:
+        """Every file of the checkpoint the manifest names: its shards and (version 4) its rows
+        object; cleanup and gc keep these."""
+        return [s.path for s in self.shards] + ([self.rows.path] if self.rows else [])
+
+    def envelope(self, tensors: Any, version: int) -> bytes:
+        """The manifest's bytes with ``tensors`` as the body's tensor table."""
+        body = _codec.pack({
+            "created": self.created, "writer": self.writer, "library": self.library,
+            "framework": self.framework, "checksum": CHECKSUM, "alignment": self.alignment,
+            "shards": [{"path": s.path, "size": s.size, "checksum": s.checksum} for s in self.shards],
+            "tensors": tensors, "tree": self.tree,
+        })
+        return _codec.pack({"format": FORMAT_NAME, "version": version, "body": body,
+                            "body_crc32c": crc32c.crc32c(body)})
+
     def to_bytes(self) -> bytes:
+        if self.version == SPLIT_VERSION:
+            raise ValueError("a version-4 manifest comes with its rows object: "
+                             "_manifest4.encode_manifest writes both")
         if self.version not in READ_VERSIONS:
             raise ValueError(f"cannot write format version {self.version!r}; "
                              f"choose one of {READ_VERSIONS}")
         if self.tensors.chunked and self.version < CHUNKED_VERSION:
             raise ValueError(f"chunked tensors need format version {CHUNKED_VERSION}, "
                              f"not {self.version}")
-        body = _codec.pack({
-            "created": self.created, "writer": self.writer, "library": self.library,
-            "framework": self.framework, "checksum": CHECKSUM, "alignment": self.alignment,
-            "shards": [{"path": s.path, "size": s.size, "checksum": s.checksum} for s in self.shards],
-            "tensors": (self.tensors.to_v3() if self.version >= CHUNKED_VERSION
-                        else self.tensors.to_v2() if self.version == 2 else self.tensors.to_v1()),
-            "tree": self.tree,
-        })
-        return _codec.pack({"format": FORMAT_NAME, "version": self.version, "body": body,
-                            "body_crc32c": crc32c.crc32c(body)})
+        return self.envelope(self.tensors.to_v3() if self.version >= CHUNKED_VERSION
+                             else self.tensors.to_v2() if self.version == 2
+                             else self.tensors.to_v1(), self.version)
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, source: str = MANIFEST_NAME) -> Manifest:
-        """Parse and validate untrusted manifest bytes; every defect is a typed error naming ``source``."""
+    def from_bytes(cls, data: bytes, *, source: str = MANIFEST_NAME, rows: Any = None
+                   ) -> Manifest:
+        """Parse and validate untrusted manifest bytes; every defect is a typed error naming
+        ``source``.  Version 4 needs ``rows(tensors, shards, source) -> (table, rows object
+        entry, partial)``, which reads its rows object (``_manifest4.reader``: this module
+        builds no table from another object itself)."""
         outer = _codec.unpack_plain(data, source)
         if not isinstance(outer, dict) or outer.get("format") != FORMAT_NAME:
             raise SchemaError(f"{source}: not a ckptcore manifest")
@@ -411,7 +462,7 @@ class Manifest:
         except SchemaError as e:
             raise SchemaError(f"{source}: {e}") from e
         try:
-            return _validate(b, version, refs, source)
+            return _validate(b, version, refs, source, rows)
         except CheckpointError:
             raise
         except (RecursionError, TypeError, ValueError, OverflowError, IndexError) as e:  # backstop
@@ -444,7 +495,8 @@ def _nonneg(d: dict, key: str, where: str) -> int:
     return v
 
 
-def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
+def _validate(b: Any, version: int, refs: list, source: str, rows_reader: Any = None
+              ) -> Manifest:
     if not isinstance(b, dict):
         raise SchemaError(f"{source}: body is not a map")
     if b.get("checksum") != CHECKSUM:
@@ -457,7 +509,8 @@ def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
         path = _req(s, "path", str, where)
         if not safe_shard_name(path):
             raise UnsafeCheckpointError(f"{where}: shard path {_codec.short_repr(path)} is not a plain "
-                                        "file name inside the checkpoint directory; refusing to read it")
+                                        "file name inside the checkpoint directory (optionally in "
+                                        "one folder of two hex digits); refusing to read it")
         if path in seen:
             raise SchemaError(f"{where}: shard path {path!r} is listed twice")
         seen.add(path)
@@ -469,12 +522,20 @@ def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
         if len({t.name for t in entries}) != len(entries):  # readers key tensors by name
             raise SchemaError(f"{source}: tensor names are not unique")
         table = TensorTable.from_entries(entries)
+    elif version == SPLIT_VERSION:
+        if rows_reader is None:
+            raise SchemaError(f"{source}: a format-4 manifest is read with its rows object, "
+                              "from its checkpoint's store (read_manifest)")
+        table, rows, partial = rows_reader(b.get("tensors"), shards, source)
     else:
         table = _table_v2(_req(b, "tensors", dict, source), shards, source,
                           chunked=version >= CHUNKED_VERSION)
-    _check_layout(table, shards, source)
+    if version != SPLIT_VERSION:
+        rows, partial = None, False
+    # (a partial table holds some rows only: the shards' ends are not all known)
+    _check_layout(table, shards, source, ends=not partial)
     tree = _req(b, "tree", dict, source)
-    referenced = _check_tree(tree, refs, table, source)
+    referenced = _check_tree(tree, refs, table, source, partial)
     created = _req(b, "created", (int, float), source)
     if isinstance(created, bool) or not math.isfinite(created):
         raise SchemaError(f"{source}: field 'created' is not a finite number")
@@ -482,7 +543,8 @@ def _validate(b: Any, version: int, refs: list, source: str) -> Manifest:
                     writer=_req(b, "writer", dict, source), library=_req(b, "library", dict, source),
                     framework=_req(b, "framework", dict, source),
                     alignment=_nonneg(b, "alignment", source), shards=tuple(shards),
-                    tensors=table, tree=tree, version=version, referenced=referenced)
+                    tensors=table, tree=tree, version=version, referenced=referenced, rows=rows,
+                    partial=partial)
 
 
 def _uint32(d: dict, key: str, where: str) -> int:
@@ -683,15 +745,17 @@ def merge_tables(tables: Sequence[TensorTable], shard_offsets: Sequence[int], *,
     return merged
 
 
-def _check_layout(table: TensorTable, shards: list[ShardEntry], source: str) -> None:
+def _check_layout(table: TensorTable, shards: list[ShardEntry], source: str, *,
+                  ends: bool = True) -> None:
     """No two tensors share a byte (overlapping ranges would alias the loaded arrays), and each
-    shard ends where its last tensor ends (docs/FORMAT.md, section 7).  Offsets and lengths are
-    already known to lie inside their shards, so ``offset + length`` cannot overflow."""
+    shard ends where its last tensor ends (docs/FORMAT.md, section 7; not with ``ends`` False:
+    some rows only).  Offsets and lengths are already known to lie inside their shards, so
+    ``offset + length`` cannot overflow."""
     shard, start = table.shard.astype(np.intp), table.offset
     end = start + table.length
-    ends = np.zeros(len(shards), np.uint64)
-    np.maximum.at(ends, shard, end)
-    for s, e in zip(shards, ends.tolist()):
+    last = np.zeros(len(shards), np.uint64)
+    np.maximum.at(last, shard, end)
+    for s, e in zip(shards, last.tolist() if ends else ()):
         if s.size != e:
             raise SchemaError(f"{source}: shard {s.path!r} is declared {s.size} bytes, but its "
                               f"tensors end at byte {e}")
@@ -705,11 +769,14 @@ def _check_layout(table: TensorTable, shards: list[ShardEntry], source: str) -> 
                           f"overlap in shard {shards[int(shard[i0])].path!r}")
 
 
-def _check_tree(tree: dict, refs: list, table: TensorTable, source: str) -> tuple[int, ...]:
+def _check_tree(tree: dict, refs: list, table: TensorTable, source: str,
+                partial: bool = False) -> tuple[int, ...]:
     """Every reference indexes the tensor table once, scalar references name 0-d tensors, and
     the tree decodes to a valid state (with the references standing in for the tensors).
-    Returns the referenced indices, ascending."""
-    n = table.logical_count()
+    Returns the referenced indices, ascending.  ``partial`` (a version-4 table of some row
+    groups): the references are checked against the tensors' names, as the rows are not all
+    there (the loader refuses a tensor whose rows it did not read)."""
+    n = len(table.interned or ()) if partial else table.logical_count()
     indices = [r.index for r in refs]
     if indices and max(indices) >= n:
         bad = next(i for i in indices if i >= n)
@@ -722,8 +789,9 @@ def _check_tree(tree: dict, refs: list, table: TensorTable, source: str) -> tupl
         raise SchemaError(f"{source}: the state tree refers to tensor "
                           f"{table.logical_name(dup)!r} twice")
     scalars = [r.index for r in refs if r.scalar]
-    if scalars:
+    if scalars:  # (partial: of the tensors with a row read; the loader reads the others whole)
         rows = table.firsts()[np.array(scalars, np.intp)]
+        rows = rows[rows >= 0]
         nd = table.ndim[rows]
         if nd.any():
             i = int(rows[_first(nd != 0)])

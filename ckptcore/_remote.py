@@ -4,18 +4,25 @@ Why: an object store's bandwidth comes from many requests in flight, not from on
 s3fs's buffered file (``fs.open(path, "wb")``) uploads its parts one after the other, each while
 the writer waits, and one ranged GET of a shard is one connection.  Here:
 
-* :class:`PartWriter` (S3 through s3fs): the caller's writes fill a part buffer; each full part
-  is handed to s3fs's event loop as an ``upload_part`` and the caller goes on checksumming and
+* :class:`PartWriter` (S3 through s3fs): the caller's writes fill a part; each full part is
+  handed to s3fs's event loop as an ``upload_part`` and the caller goes on checksumming and
   filling the next part while it travels.  An object that fits in one part is a single PUT (no
   multipart round trips).  Any failure aborts the multipart upload, so no part is left behind
-  (and says so in the log); errors are mapped by ``Store.translate_errors`` like every other operation.
+  (and says so in the log); errors are mapped by ``Store.translate_errors`` like every other
+  operation.
 * :func:`read_ranges`: each requested range is split into part-sized pieces fetched
   concurrently (any async fsspec filesystem: S3, GCS, Azure, HTTP) straight into one
-  preallocated ``bytearray`` per range.
+  preallocated buffer per range.
 
-Memory is bounded: a store's writers share ``remote_concurrency`` part buffers (being filled or
-uploading), so at most ``remote_concurrency x remote_part_size`` bytes are held at once; a read
-holds its result buffers plus at most ``remote_concurrency`` pieces in flight.
+Memory is bounded.  A store's writers share ``remote_concurrency`` part slots (a part being
+filled or uploading holds one, until S3 acknowledges it), and a part holds at most
+``remote_part_size`` bytes of its own: large writes of a caller that keeps its buffers unchanged
+(a save's arrays) are views, small ones are gathered into one buffer.  The body goes to the
+socket a chunk at a time (:class:`PartBody`), so the HTTP client holds no copy of a part.  A
+save's uploads therefore hold at most ``remote_concurrency x remote_part_size`` above its state
+(measured: 4 MiB for a 1 GiB state of large tensors; benchmarks/bench_memory.py).  A read holds
+its result buffers (the loaded arrays) plus what is in flight (``remote_concurrency`` pieces'
+chunks).
 """
 
 from __future__ import annotations
@@ -66,46 +73,84 @@ def concurrent_reads(fs: Any) -> bool:
     return callable(getattr(fs, "_cat_file", None)) and _loop(fs) is not None
 
 
-class _Body(bytearray):
-    """One part's bytes.  aiohttp sends a body as ``body[:content_length]``: for ``bytes`` that is
-    the object itself, for a ``bytearray`` a copy of the whole part; slices of a ``_Body`` are
-    views instead, so a part goes to the socket without being copied again."""
+# Bytes of a part handed to the socket at a time.  The HTTP client sends a body given as one
+# buffer with one write, and on Python < 3.12.9 joins it with the headers first (a copy of the
+# whole part) and asyncio keeps a second copy of what the socket did not take at once: 256 MiB
+# above the part buffers in flight on a 256 MiB save (measured: 517 MiB above the state).
+# Written a chunk at a time, the client waits for the socket between chunks and holds at most
+# about one chunk per connection.
+_SEND_CHUNK = 256 * 1024
+# Writes at least this large from a caller that keeps its buffers unchanged until close
+# (``stable``) go into a part as views, not copies; smaller ones are gathered into one buffer
+# (thousands of small tensors as thousands of socket writes would cost more than the copy).
+_BORROW_MIN = 256 * 1024
 
-    __slots__ = ()
 
-    def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, slice):
-            return memoryview(self)[key]
-        return super().__getitem__(key)
+class PartBody:
+    """One part as the request body: its segments (views of the caller's arrays, or buffers of
+    gathered small writes), sent a chunk at a time (see ``_SEND_CHUNK``).
+
+    Two readers see it.  botocore reads it as a file (``read``/``seek``/``tell``, ``len``):
+    it signs the payload's SHA-256 on plain-HTTP endpoints and rewinds it before a retry.
+    aiohttp sends it as an async iterable (no ``io.IOBase``, so neither aiobotocore nor aiohttp
+    wraps it in a reader that copies it through a thread): every request from the first byte.
+    """
+
+    def __init__(self, segments: list[memoryview]):
+        self._segments = segments
+        self._size = sum(len(s) for s in segments)
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def crc32c(self) -> int:
+        crc = 0
+        for seg in self._segments:
+            crc = crc32c.crc32c(seg, crc)
+        return crc
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._size)[whence]
+        self._pos = min(max(0, base + offset), self._size)
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (all that is left when negative) from the position, as a copy."""
+        end = self._size if n is None or n < 0 else min(self._size, self._pos + n)
+        out, at = bytearray(), 0
+        for seg in self._segments:
+            lo, hi = max(self._pos, at), min(end, at + len(seg))
+            if lo < hi:
+                out += seg[lo - at:hi - at]
+            at += len(seg)
+        self._pos = max(self._pos, end)
+        return bytes(out)
+
+    def __aiter__(self) -> Any:
+        return self._chunks()
+
+    async def _chunks(self) -> Any:
+        for seg in self._segments:
+            for lo in range(0, len(seg), _SEND_CHUNK):
+                yield seg[lo:lo + _SEND_CHUNK]
 
 
 class PartPool:
-    """The part buffers one store's uploads share: at most ``count`` alive at once (being filled
-    or travelling), which bounds upload memory; full-sized ones are reused from part to part
-    (a fresh buffer costs page faults and zeroing, a tenth of a second per GB on a small machine)
-    and go with the store."""
+    """The part slots one store's uploads share: at most ``count`` parts alive at once (being
+    filled or travelling), which bounds upload memory; ``size`` is the part size."""
 
     def __init__(self, count: int, size: int):
         self.size = size
         self._sem = threading.Semaphore(max(1, count))
-        self._free: list[_Body] = []
 
-    def take(self, size: int) -> _Body:
-        """A buffer for a part of ``size`` bytes: a used full-sized one (overwritten in place),
-        or a new empty one that the writer extends (``bytearray(size)`` would zero every byte
-        once more before the part's bytes overwrite them, holding the GIL meanwhile)."""
-        self._sem.acquire()  # waits while the store's other parts hold every buffer
-        try:
-            if size == self.size and self._free:
-                return self._free.pop()
-            return _Body()
-        except BaseException:
-            self._sem.release()
-            raise
+    def take(self) -> None:
+        self._sem.acquire()  # waits while the store's other parts hold every slot
 
-    def give(self, buf: _Body | None) -> None:
-        if buf is not None and len(buf) == self.size:
-            self._free.append(buf)
+    def give(self) -> None:
         self._sem.release()
 
 
@@ -114,16 +159,19 @@ class PartWriter:
 
     Used by one thread at a time, like a file.  ``close`` publishes the object (single PUT, or
     completes the multipart upload) and raises on failure; ``abort`` (and any failed ``write`` or
-    ``close``) discards everything uploaded so far.
+    ``close``) discards everything uploaded so far.  With ``stable`` the caller promises that
+    what it writes stays unchanged until ``close`` returns: large writes then travel as views.
     """
 
-    def __init__(self, store: Any, rel: str, *, pool: PartPool):
+    def __init__(self, store: Any, rel: str, *, pool: PartPool, stable: bool = False):
         self._store, self._rel = store, rel
         self._fs = store.fs
         self._loop = _loop(self._fs)
         self._bucket, self._key, _ = self._fs.split_path(store.join(rel))
-        self._pool = pool
-        self._buf: _Body | None = None  # the part being filled (taken from the pool)
+        self._pool, self._stable = pool, stable
+        self._slot = False  # whether the part being filled holds one of the pool's slots
+        self._segments: list[memoryview] = []  # the part being filled
+        self._gather: bytearray | None = None  # its small writes, copied
         self._fill = 0
         self._cap = 0  # the size of the part being filled
         self._upload_id: str | None = None
@@ -135,30 +183,17 @@ class PartWriter:
     def write(self, data: Any) -> int:
         if self.closed:
             raise ValueError(f"{self._store.join(self._rel)}: write to a closed upload")
-        try:
-            mv = memoryview(data)
-        except ValueError:
-            # NumPy refuses a typed view of some dtypes (long double with an explicit byte
-            # order) that a file's write takes as plain bytes: take them as bytes too.
-            mv = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-        if mv.nbytes == 0:  # an empty tensor (a zero in its shape cannot be cast to bytes)
-            return 0
-        if mv.ndim != 1 or mv.format not in ("B", "b", "c"):
-            mv = mv.cast("B")
+        mv = _byte_view(data)
         n, pos = len(mv), 0
         with self._guard():
             while pos < n:
-                if self._buf is None:
-                    self._new_buffer()
+                if not self._slot:
+                    self._new_part()
                 elif self._fill == self._cap:  # full, and more is coming: not the last part
                     self._ship()
                     continue
                 take = min(n - pos, self._cap - self._fill)
-                if self._fill == len(self._buf):  # a new buffer grows (see PartPool.take)
-                    self._buf += mv[pos:pos + take]
-                else:
-                    self._buf[self._fill:self._fill + take] = mv[pos:pos + take]
-                self._fill += take
+                self._add(mv[pos:pos + take])
                 pos += take
         return n
 
@@ -189,7 +224,8 @@ class PartWriter:
             # land afterwards and stay behind (S3 documents this), invisible and billed.
             with contextlib.suppress(BaseException):
                 f.result()
-        self._drop_buffer()
+        self._take_part()
+        self._drop_slot()
         if self._upload_id is None:
             return
         url = self._store.url_of(self._rel)
@@ -230,7 +266,7 @@ class PartWriter:
                     raise named from e
             raise
 
-    def _checksum(self, body: Any) -> dict:
+    def _checksum(self, body: PartBody | None) -> dict:
         """The part's CRC32C, computed in this writer's thread (hardware CRC32C, GIL released):
         S3 checks the bytes it received against it.  Without it, botocore computes a CRC32 of
         every body itself (its default since 1.36), in software, on the one event-loop thread
@@ -239,33 +275,48 @@ class PartWriter:
         that refuse checksum headers) gets none from us either."""
         if not self._algorithm():
             return {}
-        value = crc32c.crc32c(body).to_bytes(4, "big")
+        value = (body.crc32c() if body is not None else 0).to_bytes(4, "big")
         return {"ChecksumCRC32C": base64.b64encode(value).decode("ascii")}
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         return sync(self._loop, self._fs._call_s3, method, **kwargs)
 
-    def _new_buffer(self) -> None:
+    def _new_part(self) -> None:
         # Part n+1's size; doubling every _PARTS_PER_SIZE parts keeps within S3's 10,000 parts.
         self._cap = self._pool.size << (len(self._parts) // _PARTS_PER_SIZE)
-        self._buf = self._pool.take(self._cap)
+        self._pool.take()
+        self._slot = True
         self._fill = 0
 
-    def _drop_buffer(self) -> None:
-        if self._buf is not None:
-            buf, self._buf = self._buf, None
-            self._pool.give(buf)
+    def _add(self, piece: memoryview) -> None:
+        """Put ``piece`` in the part being filled: as a view when the caller keeps it unchanged
+        and it is large, else copied into the part's gathering buffer."""
+        if self._stable and len(piece) >= _BORROW_MIN:
+            self._end_gather()
+            self._segments.append(piece)
+        elif self._gather is None:
+            self._gather = bytearray(piece)
+        else:
+            self._gather += piece
+        self._fill += len(piece)
 
-    def _take_buffer(self) -> _Body:
-        """The filled part, trimmed to its content; it goes back to the pool after its upload."""
-        buf, fill = self._buf, self._fill
-        self._buf, self._fill = None, 0
-        if fill < len(buf):
-            try:
-                del buf[fill:]
-            except BufferError:  # a reused buffer some finished request still views: a copy
-                buf = _Body(memoryview(buf)[:fill])  # (holding the original's slot)
-        return buf
+    def _end_gather(self) -> None:
+        if self._gather is not None:
+            self._segments.append(memoryview(self._gather))
+            self._gather = None
+
+    def _take_part(self) -> PartBody:
+        """The filled part as a request body; the writer starts afresh (its slot goes with the
+        body: back to the pool once the part has travelled)."""
+        self._end_gather()
+        body = PartBody(self._segments)
+        self._segments, self._fill = [], 0
+        return body
+
+    def _drop_slot(self) -> None:
+        if self._slot:
+            self._slot = False
+            self._pool.give()
 
     def _ship(self) -> None:
         for f in self._parts:  # a part that already failed stops the writer now, not at close
@@ -275,14 +326,15 @@ class PartWriter:
             self._upload_id = self._call("create_multipart_upload", Bucket=self._bucket,
                                          Key=self._key, **self._algorithm())["UploadId"]
         number = len(self._parts) + 1
-        body = self._take_buffer()
+        body = self._take_part()
+        self._slot = False  # from here the slot is the upload's
         try:
             fut = asyncio.run_coroutine_threadsafe(
                 self._upload_part(number, body, self._checksum(body)), self._loop)
         except BaseException:
-            self._pool.give(body)
+            self._pool.give()
             raise
-        fut.add_done_callback(lambda _: self._pool.give(body))  # back once it has travelled
+        fut.add_done_callback(lambda _: self._pool.give())  # back once it has travelled
         self._parts.append(fut)
 
     def _algorithm(self) -> dict:
@@ -294,7 +346,7 @@ class PartWriter:
                                       None) == "when_supported"
         return {"ChecksumAlgorithm": "CRC32C"} if self._checksums else {}
 
-    async def _upload_part(self, number: int, body: bytearray, checksum: dict) -> dict:
+    async def _upload_part(self, number: int, body: PartBody, checksum: dict) -> dict:
         out = await self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key,
                                       UploadId=self._upload_id, PartNumber=number, Body=body,
                                       **checksum)
@@ -302,14 +354,28 @@ class PartWriter:
 
     def _put_whole(self) -> None:
         """The whole object in one PUT: it fitted in the first part (or is empty)."""
-        body = self._take_buffer() if self._buf is not None else None
+        body = self._take_part() if self._slot else None
         try:
             self._call("put_object", Bucket=self._bucket, Key=self._key,
-                       Body=body if body is not None else b"",
-                       **self._checksum(body if body is not None else b""))
+                       Body=body if body is not None and len(body) else b"",
+                       **self._checksum(body))
         finally:
-            if body is not None:
-                self._pool.give(body)
+            self._drop_slot()
+
+
+def _byte_view(data: Any) -> memoryview:
+    """``data`` as a flat memoryview of bytes (no copy for anything that exports a buffer)."""
+    try:
+        mv = memoryview(data)
+    except ValueError:
+        # NumPy refuses a typed view of some dtypes (long double with an explicit byte
+        # order) that a file's write takes as plain bytes: take them as bytes too.
+        mv = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    if mv.nbytes == 0:  # an empty tensor (a zero in its shape cannot be cast to bytes)
+        return memoryview(b"")
+    if mv.ndim != 1 or mv.format not in ("B", "b", "c"):
+        mv = mv.cast("B")
+    return mv
 
 
 def _with_url(e: OSError, url: str) -> OSError:

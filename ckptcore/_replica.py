@@ -7,7 +7,8 @@ each source shard is read whole and checked against its CRC-32C before a byte of
 
 Two layouts:
 
-* **plain**: the shards are copied as they are (a deduplicated source's ``cas:`` objects become
+* **plain**: the shards are copied as they are, under the same names (a large group's
+  ``3f/shard-...`` in the same shard folders; a deduplicated source's ``cas:`` objects become
   ``shard-<hash>.bin`` files of the step folder); the manifest is the source's with those names.
 * **deduplicated** (a backup root): every tensor's bytes become a content-addressed object, a
   *blob*, ``<root>/chunks/<hh>/<hash>`` (BLAKE2b-256 of the bytes, docs/FORMAT.md,
@@ -60,8 +61,8 @@ from typing import Any, Callable
 import crc32c as _crc
 import numpy as np
 
-from ._commit import commit
-from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, encoded_tree
+from ._commit import commit, shard_files
+from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, encoded_tree, shard_folder
 from ._read import read_manifest, read_manifest_bytes
 from ._storage import CAS_DIR, CAS_PREFIX, Store, as_time, mtime_of, fsync_dir
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
@@ -338,7 +339,7 @@ def check_structure(dst: Store, manifest: Manifest | None = None,
     cas = [s for s in manifest.shards if s.path.startswith(CAS_PREFIX)]
     if cas and listing is None:
         listing = list_blob_objects(dst.parent())
-    plain = ({e.name: e.size for e in dst.listdir() if not e.is_dir and not e.is_link}
+    plain = ({e.name: e.size for e in shard_files(dst) if not e.is_link}
              if len(cas) < len(manifest.shards) else {})
     for s in manifest.shards:
         if s.path.startswith(CAS_PREFIX):
@@ -402,6 +403,8 @@ def _write_plain(src: Store, target: Store, manifest: Manifest, stats: CopyStats
         data = _read_shard(src, shard)
         name = (f"shard-{shard.path[len(CAS_PREFIX):]}.bin" if shard.path.startswith(CAS_PREFIX)
                 else shard.path)
+        if shard_folder(name):  # a large group's save: its shards are in shard folders
+            target.makedirs(shard_folder(name))
         target.write_bytes(name, data)
         shards.append(ShardEntry(path=name, size=shard.size, checksum=shard.checksum))
         stats.read += len(data)

@@ -8,42 +8,59 @@ copy, or a ``TrainingState`` the caller built) is copied first.  The copies land
 buffers kept from the previous async save: reusing them avoids faulting in fresh pages on every
 save, which costs more than the copy itself, and they are free to reuse because at most one
 save is in flight.
+
+A staging budget (the ``staging_bytes`` knob) bounds the copies: the arrays that fit are copied,
+the others are written first from the caller's own memory while ``save()`` waits
+(:class:`ckptcore._handoff.Handoff`), so a state larger than free memory can be saved in the
+background too.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
 import numpy as np
 
 from . import _knobs, api
+from ._handoff import Handoff
 from .state import TrainingState
+
+log = logging.getLogger("ckptcore")
 
 
 class Staging:
     """One manager's staging buffers (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, np.ndarray] = {}
+        self._buffers: dict[int, np.ndarray] = {}
 
     def snapshot(self, step: int, state: TrainingState | None, metrics: Mapping[str, float] | None,
-                 objects: Mapping[str, Any], background: bool) -> TrainingState:
+                 objects: Mapping[str, Any], background: bool
+                 ) -> tuple[TrainingState, Handoff | None]:
         """The state to save as ``step``: ``state`` or the objects' capture, with ``metrics``
-        in its metadata; copied into the staging buffers when ``background`` and borrowed."""
+        in its metadata; copied into the staging buffers when ``background`` and borrowed.
+        With a staging budget smaller than the arrays, also the :class:`Handoff` of the arrays
+        left uncopied, which the save must write before ``save()`` returns (else None)."""
         state, borrowed = api.capture_state(state, dict(objects))
+        handoff = None
         if borrowed and background:
-            state = self._copy(state)
+            state, live = self._copy(state)
+            handoff = Handoff(live) if live else None
         metadata = dict(state.metadata)
         if metrics is not None:
             metadata["metrics"] = metrics
-        return dataclasses.replace(state, metadata=metadata, step=state.step or step)
+        return dataclasses.replace(state, metadata=metadata, step=state.step or step), handoff
 
-    def _copy(self, state: TrainingState) -> TrainingState:
+    def _copy(self, state: TrainingState) -> tuple[TrainingState, list[np.ndarray]]:
+        """``state`` rebuilt around copies of its arrays, as many as the staging budget holds;
+        and the arrays left as they are (the caller's own)."""
         arrays: list[np.ndarray] = []
         _arrays_in(state, arrays, set())
+        staged = _within_budget([a.nbytes for a in arrays], _budget())
         previous, self._buffers = self._buffers, {}
 
         def copy_one(i: int) -> np.ndarray:
@@ -56,19 +73,50 @@ class Staging:
             return buf
 
         def copy_run(run: range) -> list[np.ndarray]:
-            return [copy_one(i) for i in run]
+            return [copy_one(staged[k]) for k in run]
 
         # One task per thread over runs of about equal bytes, not one per array: a model of
         # hundreds of small tensors spent more of the caller's blocked time handing arrays to
         # the pool than copying them.
         with ThreadPoolExecutor(_knobs.threads()) as pool:
-            runs = pool.map(copy_run, _runs([a.nbytes for a in arrays], _knobs.threads()))
+            runs = pool.map(copy_run, _runs([arrays[i].nbytes for i in staged], _knobs.threads()))
             copies = [c for run in runs for c in run]
-        self._buffers = dict(enumerate(copies))
+        previous.clear()  # (buffers of arrays no longer staged go now, not with the next save)
+        self._buffers = dict(zip(staged, copies))
+        subst = {id(a): a for a in arrays}  # the arrays not staged stay the caller's own
+        subst.update((id(arrays[i]), c) for i, c in zip(staged, copies))
+        live = [a for i, a in enumerate(arrays) if i not in self._buffers]
+        if live:
+            log.debug("async save: %d array(s), %d bytes, copied into staging (staging_bytes=%d); "
+                      "%d, %d bytes, written from the caller's arrays before save() returns",
+                      len(copies), sum(c.nbytes for c in copies), _knobs.staging_bytes(),
+                      len(live), sum(a.nbytes for a in live))
         # The tree is rebuilt around the copies: containers anew (the caller may change its own
         # after save() returns), immutable leaves shared.  A walk of our own, not deepcopy, and
         # no encoding: on ResNet-50's 800 tensors those two took a third of the blocked time.
-        return _rebuilt(state, {id(a): c for a, c in zip(arrays, copies)})
+        return _rebuilt(state, subst), live
+
+
+def _budget() -> int:
+    """The ``staging_bytes`` knob, checked: 0 for no limit."""
+    budget = _knobs.staging_bytes()
+    if budget < 0:
+        raise ValueError(f"the staging_bytes knob is {budget}: give a number of bytes, or 0 for "
+                         "no limit")
+    return budget
+
+
+def _within_budget(sizes: list[int], budget: int) -> list[int]:
+    """Indices of the arrays to copy: all of them without a budget (0), else in walk order each
+    that still fits (a large one that does not is skipped, smaller ones after it may fit)."""
+    if budget <= 0:
+        return list(range(len(sizes)))
+    out, left = [], budget
+    for i, n in enumerate(sizes):
+        if n <= left:
+            out.append(i)
+            left -= n
+    return out
 
 
 _ATOMS = (str, int, float, bool, bytes, type(None), np.generic)
@@ -158,10 +206,14 @@ class InFlight:
         self._future: Future | None = None
         self._error: BaseException | None = None
 
-    def submit(self, fn: Any, *args: Any) -> Future:
+    def submit(self, fn: Any, *args: Any, handoff: Any = None) -> Future:
+        """Run ``fn(*args)`` in the background; with a ``handoff`` (a staging budget), return
+        only once the arrays beyond the budget are written: the caller's arrays are its again."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptcore-save")
-        self._future = self._pool.submit(fn, *args)
+        self._future = self._pool.submit(fn if handoff is None else handoff.bind(fn), *args)
+        if handoff is not None:
+            handoff.wait()
         return self._future
 
     def wait(self) -> None:

@@ -37,6 +37,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from . import _knobs, _localfs, _remote
+from ._manifest import safe_shard_name
 from ._localfs import (close_quietly, file_kind, fsync_close, fsync_dir, named_error,  # noqa: F401
                        open_regular, start_writeback)
 from ._objstore import (RemoteWriter, as_time, bucket_missing, error_chain, listed_size,  # noqa: F401
@@ -258,6 +259,10 @@ class Store:
         """How many shards to write at once: the ``threads`` knob (the disk's queue depth)."""
         return _knobs.threads()
 
+    def open_file(self, rel: str) -> tuple[int, os.stat_result]:
+        """A local file's descriptor and fstat (``LocalStore`` only: memory maps and ``pread``)."""
+        raise NotImplementedError(f"{self.url}: not on local disk")
+
     # -- writes ---------------------------------------------------------------------------------
     def makedirs(self, rel: str = "") -> None:
         """Make the folder ``rel`` and its parents (object stores have no folders: nothing)."""
@@ -291,10 +296,20 @@ class LocalStore(Store):
         """Whether ``rel`` exists."""
         return os.path.exists(self.join(rel))
 
+    def open_file(self, rel: str) -> tuple[int, os.stat_result]:
+        """``rel`` opened for reading, never through a link, nor through a nested shard's folder
+        (``3f/shard-...``) that is one: ``(fd, fstat of fd)``, see ``_localfs.open_regular``."""
+        return open_regular(self.join(rel), in_folder=self._nested(rel))
+
+    @staticmethod
+    def _nested(rel: str) -> bool:
+        """Whether ``rel`` is a shard in a shard folder, whose folder is the checkpoint's too."""
+        return "/" in rel and safe_shard_name(rel)
+
     def size(self, rel: str) -> int:
         """Size in bytes; ``FileNotFoundError`` when absent; never through a link
         (:class:`UnsafeCheckpointError` for anything but a regular file)."""
-        fd, st = open_regular(self.join(rel))
+        fd, st = self.open_file(rel)
         os.close(fd)
         return st.st_size
 
@@ -302,11 +317,13 @@ class LocalStore(Store):
         """The whole file.  ``max_bytes``: a larger file raises :class:`SchemaError` before any of
         it is read.  Never through a link (:class:`UnsafeCheckpointError`)."""
         return _localfs.read_file(self.join(rel), max_bytes,
-                                  lambda size: self._check_max(rel, size, max_bytes))
+                                  lambda size: self._check_max(rel, size, max_bytes),
+                                  in_folder=self._nested(rel))
 
-    def listdir(self, rel: str = "") -> list[Entry]:
-        """Entries directly below ``rel``; empty when it does not exist."""
-        return [Entry(*e) for e in _localfs.scan(self.join(rel))]
+    def listdir(self, rel: str = "", *, details: bool = True) -> list[Entry]:
+        """Entries directly below ``rel``; empty when it does not exist.  ``details=False``: no
+        mtime or size where they cost a request or a system call each (local disk)."""
+        return [Entry(*e) for e in _localfs.scan(self.join(rel), details)]
 
     def find(self, rel: str = "") -> list[Entry]:
         """Every file below ``rel``, recursively, named by its path relative to ``rel``; empty when
@@ -316,9 +333,9 @@ class LocalStore(Store):
     def makedirs(self, rel: str = "") -> None:
         os.makedirs(self.join(rel), exist_ok=True)
 
-    def open_write(self, rel: str):
+    def open_write(self, rel: str, *, stable: bool = False):
         """A binary file for streaming writes: ``fsync_close`` makes it durable and raises any
-        write, flush, fsync or close error."""
+        write, flush, fsync or close error.  (``stable``: see :meth:`RemoteStore.open_write`.)"""
         tick("open_write", self.join(rel))
         return open(self.join(rel), "wb", buffering=1 << 20)
 
@@ -357,7 +374,7 @@ class RemoteStore(Store):
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) \
             else (self.fs.protocol,)
         self.atomic_create = bool(_ATOMIC_CREATE & set(protocols))
-        self._pool: _remote.PartPool | None = None  # part buffers of this store's uploads
+        self._pool: _remote.PartPool | None = None  # part slots of this store's uploads
         self._pool_lock = threading.Lock()
 
     def same_place(self, other: Store) -> bool:
@@ -454,8 +471,9 @@ class RemoteStore(Store):
         """The ``threads`` knob, at least ``remote_concurrency`` (writers wait on the network)."""
         return max(_knobs.threads(), _knobs.remote_concurrency())
 
-    def listdir(self, rel: str = "") -> list[Entry]:
-        """Entries directly below ``rel``; empty when it does not exist."""
+    def listdir(self, rel: str = "", *, details: bool = True) -> list[Entry]:
+        """Entries directly below ``rel``; empty when it does not exist (``details``: as for
+        local disk; a listing brings them anyway here)."""
         path = self.join(rel)
         try:
             with self.translate_errors("list", rel):
@@ -483,17 +501,19 @@ class RemoteStore(Store):
                 for full, info in infos.items()]
 
     # -- writes ---------------------------------------------------------------------------------
-    def open_write(self, rel: str):
-        """A binary file for streaming writes: its ``close`` uploads and raises."""
+    def open_write(self, rel: str, *, stable: bool = False):
+        """A binary file for streaming writes: its ``close`` uploads and raises.  ``stable``:
+        the caller leaves what it writes unchanged until ``close`` returns, so large writes may
+        be uploaded from its own buffers rather than copies (S3)."""
         tick("open_write", self.join(rel))
         with self.translate_errors("write", rel, write=True):
             if _remote.multipart_capable(self.fs):
                 # S3: parts uploaded concurrently while the caller writes the next ones.
-                return _remote.PartWriter(self, rel, pool=self._part_pool())
+                return _remote.PartWriter(self, rel, pool=self._part_pool(), stable=stable)
             return RemoteWriter(self, rel, self.fs.open(self.join(rel), "wb"))
 
     def _part_pool(self) -> _remote.PartPool:
-        """The part buffers this store's uploads share (``remote_concurrency`` of
+        """The part slots this store's uploads share (``remote_concurrency`` parts of at most
         ``remote_part_size``): every shard of a save goes through one store, so this bounds the
         memory of a save's uploads."""
         with self._pool_lock:

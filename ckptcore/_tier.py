@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
 
 from . import layout
@@ -92,6 +93,8 @@ class Tier:
     def committed(self) -> list[int]:
         """Committed steps, from this tier's last listing while its lock keeps other writers out
         (a save's order check need not list the root every time)."""
+        if self._listed is None and self._tracked:
+            self._listed = self.lock.claimed_steps()  # the claim's own listing, if just made
         if self._listed is None or self.lock is None:
             return self.steps()
         return list(self._listed)
@@ -158,23 +161,48 @@ class Tier:
         read (a policy cannot judge it)."""
         if step in self._entries:
             return self._entries[step]
-        recorded = self.lock.entry(step) if self.lock is not None else None
-        if recorded is not None:  # the writer record's copy: no request
-            created, metrics = recorded
-            try:
-                entry = CheckpointEntry(step, created, check_metrics(metrics) if metrics else None)
-            except (TypeError, ValueError):
-                recorded = None  # malformed: read the manifest instead
-        if recorded is None:
-            try:
-                info = inspect(self.step_url(step), storage_options=self.options)
-            except CheckpointError:
+        entry = self._recorded(step)
+        if entry is None:
+            entry = self._read_entry(step)
+            if entry is None:
                 return None
-            entry = CheckpointEntry(step, info.created, saved_metrics(step, info.metadata))
-            if self.lock is not None:  # recorded with the next rewrite: read once per root
-                self.lock.remember(step, entry.created, entry.metrics)
+            self._learn(entry)
         self._entries[step] = entry
         return entry
+
+    def _recorded(self, step: int) -> CheckpointEntry | None:
+        """The retention index's entry for ``step`` (no request); None if none or malformed."""
+        recorded = self.lock.entry(step) if self.lock is not None else None
+        if recorded is None:
+            return None
+        created, metrics = recorded
+        try:
+            return CheckpointEntry(step, created, check_metrics(metrics) if metrics else None)
+        except (TypeError, ValueError):
+            return None  # malformed: read the manifest instead
+
+    def _read_entry(self, step: int) -> CheckpointEntry | None:
+        try:
+            info = inspect(self.step_url(step), storage_options=self.options)
+        except CheckpointError:
+            return None
+        return CheckpointEntry(step, info.created, saved_metrics(step, info.metadata))
+
+    def _learn(self, entry: CheckpointEntry) -> None:
+        if self.lock is not None:  # into the retention index: read once per root
+            self.lock.remember(entry.step, entry.created, entry.metrics)
+
+    def _entries_of(self, steps: list[int]) -> dict[int, CheckpointEntry | None]:
+        """:meth:`entry` of each step; the manifests to read (a root written before the index,
+        or by writers without a lock) are read on the store's writer threads at once."""
+        unknown = [s for s in steps if s not in self._entries and self._recorded(s) is None]
+        if len(unknown) > 1:
+            with ThreadPoolExecutor(min(len(unknown), max(1, self.root.writers))) as pool:
+                for entry in pool.map(self._read_entry, unknown):
+                    if entry is not None:  # (cached here, on this thread)
+                        self._entries[entry.step] = entry
+                        self._learn(entry)
+        return {s: self.entry(s) for s in steps}
 
     # -- deleting -------------------------------------------------------------------------------
     def delete(self, step: int) -> None:
@@ -215,7 +243,7 @@ class Tier:
         good = [s for s in steps if s not in skipped]
         if len(good) < 2:
             return []
-        read = {s: self.entry(s) for s in good}
+        read = self._entries_of(good)
         keep = set(policy.keep([e for e in read.values() if e is not None]))
         keep.add(good[-1])  # the newest committed good one, always
         keep.update(s for s, e in read.items() if e is None)  # unreadable: a policy cannot judge it

@@ -18,9 +18,10 @@ from .adapter import restore_gate, warn_unapplied
 from ._version import __version__
 from ._commit import commit
 from ._convert import convert_for, convert_state_for, restore_converted  # noqa: F401 (convert_for: api's name)
-from ._manifest import (CHUNKED_VERSION, READ_VERSIONS, Manifest, ShardEntry, TensorTable,
+from ._manifest import (CHUNKED_VERSION, WRITE_VERSIONS, Manifest, ShardEntry, TensorTable,
                         check_chunks)
-from ._read import CheckpointInfo, TensorInfo, info_of, inspect, read_manifest
+from ._read import (CheckpointInfo, TensorInfo, info_from_summary, info_of, inspect,
+                    manifest_whole, read_manifest, read_manifest_bytes, summary_of)
 from ._storage import Store
 from .errors import CheckpointError, IncompleteCheckpointError, SchemaError, caller_level
 from .group import ProcessGroup
@@ -57,6 +58,13 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     (``ckptcore/_dist.py``).  ``fence``: the writer lease of the root ``url`` is in (what a
     ``CheckpointManager`` passes; docs/RELIABILITY.md, "Fencing").
 
+    Returns:
+        The :class:`CheckpointInfo` of what was committed.  With ``group``, on the ranks other
+        than 0 it is built from a summary rank 0 sends them, without reading the store: its
+        ``tensors`` and ``shards`` lists (and ``data``/``metadata`` when they are larger than a
+        few KiB) are read from the manifest on first use, once.  By then the step may be gone
+        (a rewind, retention) or replaced: that first use raises ``CheckpointNotFoundError``.
+
     Raises:
         CheckpointExistsError: a checkpoint is already at ``url`` and ``overwrite`` is False.
         TypeError: the state holds a value that cannot be stored (the message names it).
@@ -71,16 +79,8 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     token = uuid.uuid4().hex[:16]
     make_manifest = _manifest_maker(state, enc, version, token, fence, len(arrays))
     if group is not None:
-        manifest = _dist.save(store, group, enc, arrays, make_manifest, token=token,
-                              overwrite=overwrite, fence=fence)
-        try:
-            if manifest is None:  # another rank: rank 0 committed; describe what it committed
-                manifest = read_manifest(store)
-        finally:
-            # Rank 0 goes on only once every rank has read the manifest: its next act may
-            # delete this very step (a rewind), and a rank still reading would find it gone.
-            _dist.settle(store, group)
-        return info_of(store.url, manifest)
+        return _save_with_group(store, group, enc, arrays, make_manifest, token=token,
+                                overwrite=overwrite, fence=fence)
     return info_of(store.url, _commit_arrays(store, enc, arrays, make_manifest, token=token,
                                              overwrite=overwrite, fence=fence))
 
@@ -109,6 +109,35 @@ def _commit_arrays(store: Store, enc: Any, arrays: list[np.ndarray], make_manife
         syncs.join()  # after a failure: no fsync left running behind the error
 
 
+def _save_with_group(store: Store, group: ProcessGroup, enc: Any, arrays: list[np.ndarray],
+                     make_manifest: Any, *, token: str, overwrite: bool,
+                     fence: Any) -> CheckpointInfo:
+    """``save_state``'s part with a group: the save (``_dist``), then this rank's answer."""
+    committed = _dist.save(store, group, enc, arrays, make_manifest, token=token,
+                           overwrite=overwrite, fence=fence, describe=summary_of)
+    try:
+        return _group_info(store, committed)
+    finally:
+        # Rank 0 goes on only once every rank has its answer: its next act may delete this very
+        # step (a rewind), and a rank still reading the manifest (one that missed rank 0's
+        # summary) would find it gone.  Lists read later, on first use, are not covered: they
+        # raise CheckpointNotFoundError if the step is gone by then (save_state's docstring).
+        _dist.settle(store, group)
+
+
+def _group_info(store: Store, committed: Manifest | bytes | None) -> CheckpointInfo:
+    """This rank's answer to a group save (``_dist.save``'s result): rank 0 has the manifest;
+    the others build it from rank 0's summary, reading nothing; a rank without a usable one (it
+    missed the outcome and found the commit in the store) reads the manifest."""
+    if isinstance(committed, Manifest):
+        return info_of(store.url, committed)
+    info = info_from_summary(store, committed) if committed is not None else None
+    if info is None:
+        log.info("%s: no summary of the commit from rank 0; reading the manifest", store.url)
+        info = info_of(store.url, read_manifest(store))
+    return info
+
+
 def _encode(store: Store, state: TrainingState | None, objects: dict[str, Any],
             group: ProcessGroup | None) -> tuple[TrainingState, Any, list[np.ndarray], int]:
     """The state (captured from ``objects`` if need be), its encoding, its arrays (little
@@ -134,9 +163,9 @@ def _writer_version(enc: Any, arrays: Sequence[np.ndarray] = ()) -> int:
     """The manifest version to write: the ``format_version`` knob's, or 3 (chunked tensors) for
     a state with ``Shard`` leaves; ``ValueError`` for a knob this ckptcore cannot write."""
     version = _knobs.format_version()
-    if version not in READ_VERSIONS:
+    if version not in WRITE_VERSIONS:  # (4 is chosen by the table's size, _manifest4)
         raise ValueError(f"the format_version knob is {version}; this ckptcore writes "
-                         f"{', '.join(map(str, READ_VERSIONS))}")
+                         f"{', '.join(map(str, WRITE_VERSIONS))}")
     if enc is not None and (enc.chunks is not None or version >= CHUNKED_VERSION):
         if version < 2:
             raise ValueError("the format_version knob is 1, but the state holds ckptcore.Shard "
@@ -275,8 +304,7 @@ def _open(store: Store, keys: Iterable[str] | None, like: TrainingState | None, 
     and verified already) or the :class:`_io.Reading` of its tensors, started.  A checkpoint
     overwritten between its manifest and its shards is read again."""
     for attempt in range(_READ_ATTEMPTS):
-        manifest = read_manifest(store)
-        tree = _select(manifest.tree, keys)
+        manifest, tree = _manifest_for(store, keys, like)
         wanted = (manifest.referenced_indices() if keys is None
                   else sorted({r.index for r in _codec.refs(tree)}))
         try:
@@ -295,6 +323,26 @@ def _open(store: Store, keys: Iterable[str] | None, like: TrainingState | None, 
             log.info("load_state: %s was overwritten while it was read; reading the new one "
                      "(attempt %d of %d)", store.url, attempt + 2, _READ_ATTEMPTS)
     raise AssertionError("unreachable")  # the last attempt returned or raised
+
+
+def _manifest_for(store: Store, keys: Iterable[str] | None, like: TrainingState | None
+                  ) -> tuple[Manifest, dict]:
+    """The manifest and the selected tree for a load; with ``like``, of a version-4 manifest
+    only the row groups that can hold its blocks, unless the rows read do not cover them all
+    (then all of them: docs/FORMAT.md, section 12)."""
+    if like is None:
+        manifest = read_manifest(store)
+        return manifest, _select(manifest.tree, keys)
+    from . import _chunks
+
+    manifest, data = read_manifest_bytes(store, _chunks.selector(like))
+    tree = _select(manifest.tree, keys)
+    if manifest.partial and not _chunks.covers(store, manifest, tree, like):
+        log.debug("load_state: %s: the row groups that can hold the blocks asked for do not "
+                  "hold them all; reading every row group", store.url)
+        manifest = manifest_whole(store, data)
+        tree = _select(manifest.tree, keys)
+    return manifest, tree
 
 
 def _assign(manifest: Manifest, tree: dict, reading: _io.Reading, objects: dict,

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from . import _fence, _knobs
 from ._cas import sweep
-from ._commit import TMP_MARK
+from ._commit import TMP_MARK, is_shard_file, shard_files
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
 from ._read import CheckpointInfo, inspect, read_manifest
@@ -169,19 +169,24 @@ def _older(store: Store, entry: Entry, cutoff: float) -> bool:
     """Whether ``entry`` (a leftover folder or file) was last touched before ``cutoff``."""
     times = [entry.mtime] if entry.mtime is not None else []
     if entry.is_dir:
-        times += [e.mtime for e in store.listdir() if e.mtime is not None]
+        inner = store.listdir()
+        times += [e.mtime for e in inner if e.mtime is not None]
+        if any(e.is_dir for e in inner):
+            # Shard folders of a large group's save (3f/shard-...): an object store gives its
+            # "folders" no time, so a save still writing into them would look old.
+            times += [e.mtime for e in store.find() if e.mtime is not None]
     return (max(times) if times else 0.0) <= cutoff
 
 
 def _gc_shards(ckpt: Store, cutoff: float) -> list[str]:
     """Shards in a committed step folder that its manifest does not name (a losing writer's)."""
     try:
-        named = {s.path for s in read_manifest(ckpt).shards}
+        named = set(read_manifest(ckpt).files())  # shards and a rows object
     except CheckpointError:
         return []
     removed = []
-    for e in ckpt.listdir():
-        if e.name.startswith("shard-") and e.name not in named and (e.mtime or 0.0) <= cutoff \
+    for e in shard_files(ckpt):  # nested ones too (3f/shard-...)
+        if is_shard_file(e.name) and e.name not in named and (e.mtime or 0.0) <= cutoff \
                 and not e.is_link:
             log.info("gc: removing unreferenced shard %s", ckpt.join(e.name))
             ckpt.delete(e.name)

@@ -5,10 +5,9 @@ through ``_backup``, each backup, with one listing, retention and deletion), the
 fallback (``_restore``), the snapshot and the save in flight (``_staging``), SIGTERM and exit
 (``_preempt``), one checkpoint's save and load (``api``) and a group's agreement (``_dist``).
 
-A second ``save()`` waits for the one in flight; a background failure is raised by the next
-``save()``, ``wait()`` or ``close()``.  ``save()`` below the newest committed step raises
-(:meth:`rewind` goes back on purpose); a step this manager saved in this run may be saved
-again (replaced), never one another run committed.
+A second ``save()`` waits for the one in flight, whose failure the next ``save()``, ``wait()``
+or ``close()`` raises.  ``save()`` below the newest committed step raises (:meth:`rewind`);
+a step this manager saved in this run may be replaced, never one another run committed.
 """
 
 from __future__ import annotations
@@ -45,7 +44,10 @@ class CheckpointManager:
         keep: Retention: a policy (``KeepLast(3) | KeepBest("loss")``), an int n
             (``KeepLast(n)``), a list of policies (kept if any keeps it), or None to keep all.
             The newest committed checkpoint is always kept.
-        async_save: Write in a background thread after snapshotting the state.
+        async_save: ``save()`` copies the arrays into staging buffers and returns; writing,
+            commit, retention and replication follow in a background thread.  Below the
+            ``staging_bytes`` budget, ``save()`` first writes what does not fit, straight from
+            the caller's arrays (docs/RELIABILITY.md, "Async saves").
         storage_options: Passed to fsspec for ``root``.
         lock: Hold each tier's writer lock while writing there (on object stores a lease,
             taken over once its holder is gone: docs/RELIABILITY.md, "The writer lock").
@@ -108,9 +110,7 @@ class CheckpointManager:
             local_steps = self._on_coordinator(lambda: self._check_at_start(lock is True))
         _preempt.drain_at_exit(self)
         self._watch = _preempt.watch(self) if save_on_preemption else None
-        # A run that died before replicating: finish it now (rank 0 only: the group's root is
-        # shared, it sees every rank's files).
-        if self._coordinator:
+        if self._coordinator:  # a run that died before replicating: finish it (rank 0: it sees all)
             self.backups.resume(local_steps)
 
     @property
@@ -169,8 +169,8 @@ class CheckpointManager:
         metrics = check_metrics(metrics)  # before anything is written or committed
         self._wait_inflight()  # at most one save in flight; raises a previous background error
         overwrite = self._on_coordinator(lambda: self._prepare(step))
-        try:
-            snapshot = self._staging.snapshot(step, state, metrics, objects, self.async_save)
+        try:  # (a synchronous save is written before it returns: nothing to copy)
+            snapshot, handoff = self._staging.snapshot(step, state, metrics, objects, not sync)
         except Exception as e:
             if self.group is not None:
                 # The other ranks are about to save: take part, so they fail at once.
@@ -179,7 +179,7 @@ class CheckpointManager:
         if sync:
             return SaveHandle(step, url, completed(self._write(step, url, snapshot, overwrite)))
         return SaveHandle(step, url, self._inflight.submit(self._write, step, url, snapshot,
-                                                            overwrite))
+                                                            overwrite, handoff=handoff))
 
     def _prepare(self, step: int) -> bool:
         """The checks before a save (the writer lock, the step order, a damaged step in the

@@ -8,9 +8,10 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
 fi
 # PyTorch: exactly torch==2.13.0 (a CPU build this machine's package index holds), installed before
-# the extras so that the [torch] extra's range is met by it; a plain `torch` requirement with no
-# torch installed would download a CUDA build of several GB.
-if [[ ",$1," == *",torch,"* ]] && ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+# the extras so that the [torch] (or [bench]) extra's range is met by it; a plain `torch`
+# requirement with no torch installed would download a CUDA build of several GB.
+if [[ ",$1," == *",torch,"* || ",$1," == *",bench,"* ]] \
+    && ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   echo "installing torch==2.13.0 (CPU) into .venv (once)..." >&2
   if ! .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 \
       >.venv/.torch-install.log 2>&1; then

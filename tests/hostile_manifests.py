@@ -58,6 +58,123 @@ def write_good(path: Path, step: int = 7, version: int = 1) -> None:
 
 
 # ------------------------------------------------------------------------------ manifest editing
+# ------------------------------------------------------------------------------------ format 4
+# The v3 checkpoint above with its rows in a rows object (``manifest_split_rows`` lowered to 1):
+# one group of 7 rows.  Cases edit the manifest's table map ``t`` and/or the rows object.
+V4_INDEX = {"rows": "<u4", "offset": "<u8", "length": "<u8", "checksum": "<u4", "lo": "<f8",
+            "hi": "<f8"}
+
+
+def write_good_v4(path: Path, step: int = 7) -> None:
+    with _knobs.override(manifest_split_rows=1):
+        write_good_v3(path, step)
+
+
+def _rows_file(d: Path, b: dict) -> Path:
+    return d / b["tensors"]["object"]["path"]
+
+
+def _ix(key: str, values: list) -> Callable[[Path, dict], None]:
+    """Index column ``key`` becomes ``values``."""
+    def edit(d: Path, b: dict) -> None:
+        b["tensors"]["index"][key] = np.array(values, V4_INDEX[key]).tobytes()
+    return edit
+
+
+def _ix0(key: str, change: Callable[[int], Any]) -> Callable[[Path, dict], None]:
+    def edit(d: Path, b: dict) -> None:
+        arr = np.frombuffer(b["tensors"]["index"][key], V4_INDEX[key]).copy()
+        arr[0] = change(arr[0].item())
+        b["tensors"]["index"][key] = arr.tobytes()
+    return edit
+
+
+def _t4(key: str, value: Any) -> Callable[[Path, dict], None]:
+    def edit(d: Path, b: dict) -> None:
+        t = b["tensors"]
+        t[key] = value(t[key]) if callable(value) else value
+    return edit
+
+
+def _obj(key: str, value: Any) -> Callable[[Path, dict], None]:
+    def edit(d: Path, b: dict) -> None:
+        o = b["tensors"]["object"]
+        o[key] = value(o[key]) if callable(value) else value
+    return edit
+
+
+def _regroup(change: Callable[[dict], Any]) -> Callable[[Path, dict], None]:
+    """The one group's columns edited by ``change``, the rows object rewritten and its size and
+    checksums (whole and group) made to match: only the rules about rows can refuse it."""
+    def edit(d: Path, b: dict) -> None:
+        f = _rows_file(d, b)
+        cols = msgpack.unpackb(f.read_bytes(), raw=False)
+        new = change(cols)
+        data = msgpack.packb(cols if new is None else new, use_bin_type=True)
+        f.write_bytes(data)
+        b["tensors"]["object"].update(size=len(data), checksum=crc32c.crc32c(data))
+        _ix("length", [len(data)])(d, b)
+        _ix("checksum", [crc32c.crc32c(data)])(d, b)
+    return edit
+
+
+def _g3(key: str, i: int, value: int) -> Callable[[dict], None]:
+    def edit(cols: dict) -> None:
+        arr = np.frombuffer(cols[key], V3_COLUMNS[key]).copy()
+        arr[i] = value
+        cols[key] = arr.tobytes()
+    return edit
+
+
+def _v4_file(change: Callable[[Path], None]) -> Callable[[Path, dict], None]:
+    return lambda d, b: change(_rows_file(d, b))
+
+
+V4_CASES: dict[str, Callable[[Path, dict], Any]] = {
+    # the index
+    "v4-index-range-outside": _ix0("length", lambda n: n + 100),
+    "v4-index-offset-outside": _ix0("offset", lambda n: 2 ** 40),
+    "v4-index-ranges-overlap": lambda d, b: (
+        _ix("rows", [3, 4])(d, b), _ix("lo", [0, 0])(d, b), _ix("hi", [1, 1])(d, b),
+        _ix("checksum", [0, 0])(d, b),
+        _ix("offset", [0, 10])(d, b),
+        _ix("length", [b["tensors"]["object"]["size"] - 10] * 2)(d, b)),
+    "v4-index-gap": lambda d, b: (_ix0("offset", lambda n: 5)(d, b)),
+    "v4-index-columns-differ": _ix("lo", [0.0, 0.0]),
+    "v4-index-huge": lambda d, b: [_ix(k, [0] * 1_000_000)(d, b) for k in V4_INDEX],
+    "v4-index-missing": _t4("index", None),
+    "v4-index-str-column": lambda d, b: b["tensors"]["index"].update(rows="7"),
+    "v4-group-crc-wrong": _ix0("checksum", lambda c: c ^ 1),
+    "v4-group-rows-wrong": lambda d, b: (_ix0("rows", lambda n: n - 1)(d, b),
+                                         _t4("rows", lambda n: n - 1)(d, b)),
+    # the rows object
+    "v4-object-crc-wrong": _obj("checksum", lambda c: c ^ 1),
+    "v4-object-size-huge": _obj("size", 2 ** 60),
+    "v4-object-path-unsafe": _obj("path", "../outside.bin"),
+    "v4-object-path-is-a-shard": lambda d, b: _obj("path", b["shards"][0]["path"])(d, b),
+    "v4-object-missing": _v4_file(lambda f: f.unlink()),
+    "v4-object-truncated": _v4_file(lambda f: f.write_bytes(f.read_bytes()[:-5])),
+    "v4-object-longer": _v4_file(lambda f: f.write_bytes(f.read_bytes() + b"x")),
+    "v4-object-flipped": _v4_file(lambda f: f.write_bytes(bytes([f.read_bytes()[0] ^ 1])
+                                                          + f.read_bytes()[1:])),
+    "v4-rows-count-huge": _t4("rows", 2 ** 40),
+    "v4-rows-count-negative": _t4("rows", -1),
+    # names interned per logical tensor
+    "v4-name-index-out-of-range": _t4("names", lambda x: x[:-1]),
+    "v4-names-extra": _t4("names", lambda x: x + ["model/ghost"]),
+    "v4-names-duplicate": _t4("names", lambda x: [x[1]] + x[1:]),
+    "v4-names-not-strings": _t4("names", lambda x: [1] + x[1:]),
+    # rows that pass every checksum but break the rules of format 3
+    "v4-group-not-a-map": _regroup(lambda c: [1, 2, 3]),
+    "v4-group-column-missing": _regroup(lambda c: c.pop("start") and None),
+    "v4-group-tensor-out": _regroup(_g3("tensor", 0, 10 ** 6)),
+    "v4-group-chunks-overlap": _regroup(lambda c: c.update(start=(lambda a: (
+        a.__setitem__(5, 10), a.tobytes())[1])(np.frombuffer(c["start"], "<u8").copy()))),
+    "v4-group-length-past-shard": _regroup(_g3("offset", 2, 2 ** 40)),
+    "v4-group-dtype-out": _regroup(_g3("dtype", 0, 99)),
+}
+
+
 def read_body(ckpt: Path) -> dict:
     outer = msgpack.unpackb((ckpt / MANIFEST_NAME).read_bytes(), raw=False)
     return msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
@@ -263,6 +380,18 @@ BODY_CASES: dict[str, Callable[[dict], Any]] = {
     "shard-path-nul": _s(0, path="shard\x00.bin"),
     "shard-path-unicode-sep": _s(0, path="shard\u2215x.bin"),
     "shard-path-int": _s(0, path=7),
+    # a large group's shard folders ("3f/shard-..."): only one folder of two lower-case hex digits
+    "shard-path-folder-dotdot": _s(0, path="3f/../../outside.bin"),
+    "shard-path-folder-deeper": _s(0, path="3f/00/shard.bin"),
+    "shard-path-folder-not-hex": _s(0, path="zz/shard.bin"),
+    "shard-path-folder-upper": _s(0, path="3F/shard.bin"),
+    "shard-path-folder-one-digit": _s(0, path="3/shard.bin"),
+    "shard-path-folder-absolute": _s(0, path="/3f/shard.bin"),
+    "shard-path-folder-empty-name": _s(0, path="3f/"),
+    "shard-path-folder-double-slash": _s(0, path="3f//shard.bin"),
+    "shard-path-folder-hidden": _s(0, path="3f/.shard.bin"),
+    "shard-path-folder-manifest": _s(0, path="3f/" + MANIFEST_NAME),
+    "shard-path-folder-backslash": _s(0, path="3f\\shard.bin"),
     # a deduplicated replica's chunk names (cas:<64 hex>), crafted
     "shard-path-cas-dotdot": _s(0, path="cas:../../../etc/passwd"),
     "shard-path-cas-short": _s(0, path="cas:" + "ab" * 31),
@@ -364,7 +493,7 @@ BODY_CASES: dict[str, Callable[[dict], Any]] = {
 
 # Cases that write the manifest's envelope (or bytes) themselves: name -> function(ckpt dir, body).
 ENVELOPE_CASES: dict[str, Callable[[Path, dict], None]] = {
-    "version-4": lambda d, b: write_manifest(d, b, version=4),
+    "version-5": lambda d, b: write_manifest(d, b, version=5),
     "version-3-with-v1-table": lambda d, b: write_manifest(d, b, version=3),
     "version-2-with-v1-table": lambda d, b: write_manifest(d, b, version=2),
     "version-str": lambda d, b: write_manifest(d, b, version="1"),
@@ -661,6 +790,19 @@ def _replace_shard(d: Path, make: Callable[[Path], None]) -> None:
     make(shard)
 
 
+def _link_shard_folder(d: Path, outside: Path) -> None:
+    """The first shard moved into a shard folder (a valid name, ``3f/...``), and that folder
+    replaced by a link to a copy outside the checkpoint: the bytes would verify if followed."""
+    body = read_body(d)
+    shard = d / body["shards"][0]["path"]
+    (outside / "3f").mkdir()
+    shutil.copyfile(shard, outside / "3f" / shard.name)
+    shard.unlink()
+    body["shards"][0]["path"] = f"3f/{shard.name}"
+    write_manifest(d, body)
+    (d / "3f").symlink_to(outside / "3f", target_is_directory=True)
+
+
 def _sparse_manifest(d: Path, outside: Path) -> None:
     with open(d / MANIFEST_NAME, "r+b") as f:
         f.truncate(3 << 30)  # 3 GiB, sparse: nothing is allocated on disk
@@ -672,6 +814,7 @@ FILE_CASES: dict[str, Callable[[Path, Path], None]] = {
     "link-manifest-to-outside-copy": _link_manifest_to_copy,
     "link-shard-to-passwd": lambda d, o: _replace_shard(d, lambda p: p.symlink_to("/etc/passwd")),
     "link-shard-dangling": lambda d, o: _replace_shard(d, lambda p: p.symlink_to(o / "nothing")),
+    "link-shard-folder-to-outside-copy": _link_shard_folder,
     "link-shard-to-dev-zero": lambda d, o: _replace_shard(d, lambda p: p.symlink_to("/dev/zero")),
     "shard-is-fifo": lambda d, o: _replace_shard(d, lambda p: os.mkfifo(p)),
     "shard-is-directory": lambda d, o: _replace_shard(d, lambda p: p.mkdir()),
@@ -680,12 +823,18 @@ FILE_CASES: dict[str, Callable[[Path, Path], None]] = {
     "manifest-sparse-3GiB": _sparse_manifest,
 }
 
-CASES = sorted([*BODY_CASES, *V2_CASES, *V3_CASES, *ENVELOPE_CASES, *FILE_CASES])
+CASES = sorted([*BODY_CASES, *V2_CASES, *V3_CASES, *V4_CASES, *ENVELOPE_CASES, *FILE_CASES])
 
 
 def build(name: str, case_dir: Path, outside: Path) -> Path:
     """Write case ``name`` under ``case_dir`` and return the checkpoint folder."""
     ckpt = case_dir / "ckpt"
+    if name in V4_CASES:
+        write_good_v4(ckpt)
+        body = read_body(ckpt)
+        V4_CASES[name](ckpt, body)
+        write_manifest(ckpt, body, version=4)
+        return ckpt
     if name in V3_CASES:
         write_good_v3(ckpt)
         body = read_body(ckpt)

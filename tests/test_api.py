@@ -405,7 +405,7 @@ def _assert_typed(url: str, opts: dict, error: type, match: str | None = None) -
             pytest.fail(f"{fn.__name__} accepted a bad manifest")
 
 
-@pytest.mark.parametrize("version", [0, 4, 99, "1", "2", None, 1.5, 2.0, True, 2**64 - 1])
+@pytest.mark.parametrize("version", [0, 5, 99, "1", "2", None, 1.5, 2.0, True, 2**64 - 1])
 def test_unknown_format_version(backend, version):
     body, _ = _good(backend)
     _write_manifest(backend, "c", outer={"version": version}, body=body)

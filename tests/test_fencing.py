@@ -210,8 +210,8 @@ def test_a_restore_whose_listed_steps_all_vanish_lists_again(monkeypatch):
     real = RemoteStore.listdir
     armed = [True]
 
-    def listdir(self, rel=""):
-        out = real(self, rel)
+    def listdir(self, rel="", **kw):
+        out = real(self, rel, **kw)
         if armed[0] and rel == "" and self.url.rstrip("/") == root:
             armed[0] = False  # the holder saves two steps; its retention deletes 2 and 3
             a.save(4, tiny_state(4))

@@ -348,3 +348,55 @@ def test_format_md_reader_reads_the_golden_v3_checkpoints(name):
         accumulation=AccumulationState(**tree["accumulation"]), step=tree["step"], epoch=tree["epoch"],
         framework=tree["framework"], metadata=tree["metadata"], extra=tree["extra"],
         params={k: ParamInfo(**v) for k, v in tree["params"].items()}), expected_state())
+
+
+# ------------------------------------------------------------------------------------ format 4
+# tests/golden/v4: v3's state, its rows in the rows object "shard-rows-golden.bin" (one group).
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_v4_loads_whole_and_verifies(name):
+    state = ckptcore.load_state(_dir(4, name))
+    assert_state_same(state, expected_state())
+    assert ckptcore.verify(_dir(4, name)) == []
+    assert ckptcore.inspect(_dir(4, name)).format_version == 4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_v4_manifest_fields(name):
+    outer, body = _manifest(4, name)
+    assert outer["version"] == 4 and outer["body_crc32c"] == crc32c.crc32c(outer["body"])
+    t = body["tensors"]
+    assert list(t) == ["names", "dtypes", "crc_block", "rows", "object", "index"]
+    rows = _v3_rows()
+    assert t["names"] == list(dict.fromkeys(n for n, *_ in rows))  # one per logical tensor
+    assert t["rows"] == len(rows)
+    data = (_dir(4, name) / "shard-rows-golden.bin").read_bytes()
+    assert t["object"] == {"path": "shard-rows-golden.bin", "size": len(data),
+                           "checksum": crc32c.crc32c(data)}
+    idx = {k: np.frombuffer(t["index"][k], dt).tolist() for k, dt in (
+        ("rows", "<u4"), ("offset", "<u8"), ("length", "<u8"), ("checksum", "<u4"))}
+    assert idx == {"rows": [len(rows)], "offset": [0], "length": [len(data)],
+                   "checksum": [crc32c.crc32c(data)]}
+    group = msgpack.unpackb(data, raw=False)
+    _, body3 = _manifest(3, name)
+    for k, v in group.items():  # the version-3 columns, names and dtypes left in the manifest
+        assert v == body3["tensors"][k], k
+    assert body["tree"] == body3["tree"]
+
+
+def test_writer_still_produces_the_golden_v4_bytes(tmp_path):
+    spec = importlib.util.spec_from_file_location("make_golden", ROOT / "make_golden.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--out", str(tmp_path), "--version", "4"]) == 0
+    for name in NAMES:
+        for f in _dir(4, name).iterdir():
+            got = tmp_path / "v4" / name / f.name
+            assert got.read_bytes() == f.read_bytes(), f"v4/{name}/{f.name} drifted"
+
+
+def test_a_reader_of_versions_1_to_3_refuses_v4(monkeypatch):
+    from ckptcore import _manifest
+
+    monkeypatch.setattr(_manifest, "READ_VERSIONS", (1, 2, 3))
+    with pytest.raises(ckptcore.errors.UnsupportedCheckpointError, match="version 4"):
+        ckptcore.load_state(_dir(4, "full"))

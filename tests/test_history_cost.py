@@ -118,8 +118,9 @@ def test_the_writer_record_names_the_steps_and_their_entries(tmp_path):
     start = _fill(root, 5, None)
     view = _fence.view(Store(root))
     assert view is not None and set(range(0, 5 * EVERY, EVERY)) <= view.named
+    entries = _fence.read_index(Store(root), view.newest, view.named)
     # (the copies carry step 0's metrics; the adopting manager's two steps their own)
-    assert {s: view.entries[s][1]["loss"] for s in view.named} == \
+    assert {s: entries[s][1]["loss"] for s in view.named} == \
         {s: float(s % 7) if s >= start - 2 else 0.0 for s in view.named}
     # Retention deletes through the record: a step leaves it before its manifest goes.
     with ckptcore.CheckpointManager(root, keep=_policy()) as mgr:
@@ -128,7 +129,7 @@ def test_the_writer_record_names_the_steps_and_their_entries(tmp_path):
         kept = mgr.steps()
     view = _fence.view(Store(root))
     assert sorted(view.named) == kept
-    assert set(view.entries) == set(kept)
+    assert set(_fence.read_index(Store(root), view.newest, view.named)) == set(kept)
 
 
 def test_a_step_left_out_of_the_record_is_ignored_then_removed(tmp_path, caplog):
@@ -154,7 +155,7 @@ def test_malformed_record_entries_are_read_from_the_manifests(tmp_path, caplog):
     start = _fill(root, 4, None)
     store = Store(root)
     g = _fence.generations(store)[-1]
-    path = os.path.join(root, _fence.gen_name(g))
+    path = os.path.join(root, _fence.index_name(g))
     record = json.loads(open(path).read())
     assert record["entries"]
     record["entries"] = {"0": ["yesterday", None], "10": [1.0, "loss"], "x": [1, None],
@@ -163,7 +164,7 @@ def test_malformed_record_entries_are_read_from_the_manifests(tmp_path, caplog):
     with open(path, "w") as f:
         json.dump(record, f)
     # The well-formed shape only (31, 32); 99 is no step of the record.
-    assert set(_fence.view(store).entries) == {31, 32}
+    assert set(_fence.read_index(store, g, _fence.view(store).named)) == {31, 32}
     best = ckptcore.KeepBest("loss", n=2, mode="max") | ckptcore.KeepLast(1)
     with ckptcore.CheckpointManager(root, keep=best) as mgr:
         mgr.save(start, _state(start))

@@ -296,6 +296,18 @@ def test_damage_in_one_of_many_remote_shards_is_named(s3_backend, tiny_parts):
     assert not any(s in text for s in shards[1:-1])
 
 
+def _body_bytes(body) -> bytes:
+    """A request body's bytes: a buffer as it is, a file-like one (the writer's part bodies,
+    which stream to the socket) read and put back where it was."""
+    if not hasattr(body, "read"):
+        return bytes(body)
+    pos = body.tell()
+    body.seek(0)
+    data = body.read()
+    body.seek(pos)
+    return data
+
+
 def _captured_uploads(store: Store) -> list[tuple[str, dict, bytes]]:
     """Every PutObject/UploadPart request this store's client sends: (operation, headers, body),
     recorded by a botocore event handler (the requests still go to the server)."""
@@ -307,7 +319,7 @@ def _captured_uploads(store: Store) -> list[tuple[str, dict, bytes]]:
         op = kwargs.get("event_name", "").rsplit(".", 1)[-1]
         headers = {k.lower(): v.decode() if isinstance(v, bytes) else v
                    for k, v in request.headers.items()}
-        seen.append((op, headers, bytes(request.body)))
+        seen.append((op, headers, _body_bytes(request.body)))
 
     client = sync(store.fs.loop, store.fs.set_session)
     for op in ("PutObject", "UploadPart"):

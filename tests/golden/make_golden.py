@@ -1,9 +1,10 @@
-"""Generate the golden checkpoints under tests/golden/v1/, v2/ and v3/ (run by hand, results committed).
+"""Generate the golden checkpoints under tests/golden/v1/ .. v4/ (run by hand, results committed).
 
     python tests/golden/make_golden.py [--force]
 
 The checkpoints pin formats v1 and v2 (the same state in each, written with the
-``format_version`` knob) and v3 (the same values, two tensors saved as chunks): tests/test_golden.py loads them with the current code and compares
+``format_version`` knob) and v3 (the same values, two tensors saved as chunks), and v4 (v3's state with its rows in a rows
+object, written by lowering the ``manifest_split_rows`` knob to 1): tests/test_golden.py loads them with the current code and compares
 every byte against values it computes itself.  Contents are deterministic (integer
 arithmetic only, no RNG); so is everything else in the files: the volatile manifest fields
 (creation time, writer id, host, library versions) are pinned and the shards renamed to fixed
@@ -33,7 +34,7 @@ from ckptcore._manifest import MANIFEST_NAME
 HERE = os.path.dirname(os.path.abspath(__file__))
 # name -> shard size: one shard, and several shards with padding between tensors.
 CHECKPOINTS = {"full": 1 << 20, "sharded": 256}
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 PINNED = {
     "created": 1700000000.0,
     "writer": {"id": "golden", "host": "golden", "pid": 0},
@@ -104,6 +105,10 @@ def _pin(path: str) -> None:
         name = f"shard-{i:05d}-golden.bin"
         os.rename(os.path.join(path, s["path"]), os.path.join(path, name))
         s["path"] = name
+    rows = body["tensors"].get("object") if isinstance(body["tensors"], dict) else None
+    if rows is not None:  # format 4: the rows object, named by the save's token
+        os.rename(os.path.join(path, rows["path"]), os.path.join(path, "shard-rows-golden.bin"))
+        rows["path"] = "shard-rows-golden.bin"
     outer["body"] = msgpack.packb(body, use_bin_type=True)
     outer["body_crc32c"] = crc32c.crc32c(outer["body"])
     with open(os.path.join(path, MANIFEST_NAME), "wb") as f:
@@ -125,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             with tempfile.TemporaryDirectory() as tmp:
                 work = os.path.join(tmp, name)
-                with _knobs.override(shard_size=shard_size, alignment=64, format_version=version):
-                    ckptcore.save_state(work, golden_state_v3() if version == 3 else golden_state())
+                with _knobs.override(shard_size=shard_size, alignment=64,
+                                     format_version=min(version, 3),
+                                     manifest_split_rows=1 if version == 4 else 1 << 40):
+                    ckptcore.save_state(work, golden_state_v3() if version >= 3 else golden_state())
                 _pin(work)
                 shutil.rmtree(target, ignore_errors=True)
                 os.makedirs(os.path.dirname(target), exist_ok=True)
