@@ -111,21 +111,37 @@ class Syncs:
     raises the first failure (``commit(..., durable=syncs.wait)`` calls it before the rename or
     publish).  :meth:`join` is for a save that failed anyway: it joins, raising nothing."""
 
+    LIMIT = 8  # fsyncs in flight at most (each holds a thread and an open file)
+
     def __init__(self) -> None:
         self._threads: list[threading.Thread] = []
         self._errors: list[BaseException] = []
+        self._slots = threading.BoundedSemaphore(self.LIMIT)
 
     def start(self, f: Any) -> None:
-        """``fsync_close(f)`` in a new thread (its failure kept for :meth:`wait`)."""
+        """``fsync_close(f)`` in a new thread (its failure kept for :meth:`wait`); here, at once,
+        when :data:`LIMIT` are in flight already or no thread can be started (a save of
+        thousands of shards must not hold thousands of threads and files open)."""
+        if not self._slots.acquire(blocking=False):
+            fsync_close(f)  # raises a failed flush, fsync or close; the file is closed either way
+            return
+
         def run() -> None:
             try:
                 fsync_close(f)
             except BaseException as e:  # noqa: BLE001 - raised by wait(), in the saving thread
                 self._errors.append(e)
+            finally:
+                self._slots.release()
 
         thread = threading.Thread(target=contextvars.copy_context().run, args=(run,),
                                   name="ckptcore-fsync", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:  # (RuntimeError: no thread to be had) the file is synced here
+            self._slots.release()
+            fsync_close(f)
+            return
         self._threads.append(thread)  # list.append is atomic: pool threads may call start()
 
     def wait(self) -> None:
@@ -135,8 +151,10 @@ class Syncs:
             raise self._errors[0]
 
     def join(self) -> None:
+        # joined before it is dropped: an interrupted join leaves the thread for the next one
         while self._threads:
-            self._threads.pop().join()
+            self._threads[-1].join()
+            self._threads.pop()
 
 
 @dataclass
@@ -530,6 +548,7 @@ class Reading:
         self._pool: ThreadPoolExecutor | None = None
         self._lazy: dict[int, tuple] | None = None  # lazy, not started: tensor -> its check
         self._checked: set[int] = set()  # verified one by one (check)
+        self._begun = threading.Lock()  # one thread starts the batches; the others wait for it
         table = manifest.tensors
         shard_col = table.column("shard")
         by_shard: dict[int, list[int]] = {}
@@ -673,12 +692,17 @@ class Reading:
         self._checked.add(i)
 
     def _begin(self) -> None:
-        """A lazy reading's batches, for every tensor :meth:`check` has not verified."""
-        lazy, self._lazy = self._lazy, None
-        if lazy is not None:
+        """A lazy reading's batches, for every tensor :meth:`check` has not verified.  The
+        batches are in place before ``_lazy`` is cleared: a thread that sees it cleared finds
+        them, and one that does not waits here for the thread that starts them."""
+        with self._begun:
+            lazy = self._lazy
+            if lazy is None:
+                return
             todo = [c for i, c in lazy.items() if i not in self._checked]
             if todo:
                 self._start(todo)
+            self._lazy = None
 
     def wait_for(self, i: int) -> None:
         """Return once tensor ``i`` is verified; raise its ``CorruptCheckpointError`` if it is bad."""

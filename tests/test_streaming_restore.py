@@ -230,3 +230,68 @@ def test_a_lazy_reading_verifies_what_it_is_asked_then_the_rest(tmp_path):
         assert exc.value.tensor == bad
     finally:
         reading.close()
+
+
+def test_background_fsyncs_are_bounded(tmp_path, monkeypatch) -> None:
+    """However many shards a save writes, at most ``Syncs.LIMIT`` fsyncs are left running (each
+    holds a thread and an open file); the rest are made durable at once, and every file is closed."""
+    syncs = _io.Syncs()
+    files = [open(tmp_path / f"s{k}", "wb") for k in range(3 * _io.Syncs.LIMIT)]
+    hold = threading.Event()
+    real = _io.fsync_close
+
+    def slow(f):  # the first LIMIT fsyncs wait until released: the others must not pile up
+        if threading.current_thread().name == "ckptcore-fsync":
+            hold.wait(5)
+        real(f)
+
+    monkeypatch.setattr(_io, "fsync_close", slow)
+    before = threading.active_count()
+    try:
+        for f in files:
+            f.write(b"x" * 100)
+            syncs.start(f)
+        assert threading.active_count() <= before + _io.Syncs.LIMIT
+        hold.set()
+        syncs.wait()
+    finally:
+        hold.set()
+    assert all(f.closed for f in files)
+
+
+def test_a_lazy_reading_started_by_one_thread_is_seen_whole_by_another(tmp_path) -> None:
+    """Threads waiting on a lazy reading while another starts its batches: each sees either the
+    lazy reading or all of its batches, never a half-built one (a damaged tensor always raises)."""
+    from ckptcore._storage import Store
+
+    arrays = {f"t{k}": np.full(1 << 16, k, np.float32) for k in range(64)}
+    url = str(tmp_path / "ck")
+    ckptcore.save_state(url, model=cn.Model(arrays), rng=False)
+    with open(f"{url}/{MANIFEST_NAME}", "rb") as f:
+        m = Manifest.from_bytes(f.read())
+    bad = next(i for i, t in enumerate(m.tensors) if t.name.endswith("t63"))
+    t = m.tensors.entry(bad)
+    with open(f"{url}/{m.shards[t.shard].path}", "r+b") as f:
+        f.seek(t.offset)
+        f.write(b"\xff\xff\xff\xff")
+    for _ in range(20):
+        reading = _io.Reading(Store(url), m, range(len(m.tensors)), lazy=True)
+        seen: list[BaseException | None] = []
+        barrier = threading.Barrier(2)
+
+        def waiter() -> None:
+            barrier.wait()
+            try:
+                reading.wait_for(bad)
+                seen.append(None)
+            except BaseException as e:  # noqa: BLE001
+                seen.append(e)
+
+        th = threading.Thread(target=waiter)
+        th.start()
+        barrier.wait()
+        with pytest.raises(CorruptCheckpointError):
+            reading.result()
+        th.join()
+        reading.close()
+        assert isinstance(seen[0], CorruptCheckpointError), seen

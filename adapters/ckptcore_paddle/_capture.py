@@ -85,8 +85,9 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
         state, extra = _capture_model(layer, tensors, aliases, copy)
         _capture_training(state, extra, optimizer, tensors, step=step, scheduler=scheduler,
                           scaler=scaler, copy=copy)
-    finally:
-        grads.join()
+    except BaseException:
+        grads.join()  # (result() joins it on success, after taking its own end of the queue)
+        raise
     buffers, extra["zero_grads"] = grads.result()
     if buffers or accumulate_every or accumulated:
         state.accumulation = AccumulationState(every=int(accumulate_every or 0), count=int(accumulated or 0),
@@ -173,7 +174,7 @@ class _GradScan:
                 except IndexError:
                     return
                 self._bits[k] = any_bit(self._grads[k][1])
-        except BaseException as e:  # noqa: BLE001 - raised by result(), in the capturing thread
+        except Exception as e:  # noqa: BLE001 - raised by result(), in the capturing thread
             self._errors.append(e)
 
     def join(self) -> None:
@@ -182,8 +183,10 @@ class _GradScan:
 
     def result(self) -> tuple[dict[str, np.ndarray], list[str]]:
         """``(buffers, zero_grads)``, in the model's order, once every gradient is looked at."""
-        self._work(self._todo.pop)
-        self.join()
+        try:
+            self._work(self._todo.pop)  # from the small end, while the helper takes the large
+        finally:
+            self.join()
         if self._errors:
             raise self._errors[0]
         buffers: dict[str, np.ndarray] = {}

@@ -224,6 +224,7 @@ class Copies:
         """Plan ``value`` into ``target``: through ``view`` in a group, or by :func:`assign`
         at once where there is no writable view."""
         if view is None or not view.flags.writeable:  # a view someone made read-only stays so
+            self.flush()  # the group before it first: puts stay in the model's order
             self._plan.assign(name, value, shape=target.shape, dtype=numpy_dtype(target),
                               put=functools.partial(assign, target, value))
             return
@@ -288,10 +289,12 @@ def _check_then_copy(part: _Part, check: Callable[[Any], None], barrier: threadi
         for _, _, whole in part:
             if whole is not None:
                 check(whole)
-    except BaseException:
+        barrier.wait()  # BrokenBarrierError: the other half failed (its error is the one raised)
+    except threading.BrokenBarrierError:
+        raise
+    except BaseException:  # a failed check, or an interrupt while waiting: neither half writes
         barrier.abort()
         raise
-    barrier.wait()  # BrokenBarrierError: the other half failed (its error is the one raised)
     for dst, src, _ in part:
         np.copyto(dst, src)
 
@@ -306,6 +309,7 @@ def _both(pool: ThreadPoolExecutor, check: Callable[[Any], None], first: _Part, 
         _check_then_copy(first, check, barrier)
     except BaseException as e:  # noqa: BLE001 - raised below, after the helper is done
         mine = e
+        barrier.abort()  # (an interrupt anywhere here): the helper must not wait for this half
     wait([fut])
     theirs = fut.exception()
     if mine is not None and not (isinstance(mine, threading.BrokenBarrierError) and theirs is not None):

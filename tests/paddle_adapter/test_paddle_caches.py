@@ -346,3 +346,30 @@ def test_a_restore_leaves_no_shard_mapped(tmp_path) -> None:
             assert not [line for line in f if str(tmp_path) in line]
     finally:
         gc.enable()
+
+
+def test_a_damaged_tensor_keeps_later_viewless_tensors_untouched(tmp_path) -> None:
+    """A tensor with no writable view (bfloat16 here) is put on its own, not in a group: it
+    still waits for the group before it, so a damaged earlier tensor leaves it as it was."""
+    import paddle
+
+    class M(paddle.nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = self.create_parameter([256, 256], dtype="float32")
+            self.b = self.create_parameter([256, 256], dtype="bfloat16")
+
+    m = M()
+    with paddle.no_grad():
+        m.a.set_value(paddle.full([256, 256], 1.0, "float32"))
+        m.b.set_value(paddle.full([256, 256], 1.0, "bfloat16"))
+    url = str(tmp_path / "ck")
+    ckptcore.save_state(url, model=m)
+    _corrupt_tensor(url, "model/a")
+    with paddle.no_grad():
+        m.a.set_value(paddle.full([256, 256], 5.0, "float32"))
+        m.b.set_value(paddle.full([256, 256], 5.0, "bfloat16"))
+    with pytest.raises(ckptcore.errors.CorruptCheckpointError):
+        ckptcore.load_state(url, model=m)
+    assert float(m.a.numpy()[0, 0]) == 5.0
+    assert float(m.b.astype("float32").numpy()[0, 0]) == 5.0  # the later tensor is not written
