@@ -36,22 +36,35 @@ def net(seed: int) -> Net:
     return Net(nnx.Rngs(params=seed, dropout=seed + 100))
 
 
+# One transformation for every optimizer: the tx is static in the graph, and a new closure would
+# compile the training step again.
+ADAM = optax.adam(0.01)
+
+
 def nnx_objects(seed: int, tx: Any = None) -> dict[str, Any]:
     model = net(seed)
-    return {"model": model, "optimizer": nnx.Optimizer(model, tx or optax.adam(0.01), wrt=nnx.Param)}
+    return {"model": model, "optimizer": nnx.Optimizer(model, tx or ADAM, wrt=nnx.Param)}
 
 
-@nnx.jit
-def _nnx_step(model: Net, opt: nnx.Optimizer, x: jax.Array, y: jax.Array) -> None:
-    def loss(m: Net) -> jax.Array:
-        return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-    opt.update(model, nnx.grad(loss)(model))
+def _loss_nnx(model: Net, x: jax.Array, y: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+@jax.jit(static_argnums=0)
+def _pure_step(graphdef: Any, state: Any, x: jax.Array, y: jax.Array) -> Any:
+    model, opt = nnx.merge(graphdef, state)
+    opt.update(model, nnx.grad(_loss_nnx)(model, x, y))
+    return nnx.state((model, opt))
 
 
 def train_nnx(objects: dict[str, Any], steps: int, x: jax.Array = X, y: jax.Array = Y) -> None:
+    """Steps of one jitted function over the split state (compiled once per graph structure,
+    where ``nnx.jit`` compiles again for every new model instance)."""
+    pair = (objects["model"], objects["optimizer"])
     objects["model"].train()
     for _ in range(steps):
-        _nnx_step(objects["model"], objects["optimizer"], x, y)
+        graphdef, state = nnx.split(pair)
+        nnx.update(pair, _pure_step(graphdef, state, x, y))
 
 
 def nnx_arrays(obj: Any) -> dict[str, np.ndarray]:
