@@ -109,6 +109,12 @@ def rebuild(value: Any, like: Any, name: str) -> Any:
     global shape and dtype as ``like``) laid out as ``like`` is: same sharding and devices."""
     shape = tuple(int(d) for d in like.shape)
     sharding = like.sharding
+    if not getattr(like, "committed", True):
+        # An array JAX placed on its default device by itself (jnp.zeros, optax's counts) may
+        # follow its operands anywhere; one put on a device explicitly may not.  The restored
+        # leaf keeps that freedom.
+        whole = value if not isinstance(value, (Shard, Chunks)) else _block(value, (0,) * len(shape), shape, name)
+        return jax.device_put(np.asarray(whole))
     if not isinstance(value, (Shard, Chunks)) and len(sharding.device_set) == 1:
         return jax.device_put(np.asarray(value), sharding)
 
@@ -157,7 +163,9 @@ def plan_leaf(plan: Any, qname: str, saved: Any, live: Any, *, saved_impl: str |
         if isinstance(like, jax.Array):
             new = rebuild(saved, like, qname)
             if impl:
-                new = jax.device_put(jax.random.wrap_key_data(new, impl=impl), live.sharding)
+                new = jax.random.wrap_key_data(new, impl=impl)
+                if getattr(live, "committed", True):
+                    new = jax.device_put(new, live.sharding)
         else:
             whole = saved if not isinstance(saved, (Shard, Chunks)) else _block(
                 saved, (0,) * len(want_shape), want_shape, qname)
