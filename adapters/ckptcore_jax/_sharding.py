@@ -120,7 +120,8 @@ def rebuild(value: Any, like: Any, name: str) -> Any:
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
         offsets, sizes = _box(index, shape)
-        return np.ascontiguousarray(_block(value, offsets, sizes, name))
+        # np.asarray, not np.ascontiguousarray: that makes a 0-d block 1-d.
+        return np.asarray(_block(value, offsets, sizes, name), order="C")
 
     return jax.make_array_from_callback(shape, sharding, block)
 
