@@ -19,7 +19,7 @@ ones) where the old ones were, which is why a bare Optax state (a tuple of Named
 Module map (the same as the other adapters'): ``_tensors`` (discovery of named leaves, typed
 keys, moving bytes), ``_sharding`` (``jax.Array`` <-> ``ckptcore.Shard``/``Chunks``), ``_params``
 (ParamInfo), ``_optimizer`` (Optax state keyed by parameter path), ``_rng`` (NNX RNG streams),
-``_capture`` (capture/restore), ``_group`` (``process_group``), ``_files`` (Orbax: not yet),
+``_capture`` (capture/restore), ``_group`` (``process_group``), ``_files`` (Orbax checkpoints),
 ``_dialect`` (migration: not yet), ``_demo``.
 
 Example:
@@ -109,13 +109,15 @@ def process_group() -> Any:
 
 
 def import_orbax(path: str | os.PathLike, **options: Any) -> TrainingState:
-    """Read an Orbax checkpoint: not implemented yet (raises :class:`NotYetImplementedError`)."""
+    """Read an Orbax step (``StandardCheckpointer``/``CheckpointManager``; OCDBT or not, zarr v2
+    or zarr3) through TensorStore, treating the folder as untrusted (see ``_files.py``)."""
     from ._files import import_orbax as _import
     return _import(path, **options)
 
 
 def export_orbax(state: TrainingState, path: str | os.PathLike, **options: Any) -> Any:
-    """Write an Orbax checkpoint: not implemented yet (raises :class:`NotYetImplementedError`)."""
+    """Write an Orbax checkpoint that ``StandardCheckpointer().restore(path, target)`` restores
+    bit for bit (``target=``: that pytree, whose structure is written; see ``_files.py``)."""
     from ._files import export_orbax as _export
     return _export(state, path, **options)
 

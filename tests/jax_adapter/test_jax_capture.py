@@ -167,15 +167,14 @@ def test_rng_streams_follow_rng_flag():
                           nnx_arrays(objects["model"])["drop/rngs/key"])
 
 
-def test_names_not_built_yet_say_so(tmp_path):
-    for call in (lambda: ckptcore_jax.import_orbax(tmp_path),
-                 lambda: ckptcore_jax.export_orbax(ckptcore.TrainingState(), tmp_path)):
-        with pytest.raises(ckptcore_jax.NotYetImplementedError, match="not implemented yet.*Orbax"):
-            call()
+def test_names_not_built_yet_say_so():
     with pytest.raises(NotImplementedError, match="no migration dialect yet"):
         ckptcore_jax.ADAPTER.dialect
-    assert ckptcore_jax.ADAPTER.formats == ()
+    with pytest.raises(ImportError):  # what the conformance suite skips its dialect test on
+        ckptcore_jax.ADAPTER.dialect
+    assert [f.name for f in ckptcore_jax.ADAPTER.formats] == ["orbax"]
     assert isinstance(ckptcore_jax.process_group(), ckptcore.SingleProcessGroup)
+    assert issubclass(ckptcore_jax.NotYetImplementedError, NotImplementedError)
 
 
 def test_a_state_of_another_framework_is_refused_clearly():
