@@ -2,6 +2,7 @@
 
     python _jax_group_worker.py save URL     # every process saves its blocks: one commit
     python _jax_group_worker.py load URL     # every process loads its blocks (like=) and checks them
+    python _jax_group_worker.py late URL     # process 1 does not come to a barrier in time
 
 The arrays are :func:`expected` (pure functions of their shapes) laid over a mesh of every
 device of the job (4 x 2: ``a`` across the processes' devices, ``b`` within).
@@ -58,6 +59,9 @@ def main(mode: str, url: str) -> None:
     mesh = Mesh(np.array(jax.devices()).reshape(4, -1), ("a", "b"))
     group = ckptcore_jax.process_group()
     assert (group.rank, group.size) == (rank, world)
+    if mode == "late":
+        late(group, rank)
+        return
     if mode == "save":
         params, opt = build(mesh)
         state = ckptcore_jax.capture(ckptcore_jax.Ref(params), ckptcore_jax.Ref(opt), rng=False, step=7)
@@ -77,6 +81,36 @@ def main(mode: str, url: str) -> None:
             assert np.asarray(shard.data).tobytes() == whole[shard.index].tobytes(), (rank, k, shard.index)
             checked += 1
     print(json.dumps({"rank": rank, "ok": report.ok, "checked": checked, "step": state.step}), flush=True)
+
+
+def late(group, rank: int) -> None:
+    """Process 0 waits 1 s at a barrier process 1 reaches only after 4 s: a GroupTimeoutError
+    on time, then the group is broken (every later call fails at once)."""
+    import time
+
+    from ckptcore.errors import GroupError, GroupTimeoutError
+
+    if rank == 1:
+        time.sleep(4)
+        try:
+            group.barrier(timeout=5)
+        except GroupError:
+            pass  # process 0 is gone from the barrier: either outcome is fine here
+        print(json.dumps({"rank": rank}), flush=True)
+        return
+    start = time.monotonic()
+    try:
+        group.barrier(timeout=1)
+        outcome = "returned"
+    except GroupTimeoutError as e:
+        outcome = f"timeout: {e}"
+    waited = time.monotonic() - start
+    try:
+        group.gather(b"x", timeout=5)
+        again = "returned"
+    except GroupError as e:
+        again = str(e)
+    print(json.dumps({"rank": rank, "outcome": outcome, "waited": waited, "again": again}), flush=True)
 
 
 if __name__ == "__main__":

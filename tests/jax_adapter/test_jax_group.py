@@ -62,3 +62,11 @@ def test_one_process_checkpoint_restored_into_two(tmp_path):
     out = launch("_jax_group_worker.py", 2, "load", url)
     for o in out:
         assert o["result"]["ok"] and o["result"]["step"] == 7 and o["result"]["checked"] > 0
+
+
+def test_a_late_process_is_a_timeout_then_the_group_is_broken(tmp_path):
+    out = launch("_jax_group_worker.py", 2, "late", str(tmp_path / "unused"))
+    first = out[0]["result"]
+    assert first["outcome"].startswith("timeout: barrier: a rank did not arrive in time"), first
+    assert first["waited"] < 3.5, first
+    assert "the group is broken" in first["again"], first
