@@ -230,3 +230,23 @@ def test_huge_declared_shapes_and_damaged_data(plain):
     chunk.write_bytes(b"garbage" * 3)
     with pytest.raises(CorruptCheckpointError, match="params.w"):
         ckptcore_jax.import_orbax(plain)
+
+
+def test_code_named_in_metadata_is_only_data(tmp_path):
+    _save(tmp_path / "o", {"params": {"w": jnp.arange(3.0)}})
+    marker = tmp_path / "ran"
+    meta = json.loads((tmp_path / "o" / "_CHECKPOINT_METADATA").read_text())
+    meta["item_handlers"] = f"os.system('touch {marker}')"
+    (tmp_path / "o" / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+    tree = _metadata(tmp_path / "o")
+    tree["custom_metadata"] = {"__reduce__": "os.system", "restore_type": "builtins.eval"}
+    (tmp_path / "o" / "_METADATA").write_text(json.dumps(tree))
+    assert ckptcore_jax.import_orbax(tmp_path / "o").model["w"].tolist() == [0.0, 1.0, 2.0]
+    assert not marker.exists()
+
+
+def test_a_damaged_ocdbt_manifest(tmp_path):
+    _save(tmp_path / "o", {"params": {"w": jnp.arange(3.0)}})
+    (tmp_path / "o" / "manifest.ocdbt").write_bytes(b"\x00garbage" * 4)
+    with pytest.raises(CorruptCheckpointError):
+        ckptcore_jax.import_orbax(tmp_path / "o")

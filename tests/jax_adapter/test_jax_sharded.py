@@ -174,3 +174,16 @@ def test_the_registry_finds_the_adapter_for_a_pytree_of_jax_arrays():
 
     assert adapter_for({"dense": {"kernel": jnp.zeros(2)}}) is ckptcore_jax.ADAPTER
     assert adapter_for([jnp.zeros(2)]) is ckptcore_jax.ADAPTER
+
+
+def test_checkpoint_manager_restores_into_another_mesh(tmp_path):
+    source = _tree(_mesh(8))
+    with ckptcore.CheckpointManager(str(tmp_path / "run"), keep=2, async_save=True) as mgr:
+        mgr.save(1, model=ckptcore_jax.Ref(source), rng=False)
+        mgr.wait()
+        assert mgr.latest_step() == 1
+        target = ckptcore_jax.Ref(_tree(_mesh(4), fill=False))
+        mgr.restore(model=target, like=ckptcore_jax.template(target))
+    for k, v in target.value.items():
+        assert np.asarray(v).tobytes() == np.asarray(source[k]).tobytes(), k
+        assert len(v.sharding.device_set) in (1, 4)
