@@ -27,6 +27,7 @@ GROUP = "ckptcore.adapters"
 _HINTS = {
     "keras": "pip install 'ckptcore[keras]'",
     "paddle": "pip install 'ckptcore[paddle]'",
+    "jax": "pip install 'ckptcore[jax]'",
 }
 
 CONTRACT = ("name", "capture_views", "handles", "capture", "restore", "dialect", "formats", "demo")

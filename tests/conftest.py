@@ -332,9 +332,10 @@ def spawn_python(request):
 # The SIGTERM handler is put back to what it was before the test without failing it: a manager
 # dropped unclosed, then collected, leaves ckptcore's handler installed (the library's side of
 # that is ckptcore/manager.py's business); every test starts from the handler the one before it
-# found.  The framework suites (tests/keras_adapter, tests/paddle_adapter, tests/torch_adapter: importing a framework
+# found.  The framework suites (tests/keras_adapter, tests/paddle_adapter, tests/torch_adapter,
+# tests/jax_adapter: importing a framework
 # changes the root logger once for good) are not checked.
-_UNGUARDED = ("keras_adapter", "paddle_adapter", "torch_adapter")
+_UNGUARDED = ("keras_adapter", "paddle_adapter", "torch_adapter", "jax_adapter")
 
 
 def _loggers() -> dict:

@@ -69,7 +69,7 @@ def test_demo_refuses_memory_root():
     assert out.returncode == 2 and "memory://" in out.stderr
 
 
-@pytest.mark.parametrize("framework", ["paddle", "keras", "torch"])
+@pytest.mark.parametrize("framework", ["paddle", "keras", "torch", "jax"])
 @pytest.mark.slow
 def test_framework_demo_resumes_bit_exactly(tmp_path, framework):
     # find_spec, not importorskip: this process must not import a framework (they clash).
