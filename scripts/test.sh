@@ -6,7 +6,7 @@
 # prefixed with its name) and a summary line with its time; the last line sums them up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/_venv.sh "dev,keras,paddle,torch,lightning"
+source scripts/_venv.sh "dev,keras,paddle,torch,lightning,jax"
 # Azurite (Azure Blob Storage's emulator, an npm package) for the Azure tests: once, into
 # .venv/node.  Without npm, or if the install fails, those tests are skipped with the reason.
 if [ ! -x .venv/node/node_modules/.bin/azurite-blob ] && command -v npm >/dev/null 2>&1; then
@@ -42,7 +42,7 @@ workers=$(( workers < 2 ? 2 : (workers > 4 ? 4 : workers) ))
 # by pytest-randomly ("Using --randomly-seed=N") and again in the summary at the end (even with -q,
 # which hides the header).  To replay a failing run's order:
 #   CKPT_TEST_SEED=N scripts/test.sh              # the whole run again, the core in that order
-#   .venv/bin/python -m pytest tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter --ignore=tests/torch_adapter \
+#   .venv/bin/python -m pytest tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter --ignore=tests/torch_adapter --ignore=tests/jax_adapter \
 #     -p randomly -p xdist -n 2 --dist loadfile --randomly-seed=N \
 #     --deselect tests/test_fault_schedules.py::test_fault_schedules    # just the core suite
 # The seed fixes the order of the modules and of the tests in each; which worker gets which module
@@ -58,7 +58,7 @@ fixed=(-p no:randomly)
 # of it waits on subprocesses and the local servers, so two workers on two cores halve its time.
 # Each worker starts its own servers (session fixtures).  It runs every test, the slow ones too
 # (a developer's quick run deselects them with -m "not slow": see tests/README.md).
-suite core tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter --ignore=tests/torch_adapter -p randomly -p xdist \
+suite core tests --ignore=tests/keras_adapter --ignore=tests/paddle_adapter --ignore=tests/torch_adapter --ignore=tests/jax_adapter -p randomly -p xdist \
   -n "$workers" --dist loadfile --randomly-seed="$seed" \
   --deselect tests/test_fault_schedules.py::test_fault_schedules "${@}"
 # The fault-schedule checker (10,000 seeded schedules, tests/_faults.py) in a run of its own: it
@@ -69,16 +69,16 @@ suite faults tests/test_fault_schedules.py::test_fault_schedules -s "${fixed[@]}
 # process).  ckptcore/testing.py is the conformance suite that adapters' tests subclass, not docs.
 suite doctests ckptcore adapters/ckptcore_numpy --doctest-modules --ignore=ckptcore/testing.py \
   "${fixed[@]}" "${@}"
-# The three frameworks' suites run at the same time, each in its own process (their tests wait on
+# The four frameworks' suites run at the same time, each in its own process (their tests wait on
 # subprocesses and servers much of the time), their lines prefixed with the suite's name.
-for fw in paddle keras torch; do
+for fw in paddle keras torch jax; do
   [ -d "tests/${fw}_adapter" ] && PREFIX=1 suite "$fw" "tests/${fw}_adapter" "${fixed[@]}" "$@" &
 done
 wait
 
 echo
 passed=0; failed=0
-for name in core faults doctests paddle keras torch; do
+for name in core faults doctests paddle keras torch jax; do
   [ -f "$logs/$name.rc" ] || continue
   read -r rc secs < "$logs/$name.rc"
   line=$(grep -E '[0-9]+ (passed|failed|deselected)|no tests ran' "$logs/$name.log" | tail -n 1 \
