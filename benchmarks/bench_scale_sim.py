@@ -124,12 +124,12 @@ def _library() -> dict:
 
 def build_sharded(ranks: int, tensors: int):
     """A sharded state: every rank holds one block (rows ``8r..8r+7``) of each of ``tensors``
-    tensors of shape ``(8 * ranks,)``; each rank's reply as ``_dist`` packs it (its version-3
-    chunk table, ``TensorTable.to_v3()``)."""
+    tensors of shape ``(8 * ranks,)``; each rank's reply as ``_dist`` packs it (its chunk
+    table's columns without names, ``_replies.pack``)."""
     import msgpack
     import numpy as np
 
-    from ckptcore import _codec
+    from ckptcore import _codec, _replies
     from ckptcore._manifest import CRC_BLOCK, TensorTable
 
     names = [f"block{k // 64}/layer{k % 64}/w{k}" for k in range(tensors)]
@@ -145,7 +145,7 @@ def build_sharded(ranks: int, tensors: int):
             crc_block=CRC_BLOCK)
         replies.append(msgpack.packb({"digest": digest, "shards": [
             [f"shard-00000-r{r:05d}-{TOKEN}.bin", 64 * (tensors - 1) + 32, r]],
-            "table": table.to_v3()}, use_bin_type=True))
+            "chunks": _replies.pack(table)}, use_bin_type=True))
     block = np.zeros(8, np.float32)
     enc = _codec.Encoded(tree={"model": {}}, arrays=[block] * tensors, names=names,
                          dtypes=["float32"] * tensors,
@@ -166,8 +166,9 @@ def _sharded_shards(packed: list[bytes]):
 
 
 def merge_sharded(enc, packed: list[bytes]):
-    """Rank 0's work for a sharded save: decode every reply, validate each rank's chunk table,
-    concatenate them (overlaps refused), check every tensor is covered whole."""
+    """Rank 0's work for a sharded save: decode every reply, check each rank's shards and
+    columns, join and check every rank's rows at once (byte ranges, overlaps), check every
+    tensor is covered whole."""
     import msgpack
 
     from ckptcore._dist import _merge_chunks, _Part

@@ -6,10 +6,10 @@ The replicated bytes are spread: each such tensor is written by exactly one rank
 :func:`assign` (largest tensors first, each onto the least-loaded rank), which every rank
 computes alike from the names and sizes, so N ranks write about 1/N of the bytes each and no
 message carries the plan.  Each rank writes its own blocks (:func:`plan`).  A state with blocks
-is saved in format 3: each rank sends its own chunk table (``TensorTable.to_v3()``), rank 0
-validates each as strictly as a manifest read from disk, concatenates them
-(``_manifest.merge_tables``, which refuses overlapping blocks) and refuses a tensor its ranks'
-blocks do not cover whole.  A plain state keeps format 2 and sends raw row columns instead,
+is saved in format 3: each rank sends its own chunk rows without names (``_replies``: rank 0
+knows the logical tensors), rank 0 checks and joins every rank's at once, runs the chunk rules
+on the result (``check_chunks``, which refuses overlapping blocks) and refuses a tensor its
+ranks' blocks do not cover whole.  A plain state keeps format 2 and sends raw row columns instead,
 checked as strictly: whatever the format, rank 0 refuses (``GroupError`` naming the rank,
 nothing committed) a reply whose shard names are not plain names carrying that rank's own
 ``r<rank>-<token>`` marker (in that rank's own shard folder, when the save spreads them), that
@@ -66,10 +66,10 @@ from typing import Any, Callable, Sequence
 import msgpack
 import numpy as np
 
-from . import _codec, _io, _knobs
+from . import _codec, _io, _knobs, _replies
+from ._chunkrules import check_chunks
 from ._commit import commit
-from ._manifest import (MANIFEST_NAME, Manifest, ShardEntry, TensorTable, merge_tables,
-                        read_table, safe_shard_name)
+from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, TensorTable, safe_shard_name
 from ._read import rows_reader
 from ._storage import Store
 from .errors import CheckpointError, GroupError, SchemaError
@@ -111,11 +111,13 @@ _ROW_DTYPES = {"index": "<i8", "shard": "<u4", "offset": "<u8", "crc": "<u4"}
 @dataclass
 class _Part:
     """What one rank wrote: its shards and, per tensor it wrote, its index in the state, its
-    shard (in this rank's list), offset and CRC-32C (arrays of equal length)."""
+    shard (in this rank's list), offset and CRC-32C (arrays of equal length); or, for a chunked
+    save, its chunk table (rank 0's own) or the chunk reply it sent (``_replies``)."""
 
     shards: list[ShardEntry]
     rows: dict[str, np.ndarray]
     table: TensorTable | None = None  # a chunked save: the rank's own version-3 table
+    chunks: dict | None = None  # ... as a peer sent it (_replies.pack), read by _merge_chunks
 
     def packed_rows(self) -> dict[str, bytes]:
         return {k: np.ascontiguousarray(self.rows[k], _ROW_DTYPES[k]).tobytes()
@@ -124,23 +126,26 @@ class _Part:
     def to_reply(self) -> dict[str, Any]:
         reply: dict[str, Any] = {"shards": [[s.path, s.size, s.checksum] for s in self.shards]}
         if self.table is not None:
-            reply["table"] = self.table.to_v3()
+            reply["chunks"] = _replies.pack(self.table)
         else:
             reply["rows"] = self.packed_rows()
         return reply
+
+    def chunk_reply(self) -> dict | None:
+        return _replies.pack(self.table) if self.table is not None else self.chunks
 
     @classmethod
     def from_reply(cls, reply: dict, rank: int, source: str, token: str,
                    folder: str = "") -> _Part:
         try:
             shards = _shards(reply["shards"], rank, token, source, folder)
-            if "table" in reply:  # validated as strictly as a manifest read from disk
-                return cls(shards, {}, read_table(reply["table"], shards,
-                                                  source=f"{source} (rank {rank}'s tensor table)",
-                                                  partial=True))
+            if "table" in reply:  # the names-per-row table of ckptcore before reply version 1
+                raise GroupError(f"{source}: rank {rank} sends its chunks as a table, not in "
+                                 f"reply version {_replies.VERSION} (every rank must run the "
+                                 "same ckptcore); nothing committed")
+            if "chunks" in reply:  # checked with every rank's by _merge_chunks
+                return cls(shards, {}, chunks=reply["chunks"])
             rows = {k: np.frombuffer(reply["rows"][k], _ROW_DTYPES[k]) for k in _ROW_DTYPES}
-        except SchemaError as e:
-            raise GroupError(f"rank {rank}'s reply is malformed: {e}") from e
         except (KeyError, TypeError, ValueError) as e:
             raise GroupError(f"rank {rank}'s reply is malformed ({type(e).__name__}: {e})") from e
         if len({len(a) for a in rows.values()}) != 1:
@@ -578,12 +583,8 @@ def _merge(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray], dige
                 raise GroupError(f"{store.url}: rank {r} lists shard {s.path!r}, which rank "
                                  f"{owner[s.path]} lists too; nothing committed")
     if part.table is not None:
-        for r, p in enumerate(parts):
-            if p.table is not None:
-                _check_bytes(store, r, p.shards, p.table.names, p.table.shard, p.table.offset,
-                             p.table.length)
         return make_manifest(*_merge_chunks(store, enc, arrays, parts))
-    if any(p.table is not None for p in parts):
+    if any(p.chunks is not None for p in parts):
         raise GroupError(f"{store.url}: the ranks disagree on whether the state is chunked; "
                          "nothing committed")
     n = len(arrays)
@@ -625,37 +626,36 @@ class _Names:
 
 def _merge_chunks(store: Store, enc: _codec.Encoded, arrays: Sequence[np.ndarray],
                   parts: list[_Part]) -> tuple[list[ShardEntry], TensorTable]:
-    """A chunked save: the ranks' own tables, concatenated (``merge_tables`` refuses blocks
-    that overlap, e.g. a replicated tensor written twice or two ranks' Shards of one region),
-    then every tensor must be covered whole by its blocks: a save by a whole group that leaves
-    a hole (a rank that forgot its Shard, offsets off by one) is refused, not committed."""
-    shards = [s for p in parts for s in p.shards]
-    offsets = np.cumsum([0] + [len(p.shards) for p in parts[:-1]]).tolist()
-    if any(p.table is None for p in parts):
+    """A chunked save: every rank's chunk reply split, checked and joined at once
+    (``_replies.join``: shards, byte ranges, block checksums), the chunk rules run on the
+    joined table (``check_chunks`` refuses blocks that overlap, e.g. a replicated tensor written
+    twice or two ranks' Shards of one region), then every tensor must be covered whole by its
+    blocks: a save by a whole group that leaves a hole (a rank that forgot its Shard, offsets
+    off by one) is refused, not committed."""
+    replies = [p.chunk_reply() for p in parts]
+    if any(c is None for c in replies):
         raise GroupError(f"{store.url}: the ranks disagree on whether the state is chunked; "
                          "nothing committed")
+    names, dtypes, shapes, _ = _logical(enc, arrays)
+    logical = _replies.Logical.of(names, dtypes, shapes)
+    rows = [_replies.split(c, r, logical, store.url) for r, c in enumerate(replies)]
+    table = _replies.join(rows, [p.shards for p in parts], logical, store.url)
     try:
-        table = merge_tables([p.table for p in parts], offsets,  # type: ignore[misc]
-                             source=f"{store.url}: the ranks' blocks")
+        check_chunks(table, f"{store.url}: the ranks' blocks", interned=logical.names)
     except ValueError as e:
-        # (SchemaError is a ValueError): the ranks' Shard blocks overlap, or a rank's table does
-        # not fit the state or the others' (a crc_block of another version); nothing committed.
+        # (SchemaError is a ValueError): the ranks' Shard blocks overlap or reach outside their
+        # tensor; nothing committed.
         raise SchemaError(f"{e}; a save with a group needs disjoint Shard blocks, and every "
                           "rank's table must fit the state; nothing committed") from None
-    names, _, shapes, _ = _logical(enc, arrays)
-    itemsize = {enc.chunks.tensor[i]: a.dtype.itemsize for i, a in enumerate(arrays)}  # type: ignore[union-attr]
-    have = np.bincount(table.tensor.astype(np.int64), weights=table.length.astype(np.float64),
+    have = np.bincount(table.tensor, weights=table.length.astype(np.float64),
                        minlength=len(names))
-    if len(have) != len(names):
-        raise GroupError(f"{store.url}: a rank reports chunks of tensor {len(names)} or later, "
-                         f"but the state has {len(names)} tensors; nothing committed")
-    for k, (name, shape) in enumerate(zip(names, shapes)):
-        want = int(np.prod(shape, dtype=np.int64)) * itemsize.get(k, 0)
-        if int(have[k]) != want:
-            raise SchemaError(f"{store.url}: tensor {name!r} {shape}: the ranks' blocks hold "
-                             f"{int(have[k])} of its {want} bytes; a save with a group must "
-                             "cover every sharded tensor whole (nothing committed)")
-    return shards, table
+    want = [int(np.prod(shape, dtype=np.int64)) * int(size)
+            for shape, size in zip(shapes, logical.itemsize.tolist())]
+    for k in np.flatnonzero(have != np.array(want, np.float64)).tolist()[:1]:
+        raise SchemaError(f"{store.url}: tensor {names[k]!r} {shapes[k]}: the ranks' blocks hold "
+                          f"{int(have[k])} of its {want[k]} bytes; a save with a group must "
+                          "cover every sharded tensor whole (nothing committed)")
+    return [s for p in parts for s in p.shards], table
 
 
 def _first_difference(enc: _codec.Encoded, arrays: Sequence[np.ndarray], reply: dict) -> str:

@@ -28,13 +28,12 @@ import numpy as np
 
 from ckptcore import Shard, StorageError, ThreadGroup, TrainingState, _codec, _knobs, layout
 from ckptcore._dist import _ROW_DTYPES
-from ckptcore._manifest import CHUNK_COLUMNS, COLUMNS
+from ckptcore._replies import COLUMNS as _CHUNK_REPLY
 
 import _faults as F
 
 LONG = 4.0  # the knob: no healthy collective comes near it (a loaded machine included); a wait this long is a finding
 SHORT = 0.025  # the timeout of the waits a hung or dead rank is meant to break (room for load)
-_COL3 = {**COLUMNS, **CHUNK_COLUMNS}
 
 
 class _Gone(BaseException):
@@ -43,9 +42,11 @@ class _Gone(BaseException):
 
 # -- reply mutations: name -> (expected outcome, fn(decoded reply, rng) -> text, None if n/a) ----
 def _col(reply: dict, key: str):
-    """(a row column's copy, its setter) in a plain (rows) or chunked (table) reply, or None."""
-    box, types = (reply["table"], _COL3) if "table" in reply else (reply["rows"], _ROW_DTYPES)
-    key = {"crc": "checksum", "index": "tensor"}.get(key, key) if "table" in reply else key
+    """(a row column's copy, its setter) in a plain (rows) or chunked (chunks) reply, or None
+    (a chunk reply has no "length" column: rank 0 computes it from the chunk's shape)."""
+    chunked = "chunks" in reply
+    box, types = (reply["chunks"], _CHUNK_REPLY) if chunked else (reply["rows"], _ROW_DTYPES)
+    key = {"crc": "checksum", "index": "tensor"}.get(key, key) if chunked else key
     if key not in types or not len(box[key]):
         return None
     return (np.frombuffer(box[key], types[key]).copy(),

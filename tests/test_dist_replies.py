@@ -213,7 +213,7 @@ def test_a_refused_step_leaves_the_previous_step_of_a_manager(store, change):
 
 
 def _table_overlap(reply):
-    table = reply["table"]
+    table = reply["chunks"]
     shard = np.frombuffer(table["shard"], "<u4")
     off = np.frombuffer(table["offset"], "<u8").copy()
     same = np.flatnonzero(shard == shard[0])
@@ -227,14 +227,15 @@ def _table_overlap(reply):
                          ids=["escape", "rank-0-name", "other-token", "size-lie", "listed-twice",
                               "overlap"])
 def test_a_chunked_state_reply_is_checked_alike(store, change):
-    """The same checks for a state of Shard leaves (format 3), whose replies carry tables."""
+    """The same checks for a state of Shard leaves (format 3), whose replies carry chunk
+    columns (``_replies``)."""
     from test_dist_sharded import _rank_leaf
     from test_sharded_load import _state as sharded_state
 
     url, opts = store.url("ck"), store.storage_options
     store.write(b"sentinel", "evil.bin")
     groups = ThreadGroup.create(2)
-    groups[1] = _Tampering(groups[1], change, kind="table")
+    groups[1] = _Tampering(groups[1], change, kind="chunks")
     out = run_ranks(groups, lambda g: ckptcore.save_state(
         url, sharded_state(_rank_leaf(2, g.rank)), group=g, storage_options=opts))
     _assert_refused(out)

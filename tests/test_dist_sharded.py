@@ -240,7 +240,7 @@ class _Tampering:
         import msgpack
 
         reply = msgpack.unpackb(data, raw=False)
-        if "table" in reply:
+        if "chunks" in reply:
             self._change(reply)
             data = msgpack.packb(reply, use_bin_type=True)
         return self._inner.gather(data, timeout=timeout)
@@ -254,19 +254,18 @@ class _Tampering:
 
 def _tensor_column(value: int):
     def change(reply):
-        col = np.frombuffer(reply["table"]["tensor"], np.uint32).copy()
+        col = np.frombuffer(reply["chunks"]["tensor"], np.uint32).copy()
         col[0] = value
-        reply["table"]["tensor"] = col.tobytes()
+        reply["chunks"]["tensor"] = col.tobytes()
     return change
 
 
 @pytest.mark.parametrize("change", [
     _tensor_column(40),  # a tensor the state does not have
-    lambda r: r["table"].update(names=["model/other"]),  # a chunk of w named otherwise
-    lambda r: r["table"].update(offset=b"\xff" * len(r["table"]["offset"])),  # beyond its shard
-    lambda r: r["table"].update(names=[7] * len(r["table"]["names"])),
+    lambda r: r["chunks"].update(offset=b"\xff" * len(r["chunks"]["offset"])),  # beyond its shard
+    lambda r: r["chunks"].update(tensor=[0]),  # not a column
     lambda r: r.update(shards=[]),
-], ids=["unknown-tensor", "renamed", "offsets", "names", "no-shards"])
+], ids=["unknown-tensor", "offsets", "not-bytes", "no-shards"])
 def test_a_rank_reply_that_does_not_fit_is_refused(tmp_path, change):
     url = str(tmp_path / "ck")
     groups = ThreadGroup.create(2)
