@@ -296,4 +296,8 @@ def _torch_loader(cursor: Any, arrays: tuple[Any, ...], map_fn: Callable[..., An
                     batch = map_fn(*batch) if isinstance(batch, tuple) else map_fn(batch)
                 yield batch
 
-    return torch.utils.data.DataLoader(CursorBatches(), batch_size=None)
+    # A generator of its own: each DataLoader iterator draws a seed from it, which would otherwise
+    # come from torch's global RNG (Keras' unseeded Dropout draws there), shifting that stream by
+    # one draw per epoch at a different point in a resumed run.
+    return torch.utils.data.DataLoader(CursorBatches(), batch_size=None,
+                                       generator=torch.Generator().manual_seed(0))

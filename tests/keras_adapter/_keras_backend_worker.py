@@ -76,9 +76,14 @@ def roundtrip(folder: str) -> None:
     for (ka, va), (kb, vb) in zip(a.items(), b.items()):
         assert va.dtype == vb.dtype and np.array_equal(va, vb), (ka, kb, va, vb)
     assert int(keras.ops.convert_to_numpy(other.optimizer.iterations)) == SAMPLES // BATCH
-    la = model.train_on_batch(x[:8], y[:8])  # dropout draws from the restored seed generators
-    lb = other.train_on_batch(x[:8], y[:8])
-    assert la == lb, (la, lb)
+    # One more step on each (dropout draws from the restored seed generators): equal again.
+    # Their losses are not compared: train_on_batch reports the loss tracker, a metric that
+    # fit left accumulated in one and that capture does not hold (BackupAndRestore saves it).
+    # On PyTorch an unseeded Dropout draws from torch's global RNG, shared by both models here:
+    # restoring again puts it (and the other's weights, equal anyway) back before the second step.
+    model.train_on_batch(x[:8], y[:8])
+    ckptcore_keras.restore(state, other)
+    other.train_on_batch(x[:8], y[:8])
     for (ka, va), vb in zip(values(model).items(), values(other).values()):
         assert np.array_equal(va, vb), ka
     ckptcore.save_state(os.path.join(folder, "ckpt"), model=model)
@@ -114,8 +119,7 @@ def tf_only() -> None:
 def load(folder: str) -> None:
     keras.utils.set_random_seed(1)
     model = make_model()
-    report = ckptcore.load_state(os.path.join(folder, "ckpt"), model=model)
-    assert not report.missing and not report.unexpected, report
+    ckptcore.load_state(os.path.join(folder, "ckpt"), model=model)  # strict: every name taken
     expect = {k.replace("|", "/"): v for k, v in np.load(os.path.join(folder, "expect.npz")).items()}
     got = values(model)
     assert sorted(got) == sorted(expect), (sorted(got), sorted(expect))
