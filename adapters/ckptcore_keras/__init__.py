@@ -1,4 +1,8 @@
-"""ckptcore adapter for Keras 3 on the TensorFlow backend.
+"""ckptcore adapter for Keras 3 on its TensorFlow, JAX and PyTorch backends.
+
+Capture, restore, ``BackupAndRestore`` and ``dataset`` work on every backend, and a state
+saved on one restores on another; ``import_tf_checkpoint``/``export_tf_checkpoint`` need the
+TensorFlow backend and raise :class:`UnsupportedBackendError` naming the backend on the others.
 
 Importing this package imports neither TensorFlow nor Keras; they load on the
 first call that needs them.  The registry finds :data:`ADAPTER` through the
@@ -7,7 +11,8 @@ first call that needs them.  The registry finds :data:`ADAPTER` through the
 The package namespace is the public API; the modules behind it are private:
 ``_capture`` (capture/restore), ``_tensors`` (variables under stable names, bytes in
 and out), ``_params`` (ParamInfo), ``_optimizer`` (slots, schedule, accumulation),
-``_rng`` (TensorFlow's and Keras' RNGs), ``_callback`` (``BackupAndRestore``: exact
+``_rng`` (TensorFlow's, Keras' and PyTorch's RNGs), ``_backend`` (the running backend,
+what needs TensorFlow, integer dtypes between backends), ``_callback`` (``BackupAndRestore``: exact
 resume in ``model.fit``), ``_data`` (``dataset``: ``tf.data`` input that follows a
 ``DataCursor``), ``_files`` and ``_tf_bundle`` (``tf.train.Checkpoint`` files).
 
@@ -29,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ckptcore.state import RestoreReport, TrainingState
 
 __all__ = ["ADAPTER", "capture", "restore", "import_tf_checkpoint", "export_tf_checkpoint",
-           "dataset", "BackupAndRestore", "process_group"]
+           "dataset", "BackupAndRestore", "process_group", "UnsupportedBackendError"]
 
 # Top-level packages whose classes this adapter handles (tf.keras is Keras 3 in TF >= 2.16).
 _MODULES = ("keras", "tensorflow", "tf_keras")
@@ -71,9 +76,13 @@ def export_tf_checkpoint(state: TrainingState, prefix: Any, model: Any,
 
 
 def dataset(cursor: Any, *arrays: Any, map_fn: Any = None, prefetch: bool = True) -> Any:
-    """A ``tf.data.Dataset`` of a ``DataCursor``'s batches, resumable mid-epoch (see ``_data.py``)."""
+    """A ``tf.data.Dataset`` (a ``DataLoader`` on PyTorch) of a ``DataCursor``'s batches,
+    resumable mid-epoch (see ``_data.py``)."""
     from ._data import dataset as _dataset
     return _dataset(cursor, *arrays, map_fn=map_fn, prefetch=prefetch)
+
+
+from ._backend import UnsupportedBackendError  # noqa: E402 - imports numpy and ckptcore only
 
 
 def __getattr__(name: str) -> Any:

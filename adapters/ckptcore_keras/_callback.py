@@ -34,6 +34,9 @@ with ``cb = BackupAndRestore(root, cursor=cursor, save_freq=...)`` (the cursor s
   ``on_epoch_end`` did not run is skipped.
 * **Without a cursor** the data cannot be positioned: like Keras' own callback, a
   mid-epoch checkpoint redoes the interrupted epoch from its first batch (warned).
+* **Backends.** The same on Keras' TensorFlow, JAX and PyTorch backends.  On JAX, ``fit`` keeps
+  the state outside the variables during an epoch; a save reads ``self.model``, which puts it
+  back first (Keras' ``jax_state_sync``), and nothing else does.
 * **Threads.** The callback overrides ``on_train_batch_end`` and is not
   ``async_safe``, so Keras calls batch hooks synchronously in the training
   thread, where Keras keeps its global seed generator; ``async_save=True`` only
@@ -303,16 +306,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         if rolled or (steps is not None and batch + 1 >= steps):
             # The epoch's last batch: a save from here on records the epoch as done.
             self._epoch_done = True
-        if rolled and not self.model.stop_training:
-            self.model.stop_training = _END_OF_EPOCH
+        # self._model, not self.model: on JAX, self.model copies the trainer's state back into
+        # the variables (jax_state_sync), which only a save needs.
+        if rolled and not self._fit_model().stop_training:
+            self._fit_model().stop_training = _END_OF_EPOCH
         if self.manager.preempted:
             self._save_preempted(logs)
         elif self.save_freq != "epoch" and self._since_save >= self.save_freq:
             self._save(logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if self.model.stop_training is _END_OF_EPOCH:
-            self.model.stop_training = False
+        if self._fit_model().stop_training is _END_OF_EPOCH:
+            self._fit_model().stop_training = False
         if self._preempted:
             return  # stopped mid-epoch by SIGTERM: the epoch is not done
         self._epoch_done = True
@@ -336,6 +341,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._manager = None
             self._running = False
             self.model._initial_epoch = None
+
+    def _fit_model(self) -> Any:
+        """The model whose ``stop_training`` fit reads, without ``self.model``'s JAX state sync
+        (a ``DistributedDataParallel`` wrapper's Keras model on PyTorch)."""
+        model = self._model
+        return model if hasattr(model, "stop_training") else model.module
 
     # -- saving ---------------------------------------------------------------------------------
     def _state(self, logs: Mapping[str, Any] | None) -> tuple[Any, dict[str, float]]:

@@ -30,6 +30,7 @@ from ckptcore.adapter import RestorePlan, qualified, warn_unapplied
 from ckptcore.errors import RestoreError, UnappliedStateWarning
 from ckptcore.state import RestoreReport, TrainingState
 
+from ._backend import fit_integers
 from ._optimizer import (capture_optimizer, capture_schedule, ensure_built, plan_optimizer,
                          plan_schedule, slot_variables)
 from ._params import describe_params
@@ -90,7 +91,6 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
     """
     check_arguments(model, objects, "capture")
     import keras
-    import tensorflow as tf
 
     named = named_tensors(model)
     if not named:
@@ -111,9 +111,11 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
         state.rng = {**capture_rng(), **capture_framework_rng()}
     if cursor is not None:
         state.data = dict(cursor.state_dict())
+    name = keras.backend.backend()
     state.metadata = {
-        "versions": {"keras": keras.__version__, "tensorflow": tf.__version__},
-        "backend": keras.backend.backend(),
+        "versions": {"keras": keras.__version__,
+                     name: getattr(sys.modules.get(name), "__version__", None)},
+        "backend": name,
         "model_class": type(model).__name__,
         "optimizer_class": None if opt is None else type(opt).__name__,
     }
@@ -204,11 +206,26 @@ def _plan_model(plan: RestorePlan, state: TrainingState, model: Any) -> Callable
     taken = set(mapping.values())
     plan.missing(*(qualified("model", n) for n in target if n not in taken))
     plan.unexpected_from(order, mapping)
+    other_backend = _saved_backend(state) not in (None, _backend_now())
     for saved, name in mapping.items():
         var, value = target[name], state.model[saved]
+        if other_backend:  # integers another backend keeps in another dtype (seed states)
+            value = fit_integers(qualified("model", name), value, np_dtype(var),
+                                 seed=name.endswith("seed_generator_state"))
         plan.assign(qualified("model", name), value, shape=shape_of(var), dtype=np_dtype(var),
                     put=lambda var=var, value=value: assign(var, value))
     return lambda n: target.get(mapping.get(n, ""))
+
+
+def _saved_backend(state: TrainingState) -> str | None:
+    backend = (state.metadata or {}).get("backend")
+    return backend if isinstance(backend, str) else None
+
+
+def _backend_now() -> str:
+    import keras
+
+    return keras.backend.backend()
 
 
 def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, opt: Any, model: Any,

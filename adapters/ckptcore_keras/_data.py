@@ -1,4 +1,4 @@
-"""``tf.data`` input that follows a :class:`ckptcore.DataCursor`, so a run resumes mid-epoch.
+"""``tf.data`` (or ``DataLoader``) input that follows a :class:`ckptcore.DataCursor`, so a run resumes mid-epoch.
 
 Who advances the cursor
 -----------------------
@@ -167,10 +167,10 @@ def advance(cursor: Any, batches: int) -> tuple[int, bool]:
 
 
 def _check_arrays(cursor: Any, arrays: tuple[Any, ...]) -> Any:
-    import tensorflow as tf
+    import keras
 
     base = getattr(cursor, "cursor", cursor)
-    for a in tf.nest.flatten(arrays):
+    for a in keras.tree.flatten(arrays):
         if not hasattr(a, "shape") or not hasattr(a, "__getitem__"):
             raise TypeError(f"dataset() takes array-likes with a .shape (numpy arrays), got "
                             f"{type(a).__name__}; for data not in memory pass map_fn= instead")
@@ -182,7 +182,13 @@ def _check_arrays(cursor: Any, arrays: tuple[Any, ...]) -> Any:
 
 def dataset(cursor: Any, *arrays: Any, map_fn: Callable[..., Any] | None = None,
             prefetch: bool = True) -> Any:
-    """A ``tf.data.Dataset`` of the cursor's batches: the rest of its current epoch per iterator.
+    """A dataset of the cursor's batches for ``fit``: the rest of its current epoch per iterator.
+
+    On Keras' TensorFlow backend it is a ``tf.data.Dataset``; on JAX also, when TensorFlow is
+    installed (Keras reads ``tf.data`` on every backend), else a ``torch.utils.data.DataLoader``;
+    on PyTorch a ``DataLoader`` over an ``IterableDataset`` (no worker processes: the batches
+    are rows of in-memory arrays).  Each behaves alike: every iterator yields the rest of the
+    cursor's epoch.
 
     Args:
         cursor: A :class:`ckptcore.DataCursor` (global batches) or a ``CursorShard``
@@ -194,9 +200,10 @@ def dataset(cursor: Any, *arrays: Any, map_fn: Callable[..., Any] | None = None,
             kept).  With ``arrays`` it receives the batch's arrays; without, it
             receives the batch's int64 sample indices and must return the batch,
             which is how data that is not in memory is read (wrap Python code in
-            ``tf.numpy_function``).
+            ``tf.numpy_function``).  With a ``DataLoader`` it is called in Python on
+            numpy arrays, one batch after the other.
         prefetch: Prefetch batches in the background (safe: the position is
-            counted by whoever trains, see the module docstring).
+            counted by whoever trains, see the module docstring); ``tf.data`` only.
 
     Returns:
         A finite dataset; its cardinality is unknown, since an iterator started
@@ -211,11 +218,13 @@ def dataset(cursor: Any, *arrays: Any, map_fn: Callable[..., Any] | None = None,
         ...     return tf.numpy_function(read_samples, [indices], (tf.float32, tf.int64))
         >>> ds = ckptcore_keras.dataset(cursor, map_fn=load)                    # doctest: +SKIP
     """
-    import tensorflow as tf
-
     if not hasattr(cursor, "iter_epoch") or not hasattr(cursor, "state_dict"):
         raise TypeError(f"cursor must be a ckptcore.DataCursor or a CursorShard, got "
                         f"{type(cursor).__name__}")
+    if not _use_tf_data():
+        return _torch_loader(cursor, arrays, map_fn)
+    import tensorflow as tf
+
     batches, signature = _batch_source(cursor, arrays)
     ds = tf.data.Dataset.from_generator(batches, output_signature=signature)
     if map_fn is not None:
@@ -249,3 +258,46 @@ def _batch_source(cursor: Any, arrays: tuple[Any, ...]) -> tuple[Callable[[], An
                 _handed(track)
                 yield idx
     return batches, signature
+
+
+def _use_tf_data() -> bool:
+    """``tf.data`` on the TensorFlow backend, and on JAX when TensorFlow is installed."""
+    import importlib.util
+
+    from ._backend import UnsupportedBackendError, backend
+
+    name = backend()
+    if name == "tensorflow":
+        return True
+    if name == "jax" and importlib.util.find_spec("tensorflow") is not None:
+        return True
+    if importlib.util.find_spec("torch") is None:
+        raise UnsupportedBackendError(
+            f"ckptcore_keras.dataset() on Keras' {name!r} backend needs TensorFlow (tf.data) or "
+            "PyTorch (a DataLoader) installed, which Keras reads on every backend")
+    return False
+
+
+def _torch_loader(cursor: Any, arrays: tuple[Any, ...], map_fn: Callable[..., Any] | None) -> Any:
+    """A ``DataLoader`` whose every iterator yields the rest of the cursor's epoch (numpy
+    batches, which the loader turns into tensors); ``map_fn`` is applied to each."""
+    import keras
+    import torch.utils.data
+
+    data = _check_arrays(cursor, arrays) if arrays else None
+
+    class CursorBatches(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            snap, track = _start(cursor)
+            for idx in snap.iter_epoch():
+                _handed(track)
+                batch = idx if data is None else keras.tree.map_structure(lambda a: a[idx], data)
+                if map_fn is not None:
+                    batch = map_fn(*batch) if isinstance(batch, tuple) else map_fn(batch)
+                yield batch
+
+    # A generator of its own: each DataLoader iterator draws a seed from it, which would otherwise
+    # come from torch's global RNG (Keras' unseeded Dropout draws there), shifting that stream by
+    # one draw per epoch at a different point in a resumed run.
+    return torch.utils.data.DataLoader(CursorBatches(), batch_size=None,
+                                       generator=torch.Generator().manual_seed(0))

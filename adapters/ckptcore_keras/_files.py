@@ -37,6 +37,7 @@ from ckptcore.errors import (CheckpointError, CheckpointNotFoundError, CorruptCh
 from ckptcore.state import AccumulationState, OptimizerState, ScheduleState, TrainingState
 from ckptcore.vocab import plain
 
+from ._backend import require_tensorflow
 from ._optimizer import ensure_built, unwrap, variable_roles
 from ._params import describe_params
 from ._tensors import named_tensors
@@ -46,6 +47,8 @@ from ._tf_bundle import (FIXED, GRAPH_KEY, MAX_STATE_BYTES, Bundle, Files, dtype
 __all__ = ["import_tf_checkpoint", "export_tf_checkpoint", "FORMATS"]
 
 _VALUE = "VARIABLE_VALUE"
+_INSTEAD = ("ckptcore.save_state / load_state (and BackupAndRestore) work on every backend, and a "
+            "state saved on one restores on another")
 # Children of a model that hold training bookkeeping, not model state.
 _SKIP = {"optimizer", "_loss_tracker", "_compile_metrics", "_compile_loss", "_metrics",
          "metrics", "_metrics_list", "_compiled_trainable_state"}
@@ -193,6 +196,9 @@ def import_tf_checkpoint(prefix_or_dir: Any, *, model: Any = None,
             through the lists parallel to ``_trainable_variables`` in the checkpoint.
 
     Raises:
+        UnsupportedBackendError: Keras runs on JAX or PyTorch (``tf.train.Checkpoint`` files are
+            TensorFlow's: read them in a process with ``KERAS_BACKEND=tensorflow``, save the
+            state with ``ckptcore.save_state``; it restores on every backend).
         CheckpointNotFoundError: No checkpoint at ``prefix_or_dir``.
         IncompleteCheckpointError: A data shard is missing or shorter than the index says.
         CorruptCheckpointError: The index, a shard, a tensor or the state file is damaged.
@@ -206,6 +212,7 @@ def import_tf_checkpoint(prefix_or_dir: Any, *, model: Any = None,
         >>> state = ckptcore_keras.import_tf_checkpoint("/tmp/training_checkpoints")  # doctest: +SKIP
         >>> state.optimizer.slots["sequential/dense/kernel"]                           # doctest: +SKIP
     """
+    require_tensorflow("ckptcore_keras.import_tf_checkpoint()", _INSTEAD)
     path, directory = resolve(prefix_or_dir)
     graph = _Graph(Bundle(path, directory))
     try:
@@ -409,6 +416,8 @@ def export_tf_checkpoint(state: TrainingState, prefix: Any, model: Any,
         The path written (``prefix``).
 
     Raises:
+        UnsupportedBackendError: Keras runs on JAX or PyTorch (the files are written by
+            TensorFlow from the live TensorFlow variables).
         TypeError: ``model`` is missing (the files are named after the live objects).
         RestoreError: the state does not fit ``model`` (with ``strict``, also missing or
             unexpected names).
@@ -417,6 +426,7 @@ def export_tf_checkpoint(state: TrainingState, prefix: Any, model: Any,
         >>> ckptcore_keras.export_tf_checkpoint(state, "/tmp/tf/ckpt", model, opt)  # doctest: +SKIP
         '/tmp/tf/ckpt'
     """
+    require_tensorflow("ckptcore_keras.export_tf_checkpoint()", _INSTEAD)
     if model is None:
         raise TypeError("export_tf_checkpoint needs the Keras model the checkpoint is written "
                         "from (model=...); its object graph names the files' tensors")

@@ -41,7 +41,23 @@ def process_group(strategy: Any = None) -> Any:
     """The workers of ``strategy`` (a ``tf.distribute.MultiWorkerMirroredStrategy``; default: the
     current strategy) as a :class:`ckptcore.ProcessGroup`: rank = the worker's index in the
     cluster (chief first), size = the number of workers.  A single-worker strategy (or none)
-    gives a group of one."""
+    gives a group of one.
+
+    On Keras' JAX and PyTorch backends (no ``tf.distribute``): the group of ``ckptcore_jax`` or
+    ``ckptcore_torch`` (``torch.distributed`` ranks); a ``strategy`` there is an
+    ``UnsupportedBackendError``."""
+    from ._backend import UnsupportedBackendError, backend
+
+    name = backend()
+    if name != "tensorflow":
+        if strategy is not None:
+            raise UnsupportedBackendError(
+                f"process_group(strategy) takes a tf.distribute strategy, which Keras on the "
+                f"{name!r} backend does not use; call process_group() for this job's processes")
+        import importlib
+
+        return importlib.import_module("ckptcore_jax" if name == "jax" else "ckptcore_torch") \
+            .process_group()
     import tensorflow as tf
 
     strategy = strategy if strategy is not None else tf.distribute.get_strategy()

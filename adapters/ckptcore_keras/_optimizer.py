@@ -37,6 +37,7 @@ from ckptcore.errors import RestoreError
 from ckptcore.state import AccumulationState, OptimizerState, ScheduleState
 from ckptcore.vocab import plain
 
+from ._backend import fit_integers
 from ._tensors import assign, np_dtype, shape_of, to_numpy
 
 __all__ = ["capture_optimizer", "plan_optimizer", "capture_schedule", "plan_schedule", "slot_variables",
@@ -291,7 +292,10 @@ def _plan_iterations(plan: RestorePlan, state: OptimizerState,
                            f"{accumulation.every if accumulation else None} but the target "
                            f"optimizer has {every or None}")
     raw = state.step * every + accumulation.count if every else state.step
-    _put(plan, qualified("optimizer", "iterations"), inner._iterations, np.int64(raw))
+    # int64 on TensorFlow, int32 on JAX and PyTorch: the count in the target's dtype, if it fits.
+    name = qualified("optimizer", "iterations")
+    _put(plan, name, inner._iterations,
+         fit_integers(name, np.int64(raw), np_dtype(inner._iterations)))
     if every:
         done = set()
         for pname, value in accumulation.buffers.items():

@@ -6,15 +6,22 @@ Keras path, plus raw ``tf.Variable`` objects a custom ``train_step`` keeps as
 attributes (e.g. a step counter and gradient accumulators of a ``train_step``
 that applies every few batches).  Keras does not track the latter; they are
 named ``<owner path>/<attribute>[/<index or key>]``.
+
+On the TensorFlow backend bytes move through TensorFlow's bare variable ops (see
+:func:`to_numpy` and :func:`assign`); on JAX and PyTorch through ``keras.ops`` and the
+variable's own ``assign`` (``_backend.py``).
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Iterator
 
 import numpy as np
+
+from ._backend import loaded_tensorflow
 
 _AUTO_SUFFIX = re.compile(r"_\d+(?=/|#|$)")
 
@@ -48,9 +55,9 @@ _KIND_OF_TYPE: dict[type, int] = {}
 def _kind(value: Any) -> int:
     kind = _KIND_OF_TYPE.get(type(value))
     if kind is None:
-        import tensorflow as tf
+        tf = loaded_tensorflow()  # not imported: no value is a tf.Variable
 
-        if isinstance(value, tf.Variable):
+        if tf is not None and isinstance(value, tf.Variable):
             kind = _VARIABLE
         elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
             kind = _SEQUENCE
@@ -179,7 +186,9 @@ def shape_of(var: Any) -> tuple[int | None, ...]:
 def _plain_tf_variable(var: Any) -> Any | None:
     """The ``tf.Variable`` behind ``var`` (a ``keras.Variable`` or a raw one) when it is a plain,
     single-device resource variable, else None (a mirrored or otherwise distributed variable,
-    which reads and writes through its own methods)."""
+    which reads and writes through its own methods, or a JAX or PyTorch one)."""
+    if loaded_tensorflow() is None:
+        return None
     from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
     if type(var) is ResourceVariable:
@@ -195,7 +204,7 @@ def _plain_tf_variable(var: Any) -> Any | None:
 def to_numpy(var: Any, copy: bool = True) -> np.ndarray:
     """The variable's value now, as a read-only numpy array that later updates never change.
 
-    No copy is made, whatever ``copy`` says: the array views the tensor a read of
+    On TensorFlow no copy is made, whatever ``copy`` says: the array views the tensor a read of
     the variable returns, which shares the variable's buffer.  TensorFlow
     variables are copy-on-write: while that tensor lives, an update (``assign*``,
     an optimizer step) writes a new buffer, so the array stays a snapshot; a copy
@@ -207,21 +216,33 @@ def to_numpy(var: Any, copy: bool = True) -> np.ndarray:
     A plain variable is read with the bare ``ReadVariableOp`` (the op ``read_value`` runs,
     without its Python layers: gradient-tape bookkeeping, dispatch, an ``identity``), a third of
     the cost on a model of hundreds of variables.
+
+    On JAX and PyTorch the value is copied (``keras.ops.convert_to_numpy``, then a copy):
+    PyTorch updates its tensors in place, and Keras' JAX trainer donates its buffers.
     """
     del copy  # a snapshot either way, see above
     plain_var = _plain_tf_variable(var)
+    tf = loaded_tensorflow()
     if plain_var is not None:
-        import tensorflow as tf
-
         arr = np.asarray(tf.raw_ops.ReadVariableOp(resource=plain_var.handle, dtype=plain_var.dtype))
+    elif tf is not None and isinstance(tf_var := var if isinstance(var, tf.Variable)
+                                       else getattr(var, "value", None), tf.Variable):
+        arr = np.asarray(tf_var.read_value())  # a mirrored or distributed variable
     else:
-        import tensorflow as tf
-
-        tf_var = var if isinstance(var, tf.Variable) else getattr(var, "value", None)  # keras.Variable
-        arr = np.asarray(tf_var.read_value() if isinstance(tf_var, tf.Variable) else var.numpy())
+        arr = _backend_numpy(var)
     if arr.flags.writeable:  # make every capture read-only alike
         arr.flags.writeable = False
     return arr
+
+
+def _backend_numpy(var: Any) -> np.ndarray:
+    """A copy of a JAX or PyTorch variable's value (or of a tensor) as a numpy array."""
+    import keras
+
+    value = getattr(var, "value", var)  # keras.Variable -> its backend tensor
+    if sys.modules.get("torch") is not None and hasattr(value, "detach"):
+        value = value.detach()
+    return np.array(keras.ops.convert_to_numpy(value), copy=True)
 
 
 # TensorFlow adopts a numpy array's memory as a tensor's buffer, without copying it, when the

@@ -116,9 +116,12 @@ class TorchAdapter(PackageAdapter):
 
     def handles(self, obj: object) -> bool:
         # Looks only at class and module names, so asking never imports PyTorch: any
-        # torch.nn.Module (DDP, FSDP and torch.compile wrappers included).
+        # torch.nn.Module (DDP, FSDP and torch.compile wrappers included), but not a Keras
+        # model on Keras' PyTorch backend (a Module too): ckptcore_keras handles those.
+        mro = type(obj).__mro__
         return any(cls.__name__ == "Module" and getattr(cls, "__module__", "").startswith("torch.")
-                   for cls in type(obj).__mro__)
+                   for cls in mro) and not any(
+            getattr(cls, "__module__", "").split(".")[0] == "keras" for cls in mro)
 
     def capture(self, **objects: Any) -> TrainingState:
         check_keywords(__name__, "capture", objects, _CAPTURE_KEYWORDS)
