@@ -7,8 +7,9 @@
 #   benchmarks/run_all.sh --quick    # smoke run: --quick where a script has it, nothing recorded
 #
 # PYTHON picks the interpreter (default: python3). PEERS_PYTHON (default: PYTHON) runs
-# bench_peers.py and is bench_scaling.py's Orbax worker (CKPT_ORBAX_PYTHON): a Python with the
-# `bench` extra (torch, orbax-checkpoint, jax), kept apart from TensorFlow and Paddle (see
+# bench_peers.py and bench_models_jax.py and is bench_scaling.py's Orbax worker
+# (CKPT_ORBAX_PYTHON): a Python with the `bench` extra (torch, orbax-checkpoint, jax; optax for
+# bench_models_jax.py), kept apart from TensorFlow and Paddle (see
 # README.md); without Orbax there, its contender is skipped with the reason printed. A failing
 # benchmark does not stop the others; the failures are listed at the end and make the exit status
 # non-zero.
@@ -35,6 +36,7 @@ benchmarks=(
   bench_models_keras.py
   bench_models_paddle.py
   bench_models_torch.py
+  bench_models_jax.py
   bench_peers.py
   bench_s3.py
   bench_keras.py
@@ -50,7 +52,7 @@ benchmarks=(
 # --quick for the scripts that lack it: their own options for a small, short run.
 declare -A quick_args=([bench_async.py]="--size-mb 64 --rounds 2")
 # The interpreter of the scripts that need the peers' environment.
-declare -A interpreter=([bench_peers.py]="$peers_python")
+declare -A interpreter=([bench_peers.py]="$peers_python" [bench_models_jax.py]="$peers_python")
 
 failed=()
 for name in "${benchmarks[@]}"; do
