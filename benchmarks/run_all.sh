@@ -9,8 +9,8 @@
 # PYTHON picks the interpreter (default: python3). PEERS_PYTHON (default: PYTHON) runs
 # bench_peers.py and bench_models_jax.py and is bench_scaling.py's Orbax worker
 # (CKPT_ORBAX_PYTHON): a Python with the `bench` extra (torch, orbax-checkpoint, jax; optax for
-# bench_models_jax.py), kept apart from TensorFlow and Paddle (see
-# README.md); without Orbax there, its contender is skipped with the reason printed. A failing
+# bench_models_jax.py); the test venv has them too (the [jax] extra; see README.md); without
+# Orbax there, its contender is skipped with the reason printed. A failing
 # benchmark does not stop the others; the failures are listed at the end and make the exit status
 # non-zero.
 set -u
