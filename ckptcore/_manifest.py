@@ -127,7 +127,7 @@ class TensorTable(Sequence[TensorEntry]):
     *i*, whole.
     """
 
-    __slots__ = ("names", "dtypes", "dtype", "ndim", "dims", "shard", "offset", "length",
+    __slots__ = ("_names", "dtypes", "dtype", "ndim", "dims", "shard", "offset", "length",
                  "checksum", "tensor", "gdims", "start", "block_crc", "crc_block",
                  "_starts", "_shapes", "_lists", "_rows", "_block_pos", "firsts_cache",
                  "interned")
@@ -136,8 +136,14 @@ class TensorTable(Sequence[TensorEntry]):
                  dims: np.ndarray, shard: np.ndarray, offset: np.ndarray, length: np.ndarray,
                  checksum: np.ndarray, tensor: np.ndarray | None = None,
                  gdims: np.ndarray | None = None, start: np.ndarray | None = None,
-                 block_crc: np.ndarray | None = None, crc_block: int = 0) -> None:
-        self.names, self.dtypes = names, dtypes
+                 block_crc: np.ndarray | None = None, crc_block: int = 0,
+                 interned: list[str] | None = None) -> None:
+        # ``names`` may be None for a chunked table given ``interned``: the per-row list (one
+        # name per chunk, millions at 1,000 ranks) is then built on first use only; rank 0's
+        # merge and the version-4 writer never need it.
+        if names is None and (interned is None or tensor is None):
+            raise ValueError("a table without per-row names needs tensor and interned")
+        self._names, self.dtypes = names, dtypes
         self.dtype, self.ndim, self.dims = dtype, ndim, dims
         self.shard, self.offset, self.length, self.checksum = shard, offset, length, checksum
         self.tensor, self.gdims, self.start = tensor, gdims, start
@@ -149,7 +155,14 @@ class TensorTable(Sequence[TensorEntry]):
         self._block_pos: np.ndarray | None = None
         self.firsts_cache: np.ndarray | None = None
         # Version 4: the names of the logical tensors (one each), as the manifest lists them.
-        self.interned: list[str] | None = None
+        self.interned: list[str] | None = interned
+
+    @property
+    def names(self) -> list[str]:
+        """The name of each row (a chunk's is its logical tensor's)."""
+        if self._names is None:
+            self._names = np.array(list(self.interned or ()) + [""], object)[self.tensor].tolist()
+        return self._names
 
     @classmethod
     def from_columns(cls, names: list[str], dtype_names: Sequence[str],
@@ -188,11 +201,12 @@ class TensorTable(Sequence[TensorEntry]):
     def with_locations(self, shard: np.ndarray, offset: np.ndarray) -> TensorTable:
         """The same rows (names, dtypes, shapes, lengths, checksums, chunk columns) at other
         places: ``shard`` and ``offset`` per row (a copy of a checkpoint laid out otherwise)."""
-        return TensorTable(names=self.names, dtypes=self.dtypes, dtype=self.dtype, ndim=self.ndim,
+        return TensorTable(names=self._names, dtypes=self.dtypes, dtype=self.dtype, ndim=self.ndim,
                            dims=self.dims, shard=np.asarray(shard, np.uint32),
                            offset=np.asarray(offset, np.uint64), length=self.length,
                            checksum=self.checksum, tensor=self.tensor, gdims=self.gdims,
-                           start=self.start, block_crc=self.block_crc, crc_block=self.crc_block)
+                           start=self.start, block_crc=self.block_crc, crc_block=self.crc_block,
+                           interned=self.interned)
 
     @classmethod
     def from_entries(cls, entries: Sequence[TensorEntry]) -> TensorTable:

@@ -89,7 +89,8 @@ def encode(table: TensorTable, rows_path: str) -> tuple[dict, bytes, ShardEntry]
     uniq, first = np.unique(table.tensor, return_index=True)
     if n and len(uniq) != int(uniq[-1]) + 1:
         raise ValueError("every logical tensor up to the largest needs a row")
-    names = [table.names[i] for i in first.tolist()]
+    names = (list(table.interned) if table.interned is not None and len(table.interned) == len(uniq)
+             else [table.names[i] for i in first.tolist()])
     dpos = np.concatenate([[0], np.cumsum(table.ndim, dtype=np.int64)])
     nb = block_count(table.length, table.crc_block) if n else np.zeros(0, np.uint64)
     bpos = np.concatenate([[0], np.cumsum(nb, dtype=np.int64)])

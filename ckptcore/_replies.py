@@ -167,7 +167,7 @@ def join(parts: Sequence[Rows], shards: Sequence[Sequence[ShardEntry]], logical:
     _check_bytes(rows, flat, np.cumsum(nshards), shard, col["offset"], length)
     gpos = np.repeat(logical.gstart[tensor] - starts, ndim) + np.arange(len(col["shape"]))
     return TensorTable(
-        names=np.array(logical.names + [""], object)[tensor].tolist(), dtypes=logical.dtypes,
+        names=None, interned=list(logical.names), dtypes=logical.dtypes,
         dtype=logical.code[tensor], ndim=ndim, dims=col["shape"], shard=shard.astype(np.uint32),
         offset=col["offset"], length=length, checksum=col["checksum"], tensor=tensor,
         gdims=logical.gdims[gpos], start=col["start"], block_crc=col["block_crc"],
