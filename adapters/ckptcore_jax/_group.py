@@ -9,26 +9,21 @@ is ``jax._src.distributed.global_state.client`` (what Orbax's multihost utilitie
 ``key_value_set_bytes``, ``blocking_key_value_get_bytes(key, timeout_in_ms)``,
 ``wait_at_barrier(id, timeout_in_ms)``, ``key_value_delete``.
 
-Keys are ``ckptcore/<group>/<operation number>/...``: every process runs the same operations in
-the same order, so the numbers agree without an exchange; a group's number comes from the order
-in which groups are made in the process.  Process 0 deletes an operation's keys once it is over.
-Values travel in pieces of at most ``_PIECE`` bytes (the service's messages are gRPC messages).
+The protocol over the store (keys, pieces, deadlines, errors) is ``ckptcore.collective``'s
+``KeyValueGroup``; this module gives it the client's four calls.  A group's number comes from the
+order in which groups are made in the process.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import time
 from typing import Any
 
-from ckptcore.errors import GroupError, GroupTimeoutError
+from ckptcore.collective import KeyValueGroup
+from ckptcore.errors import GroupError
 
 __all__ = ["process_group", "CoordinationGroup"]
 
-log = logging.getLogger("ckptcore")
-
-_PIECE = 1 << 20
 _groups = itertools.count()
 
 
@@ -49,100 +44,23 @@ def process_group() -> Any:
     return CoordinationGroup(client, jax.process_index(), jax.process_count(), next(_groups))
 
 
-class CoordinationGroup:
+class CoordinationGroup(KeyValueGroup):
     """A :class:`ckptcore.ProcessGroup` over JAX's distributed runtime client."""
 
+    engine = "JAX's coordination service"
+
     def __init__(self, client: Any, rank: int, size: int, number: int) -> None:
+        super().__init__(rank, size, number)
         self._client = client
-        self.rank, self.size = rank, size
-        self._prefix = f"ckptcore/{number}"
-        self._ops = itertools.count()
-        self._broken: str | None = None
 
-    def gather(self, data: bytes, *, timeout: float) -> list[bytes] | None:
-        op = self._begin("gather")
-        deadline = time.monotonic() + timeout
-        self._put(f"{op}/{self.rank}", bytes(data), "gather")
-        if self.rank != 0:
-            return None
-        out = [self._get(f"{op}/{r}", deadline, "gather", r) for r in range(self.size)]
-        self._delete(*(f"{op}/{r}" for r in range(self.size)))
-        return out
+    def put(self, key: str, value: bytes) -> None:
+        self._client.key_value_set_bytes(key, value)
 
-    def broadcast(self, data: bytes | None, *, timeout: float) -> bytes:
-        op = self._begin("broadcast")
-        deadline = time.monotonic() + timeout
-        if self.rank == 0:
-            if data is None:
-                raise GroupError("broadcast: rank 0 must pass the data")
-            self._put(f"{op}/0", bytes(data), "broadcast")
-            out = bytes(data)
-        else:
-            out = self._get(f"{op}/0", deadline, "broadcast", 0)
-        self._barrier(f"{op}/read", deadline, "broadcast")  # all have read it: rank 0 may delete
-        if self.rank == 0:
-            self._delete(f"{op}/0")
-        return out
+    def get(self, key: str, timeout_ms: int) -> bytes:
+        return bytes(self._client.blocking_key_value_get_bytes(key, timeout_ms))
 
-    def barrier(self, *, timeout: float) -> None:
-        op = self._begin("barrier")
-        self._barrier(op, time.monotonic() + timeout, "barrier")
+    def wait_at_barrier(self, barrier_id: str, timeout_ms: int) -> None:
+        self._client.wait_at_barrier(barrier_id, timeout_ms)
 
-    def _begin(self, what: str) -> str:
-        if self._broken:
-            raise GroupError(f"{what}: the group is broken ({self._broken}; rank {self.rank})")
-        return f"{self._prefix}/{next(self._ops)}"
-
-    def _fail(self, e: Exception, what: str, peer: int | None = None) -> GroupError:
-        who = f"rank {peer}" if peer is not None else "a rank"
-        text = _first_line(e)
-        if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower() or "Deadline" in str(e):
-            err: GroupError = GroupTimeoutError(f"{what}: {who} did not arrive in time (rank "
-                                                f"{self.rank}): {text}")
-        else:
-            err = GroupError(f"{what}: JAX's coordination service failed (rank {self.rank}): "
-                             f"{type(e).__name__}: {text}")
-        self._broken = str(err)
-        log.error("ckptcore: %s; the group is broken", err)
-        return err
-
-    def _put(self, key: str, data: bytes, what: str) -> None:
-        pieces = [data[i:i + _PIECE] for i in range(0, len(data), _PIECE)] or [b""]
-        try:
-            for i, piece in enumerate(pieces):
-                self._client.key_value_set_bytes(f"{key}/{i}", piece)
-            # The count last: a reader that sees it finds every piece already there.
-            self._client.key_value_set(f"{key}/n", str(len(pieces)))
-        except Exception as e:
-            raise self._fail(e, what) from e
-
-    def _get(self, key: str, deadline: float, what: str, peer: int) -> bytes:
-        try:
-            n = int(self._client.blocking_key_value_get(f"{key}/n", _ms(deadline)))
-            return b"".join(self._client.blocking_key_value_get_bytes(f"{key}/{i}", _ms(deadline))
-                            for i in range(n))
-        except Exception as e:
-            raise self._fail(e, what, peer) from e
-
-    def _barrier(self, barrier_id: str, deadline: float, what: str) -> None:
-        try:
-            self._client.wait_at_barrier(barrier_id, _ms(deadline))
-        except Exception as e:
-            raise self._fail(e, what) from e
-
-    def _delete(self, *keys: str) -> None:
-        for key in keys:
-            try:
-                self._client.key_value_delete(key)  # a directory: its pieces go with it
-            except Exception as e:  # only memory of the service is at stake
-                log.warning("ckptcore: could not delete coordination key %s: %s", key, e)
-
-
-def _ms(deadline: float) -> int:
-    """Milliseconds left (at least 1)."""
-    return max(1, int((deadline - time.monotonic()) * 1000))
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    def delete(self, key: str) -> None:
+        self._client.key_value_delete(key)  # a directory: its pieces go with it
