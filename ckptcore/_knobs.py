@@ -114,8 +114,14 @@ def shard_size() -> int:
 
 
 def alignment() -> int:
-    """Byte alignment of each tensor within its shard."""
-    return _int("alignment")
+    """Byte alignment of each tensor within its shard: a power of two up to 4096 (a page; the
+    writers pad from a page of zeros), else a ValueError naming the knob before anything is
+    written."""
+    value = _int("alignment")
+    if not 1 <= value <= 4096 or value & (value - 1):
+        raise ValueError(f"the alignment knob ({_ENV['alignment']}) must be a power of two from "
+                         f"1 to 4096, not {value}; nothing was saved")
+    return value
 
 
 def threads() -> int:

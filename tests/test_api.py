@@ -639,3 +639,18 @@ def test_every_error_and_warning_class_is_exported_at_the_top_level():
     for name in classes:
         assert getattr(ckptcore, name, None) is getattr(errors, name), name
         assert name in ckptcore.__all__, name
+
+
+@pytest.mark.parametrize("value", [8192, 48, 0, -64])
+def test_an_alignment_knob_the_writers_cannot_pad_to_is_refused_before_anything_is_saved(
+        tmp_path, monkeypatch, value):
+    # The writers pad from a page of zeros: an alignment above 4096 (or not a power of two) would
+    # put tensors at offsets other than the manifest's.
+    monkeypatch.setenv("CKPTCORE_ALIGNMENT", str(value))
+    with pytest.raises(ValueError, match="CKPTCORE_ALIGNMENT.*power of two"):
+        ckptcore.save_state(tmp_path / "c", ckptcore.TrainingState(model={"w": np.arange(3.0)}))
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("manifest*"))
+    monkeypatch.setenv("CKPTCORE_ALIGNMENT", "4096")
+    ckptcore.save_state(tmp_path / "d", ckptcore.TrainingState(model={"w": np.arange(3.0),
+                                                                     "v": np.ones(5)}))
+    assert ckptcore.load_state(tmp_path / "d").model["v"].tolist() == [1.0] * 5
