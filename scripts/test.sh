@@ -6,6 +6,18 @@
 # prefixed with its name) and a summary line with its time; the last line sums them up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Chromium (Debian's package) for the test that renders `ckpt report`'s page headless: installed
+# with apt-get where it is missing and we may (root), in the background while the venv is set
+# up; without it that test skips and says why.
+chromium_log=$(mktemp)
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "installing chromium with apt-get (in the background)..." >&2
+  ( DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >"$chromium_log" 2>&1 \
+    || { apt-get update -q >>"$chromium_log" 2>&1 \
+         && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >>"$chromium_log" 2>&1; } \
+    || echo "apt-get could not install chromium: the report's browser test will be skipped" >&2 ) &
+  chromium_pid=$!
+fi
 source scripts/_venv.sh "dev,keras,paddle,torch,lightning,jax"
 # Azurite (Azure Blob Storage's emulator, an npm package) for the Azure tests: once, into
 # .venv/node.  Without npm, or if the install fails, those tests are skipped with the reason.
@@ -15,8 +27,9 @@ if [ ! -x .venv/node/node_modules/.bin/azurite-blob ] && command -v npm >/dev/nu
     || echo "npm could not install Azurite: the Azure tests will be skipped" >&2
 fi
 
+if [ -n "${chromium_pid:-}" ]; then wait "$chromium_pid" || true; fi
 logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
+trap 'rm -rf "$logs" "$chromium_log"' EXIT
 status=0
 # suite NAME PYTEST-ARGS...: one pytest process, its output shown as it goes (each line prefixed
 # with NAME when PREFIX=1) and kept in $logs/NAME.log; its exit code and seconds in $logs/NAME.rc.
