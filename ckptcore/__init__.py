@@ -19,6 +19,7 @@ from .errors import (AdapterNotFoundError, CaptureError, CheckpointError, Checkp
 from .group import ProcessGroup, SingleProcessGroup, ThreadGroup
 from .sharding import Chunks, Shard
 from .cursor import DataCursor
+from .events import BackupEvent, Event, RestoreEvent, SaveEvent, on_event
 from ._diff import CheckpointDiff, TensorDiff, diff
 from ._scrub import ScrubReport, scrub
 from .layout import CheckpointListing, gc, list_checkpoints
@@ -40,6 +41,7 @@ __all__ = [
     "scrub", "ScrubReport",
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
     "DataCursor", "capture_rng", "restore_rng",
+    "on_event", "Event", "SaveEvent", "RestoreEvent", "BackupEvent",
     "TrainingState", "OptimizerState", "ScheduleState", "AccumulationState", "ParamInfo",
     "RestoreReport", "Shard", "Chunks", "ProcessGroup", "SingleProcessGroup", "ThreadGroup",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",
