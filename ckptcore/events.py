@@ -110,6 +110,23 @@ class Event:
         """The event as plain values (lists and dicts): what a log record carries."""
         return dataclasses.asdict(self, dict_factory=dict)
 
+    def metrics(self, prefix: str = "ckpt_") -> dict[str, float]:
+        """The figures a training loop logs beside its loss, as floats: ``ckpt_<kind>_seconds``
+        (total), ``ckpt_blocked_seconds``, ``ckpt_bytes``, ``ckpt_bytes_written``,
+        ``ckpt_requests``, and with backup tiers ``ckpt_backup_lag_steps`` and
+        ``ckpt_backup_lag_seconds`` (the furthest behind).  What the framework callbacks add to
+        their logs."""
+        out = {f"{prefix}{self.kind}_seconds": float(self.seconds_total),
+               f"{prefix}blocked_seconds": float(self.seconds_blocked),
+               f"{prefix}bytes": float(self.bytes),
+               f"{prefix}bytes_written": float(self.bytes_written),
+               f"{prefix}requests": float(self.requests)}
+        if self.replication_lag:
+            out[f"{prefix}backup_lag_steps"] = float(max(lag.steps for lag in self.replication_lag))
+            out[f"{prefix}backup_lag_seconds"] = float(max(lag.seconds
+                                                          for lag in self.replication_lag))
+        return out
+
     def summary(self) -> str:
         """One line: what the ``ckptcore.events`` log record says."""
         head = f"{self.kind} step {self.step} {self.url}"

@@ -104,6 +104,9 @@ class CheckpointManager:
         self._fell_back: frozenset[int] = frozenset()
         self._saved: set[int] = set()  # steps this manager committed: a second save replaces them
         self._closed = False
+        # The event of the last save that committed (an async one: once it did); the callbacks
+        # put its figures in the training logs.
+        self.last_save: events.SaveEvent | None = None
         local_steps: list[int] = []
         if lock is True or self.backups:  # before anything is installed: may raise (rank 0's
             # verdict for every rank: the others would wait out the group timeout otherwise)
@@ -213,10 +216,13 @@ class CheckpointManager:
                 error: BaseException | None) -> None:
         """The :class:`ckptcore.SaveEvent` of a save, with every backup tier's lag."""
         lag = tuple(b.lag() for b in self.backups) if self._coordinator else ()
-        events.emit(events.SaveEvent(
+        event = events.SaveEvent(
             url=url, root=self.root.url, step=step, bytes=0 if info is None else info.nbytes,
             replication_lag=lag, error=None if error is None else type(error).__name__,
-            **_meter.figures(meter)))
+            **_meter.figures(meter))
+        if error is None:
+            self.last_save = event
+        events.emit(event)
 
     def _prepare(self, step: int) -> bool:
         """The checks before a save (the writer lock, the step order, a damaged step in the
