@@ -6,7 +6,7 @@
 # prefixed with its name) and a summary line with its time; the last line sums them up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/_venv.sh "dev,keras,paddle,torch,lightning,jax"
+source scripts/_venv.sh "dev,keras,paddle,torch,lightning,jax,metrics"
 # Azurite (Azure Blob Storage's emulator, an npm package) for the Azure tests: once, into
 # .venv/node.  Without npm, or if the install fails, those tests are skipped with the reason.
 if [ ! -x .venv/node/node_modules/.bin/azurite-blob ] && command -v npm >/dev/null 2>&1; then
