@@ -67,6 +67,10 @@ class CheckpointManager:
             tier, local first.  The constructor checks that each answers (within 10 s): a run
             starting afresh raises ``StorageError`` naming one that does not.
 
+    Every save, restore and replication is reported as a :mod:`ckptcore.events` event
+    (:func:`ckptcore.on_event`); ``last_save`` is the :class:`ckptcore.SaveEvent` of the last
+    save that committed (an async one's once it did).
+
     ``lease_seconds``, ``heartbeat_seconds``, ``backup_keep``, ``backup_storage_options``,
     ``backup_dedup`` and ``keep_unreplicated`` (earlier spellings) still work, with a
     ``DeprecationWarning`` naming the new one.
