@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._version import __version__
 
-from . import errors
+from . import errors, events, metrics
 from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
 from .errors import (AdapterNotFoundError, CaptureError, CheckpointError, CheckpointExistsError,
                      CheckpointFallbackWarning, CheckpointNotFoundError, CorruptCheckpointError, FencedError, GroupError,
@@ -19,6 +19,7 @@ from .errors import (AdapterNotFoundError, CaptureError, CheckpointError, Checkp
 from .group import ProcessGroup, SingleProcessGroup, ThreadGroup
 from .sharding import Chunks, Shard
 from .cursor import DataCursor
+from .events import BackupEvent, Event, RestoreEvent, SaveEvent, on_event
 from ._diff import CheckpointDiff, TensorDiff, diff
 from ._scrub import ScrubReport, scrub
 from .layout import CheckpointListing, gc, list_checkpoints
@@ -31,7 +32,7 @@ from .state import (AccumulationState, OptimizerState, ParamInfo, RestoreReport,
 
 __all__ = [
     "__version__",
-    "errors",
+    "errors", "events", "metrics",
     "save_state", "load_state", "inspect", "verify", "convert", "MigrationWarning",
     "CheckpointInfo", "TensorInfo",
     "CheckpointManager", "SaveHandle", "Backup", "Lease", "CheckpointFallbackWarning",
@@ -40,6 +41,7 @@ __all__ = [
     "scrub", "ScrubReport",
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
     "DataCursor", "capture_rng", "restore_rng",
+    "on_event", "Event", "SaveEvent", "RestoreEvent", "BackupEvent",
     "TrainingState", "OptimizerState", "ScheduleState", "AccumulationState", "ParamInfo",
     "RestoreReport", "Shard", "Chunks", "ProcessGroup", "SingleProcessGroup", "ThreadGroup",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError",

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from . import _knobs
+from . import _knobs, _meter, events
 from ._cas import intent, sweep
 from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
@@ -85,6 +85,9 @@ class BackupTier:
         # since: the local tier need not keep them for the backup's sake.
         self._done: set[int] = set()
         self.last: CopyStats | None = None  # what the last replication moved
+        self._copied: tuple[int, int] = (0, 0)  # its replica's tensor bytes and shards
+        # When each step still to replicate was handed over (monotonic): the lag's seconds.
+        self._handed: dict[int, float] = {}
         # Cleared while the manager saves: replication pauses between objects, so that a save
         # has the disk and the cores to itself (save() within 10% of a save without a backup).
         self._go = threading.Event()
@@ -159,6 +162,13 @@ class BackupTier:
         with self._cond:
             return list(self._queue)
 
+    def lag(self) -> events.Lag:
+        """How far this tier is behind the local one: the steps handed to it that it has no
+        replica of yet (queued, being copied, or given up on until it answers again), and the
+        seconds since the oldest of them was handed over."""
+        with self._cond:
+            return self._lag()
+
     # -- replication ----------------------------------------------------------------------------
     def resume(self, local_steps: list[int]) -> list[int]:
         """Queue every local step the backup lacks (a run that died before replicating).  A
@@ -184,6 +194,7 @@ class BackupTier:
                 raise ValueError("this backup tier is closed")
             if step not in self._queue:
                 self._queue.append(step)
+                self._handed.setdefault(step, time.monotonic())
             self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckptcore-backup",
@@ -199,10 +210,13 @@ class BackupTier:
                     return
                 step = self._queue[0]
                 self._busy = True
+            meter, before = _meter.Meter(), self.last
             try:
-                error = self._attempts(step)
+                with _meter.measuring(meter):
+                    error = self._attempts(step)
             except BaseException as e:  # noqa: BLE001 - this thread must not die: wait() would hang
                 error = e
+            event = None
             try:
                 if error is not None:  # kept for wait()/close(); the next steps still go
                     log.error("backup: replicating step %d to %s failed: %s: %s", step,
@@ -213,8 +227,46 @@ class BackupTier:
                 with self._cond:
                     if self._queue and self._queue[0] == step:
                         self._queue.popleft()
+                    if step not in self._gave_up and step not in self._queue:
+                        self._handed.pop(step, None)
+                    if self.last is not before or error is not None:  # a copy ran, or failed
+                        event = self._event(step, meter, error)
+                # Still busy: wait() returns once the event is out (callbacks run unlocked).
+                self._emit(event)
+                with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _lag(self) -> events.Lag:
+        """:meth:`lag`, under ``self._cond``."""
+        behind = set(self._queue) | set(self._gave_up)
+        since = [self._handed[s] for s in behind if s in self._handed]
+        return events.Lag(self.root.url, len(behind),
+                          time.monotonic() - min(since) if since else 0.0)
+
+    def _event(self, step: int, meter: _meter.Meter, error: BaseException | None
+               ) -> events.BackupEvent:
+        """The :class:`ckptcore.events.BackupEvent` of a replication that ran (or failed)."""
+        figures = _meter.figures(meter)
+        figures["seconds_blocked"] = 0.0  # nobody waited for it
+        stats = self.last if error is None else None
+        nbytes = dedup = 0
+        if stats is not None:
+            figures.update(bytes_written=stats.written, shards=self._copied[1])
+            nbytes, dedup = self._copied[0], stats.reused_bytes
+        return events.BackupEvent(
+            url=self.tier.step_url(step), root=self.root.url, step=step, tier=self.root.url,
+            bytes=nbytes, bytes_deduplicated=dedup, replication_lag=(self._lag(),),
+            error=None if error is None else type(error).__name__, **figures)
+
+    @staticmethod
+    def _emit(event: events.BackupEvent | None) -> None:
+        if event is None:
+            return
+        try:
+            events.emit(event)
+        except Exception:  # noqa: BLE001 - a broken log handler: this thread must not die
+            log.exception("backup: reporting the replication of step %s failed", event.step)
 
     def _schedule(self, step: int) -> tuple[int, int, float, str]:
         """How many tries ``step`` gets, how many the knobs' full schedule has, the first wait
@@ -339,8 +391,9 @@ class BackupTier:
         if self._known is None and self.dedup:
             self._known = {}  # blobs this tier uploaded or verified; each copy lists the root
         log.info("backup: replicating step %d to %s", step, self.root.url)
-        _, self.last = copy_checkpoint(src, dst, dedup=self.dedup, known=self._known,
-                                       gate=self._gate, fence=self._lock)
+        out, self.last = copy_checkpoint(src, dst, dedup=self.dedup, known=self._known,
+                                         gate=self._gate, fence=self._lock)
+        self._copied = (out.tensors.nbytes(), len(out.shards))
         self._committed_now(step)
         return True
 

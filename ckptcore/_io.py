@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 import crc32c
 import numpy as np
 
-from . import _codec, _handoff, _knobs
+from . import _codec, _handoff, _knobs, _meter
 from ._manifest import CRC_BLOCK, Manifest, ShardEntry, TensorEntry, TensorTable
 from ._storage import Store, close_quietly, named_error, fsync_close, start_writeback
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -392,6 +392,7 @@ def write_payload(store: Store, arrays: Sequence[np.ndarray], names: Sequence[st
             list(names), dtypes, [a.shape for a in arrays], shard, offset, sizes, crc,
             tensor=chunks.tensor, global_shapes=chunks.global_shapes, starts=chunks.starts,
             block_crc=[c for i in sorted(by_index) for c in by_index[i]], crc_block=block)
+    _meter.wrote(len(written), sum(w.shard.size for w in written))
     return [w.shard for w in written], table
 
 

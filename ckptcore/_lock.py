@@ -43,7 +43,7 @@ import uuid
 import weakref
 from typing import Any
 
-from . import _fence, _knobs
+from . import _fence, _knobs, _meter
 from ._storage import Store, file_kind
 from .errors import (CheckpointError, FencedError, LockedError, LockTakeoverWarning, UnsafeCheckpointError,
                      caller_level, warn_and_log)
@@ -510,6 +510,7 @@ class WriterLock:
                    "its last committed checkpoint stands, an unfinished save is a leftover for gc()")
         # Logged too, but not printed twice on a console without logging set up (warn_and_log).
         warn_and_log(message, LockTakeoverWarning, stacklevel=caller_level())
+        _meter.took_over(f"{self.store.url}: {holder}: {why}")  # the event of the save
 
     # -- object stores: a lease -----------------------------------------------------------------
     def _lease(self) -> bytes:

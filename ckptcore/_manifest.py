@@ -402,6 +402,8 @@ class Manifest:
     # of some blocks), so the table holds only their rows.
     rows: ShardEntry | None = field(default=None, repr=False, compare=False)
     partial: bool = field(default=False, repr=False, compare=False)
+    # Optional: what the save knew of its own cost before the commit (docs/FORMAT.md, "stats").
+    stats: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensors, TensorTable):
@@ -425,6 +427,7 @@ class Manifest:
             "framework": self.framework, "checksum": CHECKSUM, "alignment": self.alignment,
             "shards": [{"path": s.path, "size": s.size, "checksum": s.checksum} for s in self.shards],
             "tensors": tensors, "tree": self.tree,
+            **({} if self.stats is None else {"stats": self.stats}),
         })
         return _codec.pack({"format": FORMAT_NAME, "version": version, "body": body,
                             "body_crc32c": crc32c.crc32c(body)})
@@ -558,7 +561,40 @@ def _validate(b: Any, version: int, refs: list, source: str, rows_reader: Any = 
                     framework=_req(b, "framework", dict, source),
                     alignment=_nonneg(b, "alignment", source), shards=tuple(shards),
                     tensors=table, tree=tree, version=version, referenced=referenced, rows=rows,
-                    partial=partial)
+                    partial=partial, stats=_stats(b, source))
+
+
+# The optional ``stats`` map of a manifest body and the type of each of its known fields.
+STATS_FIELDS = {"bytes": int, "bytes_written": int, "shards": int, "seconds": float,
+                "seconds_blocked": float, "asynchronous": bool}
+
+
+def _stats(b: dict, source: str) -> dict[str, Any] | None:
+    """The body's optional ``stats`` (None when absent: older writers): a map whose known
+    fields are checked (counts non-negative integers, seconds finite and non-negative, the flag
+    a bool; else ``SchemaError``) and whose unknown ones are dropped (a later writer's)."""
+    if "stats" not in b:
+        return None
+    raw = b["stats"]
+    if not isinstance(raw, dict):
+        raise SchemaError(f"{source}: field 'stats' is a {type(raw).__name__}, not a map")
+    out: dict[str, Any] = {}
+    for key, kind in STATS_FIELDS.items():
+        if key not in raw:
+            continue
+        v = raw[key]
+        if kind is bool:
+            ok = isinstance(v, bool)
+        elif kind is int:
+            ok = type(v) is int and v >= 0
+        else:
+            ok = type(v) in (int, float) and math.isfinite(v) and v >= 0
+        if not ok:
+            raise SchemaError(f"{source}: stats field {key!r} is {_codec.short_repr(v)}, not a "
+                              + ("bool" if kind is bool else "non-negative "
+                                 + ("integer" if kind is int else "finite number")))
+        out[key] = float(v) if kind is float else v
+    return out
 
 
 def _uint32(d: dict, key: str, where: str) -> int:

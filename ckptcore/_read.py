@@ -69,6 +69,8 @@ class CheckpointInfo:
     library: Mapping[str, Any]
     data: Mapping[str, Any] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    # What the save recorded of its cost (the manifest's optional ``stats``; empty: none).
+    stats: Mapping[str, Any] = field(default_factory=dict)
 
 
 class LazyManifest:
@@ -261,7 +263,7 @@ def info_of(url: str, m: Manifest) -> CheckpointInfo:
         sections=sections, tensors=TensorInfos(m),  # type: ignore[arg-type]
         nbytes=m.tensors.nbytes(), shards=tuple(s.path for s in m.shards),
         writer=m.writer, library=m.library,
-        data=_section(m, "data"), metadata=_section(m, "metadata"))
+        data=_section(m, "data"), metadata=_section(m, "metadata"), stats=dict(m.stats or {}))
 
 
 # A summary larger than this leaves ``data`` and ``metadata`` out (read on first use instead):
@@ -280,7 +282,7 @@ def summary_of(m: Manifest) -> bytes | None:
     produces."""
     info = info_of("", m)
     out: dict[str, Any] = {k: getattr(info, k) for k in _CORE}
-    out.update(tensors=len(m.tensors), shards=len(m.shards))
+    out.update(tensors=len(m.tensors), shards=len(m.shards), stats=dict(m.stats or {}))
     try:
         size = len(_codec.pack_values(out))
     except (TypeError, ValueError) as e:  # a hand-made manifest's odd writer map, say
@@ -338,7 +340,8 @@ def _from_summary(store: Store, s: Any) -> CheckpointInfo:
         url=store.url, **{k: s[k] for k in _CORE},
         tensors=TensorInfos(source, s["tensors"]),  # type: ignore[arg-type]
         shards=ShardPaths(source, s["shards"]),  # type: ignore[arg-type]
-        data=sections["data"], metadata=sections["metadata"])
+        data=sections["data"], metadata=sections["metadata"],
+        stats=s["stats"] if isinstance(s.get("stats"), dict) else {})
 
 
 def read_manifest(store: Store) -> Manifest:

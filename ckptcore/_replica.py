@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextvars
 import dataclasses
 import hashlib
 import logging
@@ -100,7 +101,8 @@ class CopyStats:
     destination, objects found there already (deduplicated), and seconds.  Verification:
     ``checked`` objects verified by the store's checksum (no byte read), ``read_back`` bytes
     read back to verify objects the store gives no usable checksum of, ``lists`` blob
-    listings, ``healed`` the blobs found damaged or missing and uploaded again."""
+    listings, ``healed`` the blobs found damaged or missing and uploaded again;
+    ``reused_bytes`` the bytes of the ``reused`` objects (deduplicated: not sent)."""
 
     read: int = 0
     written: int = 0
@@ -111,6 +113,7 @@ class CopyStats:
     read_back: int = 0
     lists: int = 0
     healed: list = dataclasses.field(default_factory=list)
+    reused_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -544,11 +547,14 @@ class _DedupCopy:
         if entry is not None and entry.size == len(data) and record == (entry.size, entry.tag):
             with self.counting:
                 self.stats.reused += 1  # verified by this writer, unchanged since
+                self.stats.reused_bytes += len(data)
             return
         if entry is None and record is None:  # new here
-            self.pending.append(self.uploader.submit(self._upload, name, data, copy))
+            self.pending.append(self.uploader.submit(contextvars.copy_context().run,
+                                                     self._upload, name, data, copy))
             return
-        self.pending.append(self.uploader.submit(self._reuse_or_heal, name, data, copy, entry))
+        self.pending.append(self.uploader.submit(contextvars.copy_context().run,
+                                                 self._reuse_or_heal, name, data, copy, entry))
 
     def _upload(self, name: str, data: Any, copy: int) -> None:
         if self.gate is not None:
@@ -574,6 +580,7 @@ class _DedupCopy:
             self.known[name] = (entry.size, entry.tag)
             with self.counting:
                 self.stats.reused += 1
+                self.stats.reused_bytes += len(data)
             return
         why = ("missing (this writer uploaded or verified it before)" if entry is None else
                f"damaged ({entry.size} bytes where {len(data)} belong)"

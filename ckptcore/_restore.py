@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from . import _dist, api
+from . import _dist, api, events
 from ._manifest import MANIFEST_NAME
 from ._storage import Store
 from ._tier import Tier, is_damage
@@ -55,6 +55,8 @@ class Restorer:
 
     def __init__(self, tiers: list[Tier], group: Any, anchor: Store) -> None:
         self.tiers, self.group, self.anchor = tiers, group, anchor
+        self.chosen: tuple[int, int] | None = None  # (step, tier) restored, once known
+        self.fallbacks: list[events.Fallback] = []  # every candidate passed over (the event's)
 
     def restore(self, step: int | None, *, keys: Any, like: Any, seed: bool,
                 objects: dict) -> tuple[TrainingState, Restored | None]:
@@ -87,6 +89,7 @@ class Restorer:
                 f"{local.step_url(step)}: step {step} was committed by a writer after its "
                 "lease was taken over, so no reader accepts it (gc() removes it)")
         tier = self.tiers[where[0] if where else 0]  # nowhere: the local error names it
+        self.chosen = (step, where[0] if where else 0)
         if self.group is None:  # streams: each tensor assigned once its own batch verified
             state = api.load_state(tier.step_url(step), storage_options=tier.options, keys=keys,
                                    like=like, **objects)
@@ -181,6 +184,7 @@ class Restorer:
                     gone += isinstance(e, CheckpointNotFoundError)
                     last = e
                     continue
+                self.chosen = (s, i)
                 apply(state)
                 return Restored(state, s, i, damaged, passed), last, gone
         return None, last, gone
@@ -199,6 +203,7 @@ class Restorer:
         if verdict[0] == "raise":
             return "raise"
         url = self.tiers[tier].step_url(step)
+        self.fallbacks.append(events.Fallback(step, url, verdict[1], type(e).__name__, str(e)))
         if verdict[1] == "unreachable":
             log.warning("restore: the replica of step %d (%s) cannot be read (%s); the backup "
                         "is out of reach", step, url, e)

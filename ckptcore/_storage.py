@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from . import _knobs, _localfs, _remote
+from . import _knobs, _localfs, _meter, _remote
 from ._manifest import safe_shard_name
 from ._localfs import (close_quietly, file_kind, fsync_close, fsync_dir, named_error,  # noqa: F401
                        open_regular, start_writeback)
@@ -221,6 +221,7 @@ class Store:
         into one preallocated buffer per range.  Others: ``cat_ranges``, per file.
         """
         requests = [(rel, list(ranges)) for rel, ranges in requests]
+        _meter.request(sum(len(ranges) for _, ranges in requests))
         if not any(ranges for _, ranges in requests):
             return [[] for _ in requests]
         return self._read_many(requests)
@@ -294,11 +295,13 @@ class LocalStore(Store):
 
     def exists(self, rel: str = "") -> bool:
         """Whether ``rel`` exists."""
+        _meter.request()
         return os.path.exists(self.join(rel))
 
     def open_file(self, rel: str) -> tuple[int, os.stat_result]:
         """``rel`` opened for reading, never through a link, nor through a nested shard's folder
         (``3f/shard-...``) that is one: ``(fd, fstat of fd)``, see ``_localfs.open_regular``."""
+        _meter.request()
         return open_regular(self.join(rel), in_folder=self._nested(rel))
 
     @staticmethod
@@ -316,6 +319,7 @@ class LocalStore(Store):
     def read(self, rel: str, *, max_bytes: int | None = None) -> bytes:
         """The whole file.  ``max_bytes``: a larger file raises :class:`SchemaError` before any of
         it is read.  Never through a link (:class:`UnsafeCheckpointError`)."""
+        _meter.request()
         return _localfs.read_file(self.join(rel), max_bytes,
                                   lambda size: self._check_max(rel, size, max_bytes),
                                   in_folder=self._nested(rel))
@@ -323,11 +327,13 @@ class LocalStore(Store):
     def listdir(self, rel: str = "", *, details: bool = True) -> list[Entry]:
         """Entries directly below ``rel``; empty when it does not exist.  ``details=False``: no
         mtime or size where they cost a request or a system call each (local disk)."""
+        _meter.request()
         return [Entry(*e) for e in _localfs.scan(self.join(rel), details)]
 
     def find(self, rel: str = "") -> list[Entry]:
         """Every file below ``rel``, recursively, named by its path relative to ``rel``; empty when
         it does not exist.  Links are listed as links and never followed."""
+        _meter.request()
         return [Entry(*e) for e in _localfs.walk(self.join(rel))]
 
     def makedirs(self, rel: str = "") -> None:
@@ -336,12 +342,14 @@ class LocalStore(Store):
     def open_write(self, rel: str, *, stable: bool = False):
         """A binary file for streaming writes: ``fsync_close`` makes it durable and raises any
         write, flush, fsync or close error.  (``stable``: see :meth:`RemoteStore.open_write`.)"""
+        _meter.request()
         tick("open_write", self.join(rel))
         return open(self.join(rel), "wb", buffering=1 << 20)
 
     def write_bytes(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
         """Write a whole file durably (any write/fsync/close error is raised, naming the file).
         ``create_only`` raises ``FileExistsError`` if it exists (atomically)."""
+        _meter.request()
         path = self.join(rel)
         tick("write_bytes", path)
         _localfs.write_file(path, data, create_only=create_only)
@@ -350,6 +358,7 @@ class LocalStore(Store):
         """Remove one file; nothing if absent.  A link is removed itself, never its target, and
         nothing is deleted through a link (a store whose folder is a link raises
         :class:`UnsafeCheckpointError`)."""
+        _meter.request()
         path = self.join(rel)
         tick("delete", path)
         _localfs.unlink(path)
@@ -358,6 +367,7 @@ class LocalStore(Store):
         """Remove a folder and everything in it; nothing if absent.  Never follows a link (a link
         at ``rel`` is removed itself and logged; links inside are removed as links); a file that
         cannot be removed is logged and left for ``gc()``."""
+        _meter.request()
         path = self.join(rel)
         tick("delete_tree", path)
         _localfs.remove_tree(path, self.url)
@@ -396,6 +406,7 @@ class RemoteStore(Store):
     def exists(self, rel: str = "") -> bool:
         """Whether ``rel`` exists: :class:`CheckpointNotFoundError` when the bucket itself does
         not exist (s3fs answers ``False`` there, which would hide a typo)."""
+        _meter.request()
         # Object-store filesystems answer exists() from cached listings, which miss other
         # processes' commits and deletions: the commit protocol needs the store's answer now.
         path = self.join(rel)
@@ -422,6 +433,7 @@ class RemoteStore(Store):
 
     def size(self, rel: str) -> int:
         """Size in bytes; ``FileNotFoundError`` when absent."""
+        _meter.request()
         with self.translate_errors("size", rel):
             info = self.fs.info(self.join(rel))
         if info.get("type") == "directory":
@@ -431,6 +443,7 @@ class RemoteStore(Store):
     def read(self, rel: str, *, max_bytes: int | None = None) -> bytes:
         """The whole file.  ``max_bytes``: a larger file raises :class:`SchemaError` before any of
         it is read."""
+        _meter.request()
         path = self.join(rel)
         with self.translate_errors("read", rel):
             if max_bytes is not None:
@@ -474,6 +487,7 @@ class RemoteStore(Store):
     def listdir(self, rel: str = "", *, details: bool = True) -> list[Entry]:
         """Entries directly below ``rel``; empty when it does not exist (``details``: as for
         local disk; a listing brings them anyway here)."""
+        _meter.request()
         path = self.join(rel)
         try:
             with self.translate_errors("list", rel):
@@ -491,6 +505,7 @@ class RemoteStore(Store):
     def find(self, rel: str = "") -> list[Entry]:
         """Every file below ``rel``, recursively, named by its path relative to ``rel`` (one
         paginated listing); empty when it does not exist."""
+        _meter.request()
         path = self.join(rel)
         try:
             with self.translate_errors("list", rel):
@@ -505,6 +520,7 @@ class RemoteStore(Store):
         """A binary file for streaming writes: its ``close`` uploads and raises.  ``stable``:
         the caller leaves what it writes unchanged until ``close`` returns, so large writes may
         be uploaded from its own buffers rather than copies (S3)."""
+        _meter.request()
         tick("open_write", self.join(rel))
         with self.translate_errors("write", rel, write=True):
             if _remote.multipart_capable(self.fs):
@@ -525,6 +541,7 @@ class RemoteStore(Store):
     def write_bytes(self, rel: str, data: bytes, *, create_only: bool = False) -> None:
         """Write a whole file.  ``create_only`` raises ``FileExistsError`` if it exists
         (atomically where ``atomic_create`` holds)."""
+        _meter.request()
         path = self.join(rel)
         tick("write_bytes", path)
         with self.translate_errors("write", rel, write=True):
@@ -535,6 +552,7 @@ class RemoteStore(Store):
 
     def delete(self, rel: str) -> None:
         """Remove one object; nothing if absent (or if its bucket is gone)."""
+        _meter.request()
         path = self.join(rel)
         tick("delete", path)
         try:
@@ -547,6 +565,7 @@ class RemoteStore(Store):
 
     def delete_tree(self, rel: str = "") -> None:
         """Remove everything under the prefix ``rel``; nothing if absent."""
+        _meter.request()
         path = self.join(rel)
         tick("delete_tree", path)
         try:

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import _codec, _dist, _io, _knobs
+from . import _codec, _dist, _io, _knobs, _meter, events
 from .adapter import restore_gate, warn_unapplied
 from ._version import __version__
 from ._commit import commit
@@ -74,10 +74,31 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
             that is ignored by every reader.
     """
     objects = _given(model=model, optimizer=optimizer, cursor=cursor, **objects)
-    store = Store(os.fspath(url), dict(storage_options or {}))
+    outer = _meter.current()  # a manager's save: its event, not this one's
+    meter = outer or _meter.Meter()
+    with _meter.measuring(meter):
+        try:
+            info = _save(os.fspath(url), state, objects, storage_options, overwrite, group,
+                         fence, meter)
+        except Exception as e:
+            if outer is None:
+                events.emit(events.SaveEvent(url=os.fspath(url), step=getattr(state, "step", None),
+                                             error=type(e).__name__, **_meter.figures(meter)))
+            raise
+    if outer is None:
+        events.emit(events.SaveEvent(url=info.url, step=info.step, bytes=info.nbytes,
+                                     **_meter.figures(meter)))
+    return info
+
+
+def _save(url: str, state: TrainingState | None, objects: dict[str, Any],
+          storage_options: Mapping[str, Any] | None, overwrite: bool,
+          group: ProcessGroup | None, fence: Any, meter: _meter.Meter) -> CheckpointInfo:
+    """``save_state``'s work, measured by ``meter``."""
+    store = Store(url, dict(storage_options or {}))
     state, enc, arrays, version = _encode(store, state, objects, group)
     token = uuid.uuid4().hex[:16]
-    make_manifest = _manifest_maker(state, enc, version, token, fence, len(arrays))
+    make_manifest = _manifest_maker(state, enc, version, token, fence, len(arrays), meter)
     if group is not None:
         return _save_with_group(store, group, enc, arrays, make_manifest, token=token,
                                 overwrite=overwrite, fence=fence)
@@ -177,8 +198,9 @@ def _writer_version(enc: Any, arrays: Sequence[np.ndarray] = ()) -> int:
 
 
 def _manifest_maker(state: TrainingState, enc: Any, version: int, token: str, fence: Any,
-                    narrays: int) -> Any:
-    """``make(shards, table)``: the manifest of this save once its shards are written."""
+                    narrays: int, meter: _meter.Meter) -> Any:
+    """``make(shards, table)``: the manifest of this save once its shards are written, with
+    what the save knows of its cost by then (``stats``: docs/FORMAT.md)."""
     count = enc.chunks.tensor[-1] + 1 if enc.chunks is not None and narrays else narrays
     writer = {"id": token, "host": socket.gethostname(), "pid": os.getpid()}
     if fence is not None and fence.generation is not None:
@@ -193,9 +215,22 @@ def _manifest_maker(state: TrainingState, enc: Any, version: int, token: str, fe
             framework={"name": state.framework,
                        "versions": dict(state.metadata.get("versions") or {})},
             alignment=_knobs.alignment(), shards=tuple(shards), tensors=tensors,
-            tree=enc.tree, version=version, referenced=tuple(range(count)))
+            tree=enc.tree, version=version, referenced=tuple(range(count)),
+            stats=_stats(shards, tensors, meter))
 
     return make_manifest
+
+
+def _stats(shards: Sequence[ShardEntry], tensors: TensorTable, meter: _meter.Meter
+           ) -> dict[str, Any]:
+    """The manifest's ``stats``: the checkpoint's bytes and shards, the seconds since the save
+    began, and (an async save) whether and how long its caller waited, when known."""
+    stats = {"bytes": tensors.nbytes(), "bytes_written": sum(s.size for s in shards),
+             "shards": len(shards), "seconds": round(meter.elapsed(), 6),
+             "asynchronous": meter.background}
+    if meter.blocked is not None:
+        stats["seconds_blocked"] = round(meter.blocked, 6)
+    return stats
 
 
 def check_keys(keys: Iterable[str] | str | None) -> list[str] | None:
@@ -270,7 +305,34 @@ def load_state(url: str | os.PathLike, *, model: Any = None, optimizer: Any = No
                      name_map=name_map, **objects)
     if approximate:
         objects["approximate"] = True
-    store = Store(os.fspath(url), dict(storage_options or {}))
+    outer = _meter.current()  # a manager's restore, or a group's load: theirs is the event
+    meter = outer or _meter.Meter()
+    with _meter.measuring(meter):
+        try:
+            state = _load(os.fspath(url), verify, keys, storage_options, like, group, objects)
+        except Exception as e:
+            if outer is None:
+                events.emit(events.RestoreEvent(url=os.fspath(url), error=type(e).__name__,
+                                                **_restore_figures(meter)))
+            raise
+    if outer is None:
+        events.emit(events.RestoreEvent(url=os.fspath(url), step=state.step,
+                                        **_restore_figures(meter)))
+    return state
+
+
+def _restore_figures(meter: _meter.Meter) -> dict[str, Any]:
+    """The fields of a restore's event: the meter's, and the bytes and shards it loaded."""
+    figures = _meter.figures(meter)
+    figures["bytes"], figures["shards"] = meter.loaded
+    return figures
+
+
+def _load(url: str, verify: bool, keys: Iterable[str] | None,
+          storage_options: Mapping[str, Any] | None, like: TrainingState | None,
+          group: ProcessGroup | None, objects: dict[str, Any]) -> TrainingState:
+    """``load_state``'s work (measured by the caller)."""
+    store = Store(url, dict(storage_options or {}))
     if group is not None:
         return _dist.agree(store, group, lambda: load_state(
             url, verify=verify, keys=keys, storage_options=storage_options, like=like, **objects))
@@ -307,6 +369,8 @@ def _open(store: Store, keys: Iterable[str] | None, like: TrainingState | None, 
         manifest, tree = _manifest_for(store, keys, like)
         wanted = (manifest.referenced_indices() if keys is None
                   else sorted({r.index for r in _codec.refs(tree)}))
+        _meter.loading(_wanted_bytes(manifest, None if keys is None else wanted),
+                       len(manifest.shards))
         try:
             if like is not None or manifest.tensors.chunked:
                 from . import _chunks
@@ -323,6 +387,15 @@ def _open(store: Store, keys: Iterable[str] | None, like: TrainingState | None, 
             log.info("load_state: %s was overwritten while it was read; reading the new one "
                      "(attempt %d of %d)", store.url, attempt + 2, _READ_ATTEMPTS)
     raise AssertionError("unreachable")  # the last attempt returned or raised
+
+
+def _wanted_bytes(manifest: Manifest, wanted: Sequence[int] | None) -> int:
+    """The bytes of the tensors a load reads: all (``wanted`` None) or those of some sections."""
+    if wanted is None:
+        return manifest.tensors.nbytes()
+    lengths = manifest.tensors.length
+    index = np.asarray(wanted, dtype=np.int64)
+    return int(lengths[index[index < len(lengths)]].sum(dtype=np.uint64))
 
 
 def _manifest_for(store: Store, keys: Iterable[str] | None, like: TrainingState | None

@@ -17,7 +17,7 @@ import logging
 import warnings
 from typing import Any, Mapping, Sequence
 
-from . import _dist, _preempt, api, layout
+from . import _dist, _meter, _preempt, api, events, layout
 from ._backup import Backups, BackupTier
 from ._lock import WriterLock
 from ._restore import Restorer
@@ -67,6 +67,10 @@ class CheckpointManager:
             tier, local first.  The constructor checks that each answers (within 10 s): a run
             starting afresh raises ``StorageError`` naming one that does not.
 
+    Every save, restore and replication is reported as a :mod:`ckptcore.events` event
+    (:func:`ckptcore.on_event`); ``last_save`` is the :class:`ckptcore.SaveEvent` of the last
+    save that committed (an async one's once it did).
+
     ``lease_seconds``, ``heartbeat_seconds``, ``backup_keep``, ``backup_storage_options``,
     ``backup_dedup`` and ``keep_unreplicated`` (earlier spellings) still work, with a
     ``DeprecationWarning`` naming the new one.
@@ -104,6 +108,9 @@ class CheckpointManager:
         self._fell_back: frozenset[int] = frozenset()
         self._saved: set[int] = set()  # steps this manager committed: a second save replaces them
         self._closed = False
+        # The event of the last save that committed (an async one: once it did); the callbacks
+        # put its figures in the training logs.
+        self.last_save: events.SaveEvent | None = None
         local_steps: list[int] = []
         if lock is True or self.backups:  # before anything is installed: may raise (rank 0's
             # verdict for every rank: the others would wait out the group timeout otherwise)
@@ -167,19 +174,59 @@ class CheckpointManager:
         api.check_state_argument(state, f"save({step}, state)")  # before any lock or listing
         url = self.local.step_url(step)
         metrics = check_metrics(metrics)  # before anything is written or committed
-        self._wait_inflight()  # at most one save in flight; raises a previous background error
-        overwrite = self._on_coordinator(lambda: self._prepare(step))
-        try:  # (a synchronous save is written before it returns: nothing to copy)
-            snapshot, handoff = self._staging.snapshot(step, state, metrics, objects, not sync)
-        except Exception as e:
-            if self.group is not None:
-                # The other ranks are about to save: take part, so they fail at once.
-                _dist.fail(self.local.step_store(step), self.group, e)
-            raise
-        if sync:
-            return SaveHandle(step, url, completed(self._write(step, url, snapshot, overwrite)))
-        return SaveHandle(step, url, self._inflight.submit(self._write, step, url, snapshot,
-                                                            overwrite, handoff=handoff))
+        # The caller's wait starts now (the save in flight's too); the event is emitted once
+        # the step is committed (an async save: by the save thread) or the save failed.
+        meter = _meter.Meter(background=not sync)
+        with _meter.measuring(meter):
+            self._wait_inflight()  # at most one in flight; raises a previous save's error
+            try:
+                overwrite = self._on_coordinator(lambda: self._prepare(step))
+                try:  # (a synchronous save is written before it returns: nothing to copy)
+                    snapshot, handoff = self._staging.snapshot(step, state, metrics, objects,
+                                                               not sync)
+                except Exception as e:
+                    if self.group is not None:
+                        # The other ranks are about to save: take part, so they fail at once.
+                        _dist.fail(self.local.step_store(step), self.group, e)
+                    raise
+                if sync:
+                    info = self._write(step, url, snapshot, overwrite)
+            except Exception as e:
+                self._report(meter, step, url, None, e)
+                raise
+            if sync:
+                self._report(meter, step, url, info, None)
+                return SaveHandle(step, url, completed(info))
+            future = self._inflight.submit(self._write_measured, meter, step, url, snapshot,
+                                           overwrite, handoff=handoff)
+        with meter.guard:
+            meter.blocked = meter.elapsed()
+        return SaveHandle(step, url, future)
+
+    def _write_measured(self, meter: _meter.Meter, step: int, url: str, state: TrainingState,
+                        overwrite: bool) -> api.CheckpointInfo:
+        """An async save's write in the save thread, counted into its ``meter`` and reported
+        once committed (or failed)."""
+        with _meter.measuring(meter):
+            try:
+                info = self._write(step, url, state, overwrite)
+            except Exception as e:
+                self._report(meter, step, url, None, e)
+                raise
+        self._report(meter, step, url, info, None)
+        return info
+
+    def _report(self, meter: _meter.Meter, step: int, url: str, info: Any,
+                error: BaseException | None) -> None:
+        """The :class:`ckptcore.SaveEvent` of a save, with every backup tier's lag."""
+        lag = tuple(b.lag() for b in self.backups) if self._coordinator else ()
+        event = events.SaveEvent(
+            url=url, root=self.root.url, step=step, bytes=0 if info is None else info.nbytes,
+            replication_lag=lag, error=None if error is None else type(error).__name__,
+            **_meter.figures(meter))
+        if error is None:
+            self.last_save = event
+        events.emit(event)
 
     def _prepare(self, step: int) -> bool:
         """The checks before a save (the writer lock, the step order, a damaged step in the
@@ -326,11 +373,35 @@ class CheckpointManager:
         every rank restores the same step, and a step that fails on any rank is skipped by all.
         """
         restorer = Restorer(self.tiers, self.group, self.root)
-        state, found = restorer.restore(step, keys=keys, like=like, seed=seed, objects=objects)
+        meter = _meter.Meter()
+        with _meter.measuring(meter):
+            try:
+                state, found = restorer.restore(step, keys=keys, like=like, seed=seed,
+                                                objects=objects)
+            except Exception as e:
+                self._report_restore(meter, restorer, e)
+                raise
         if found is not None:  # only a run that did resume from an older step may save over these
             self._skipped = frozenset(found.damaged)
             self._fell_back = frozenset(found.passed - {found.step})
+        self._report_restore(meter, restorer, None)
         return state
+
+    def _report_restore(self, meter: _meter.Meter, restorer: Restorer,
+                        error: BaseException | None) -> None:
+        """The :class:`ckptcore.RestoreEvent` of a restore: which step, from which tier, and
+        every candidate it fell back over."""
+        figures = _meter.figures(meter)
+        figures["bytes"], figures["shards"] = meter.loaded
+        chosen = restorer.chosen
+        tier = self.tiers[chosen[1]] if chosen is not None else self.local
+        lag = tuple(b.lag() for b in self.backups) if self._coordinator else ()
+        events.emit(events.RestoreEvent(
+            url=tier.step_url(chosen[0]) if chosen is not None else self.root.url,
+            root=self.root.url, step=None if chosen is None else chosen[0],
+            tier="local" if chosen is None or chosen[1] == 0 else tier.url,
+            fallbacks=tuple(restorer.fallbacks), replication_lag=lag,
+            error=None if error is None else type(error).__name__, **figures))
 
     @property
     def preempted(self) -> bool:

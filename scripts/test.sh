@@ -18,7 +18,7 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
     || echo "apt-get could not install chromium: the report's browser test will be skipped" >&2 ) &
   chromium_pid=$!
 fi
-source scripts/_venv.sh "dev,keras,paddle,torch,lightning,jax"
+source scripts/_venv.sh "dev,keras,paddle,torch,lightning,jax,metrics"
 # Azurite (Azure Blob Storage's emulator, an npm package) for the Azure tests: once, into
 # .venv/node.  Without npm, or if the install fails, those tests are skipped with the reason.
 if [ ! -x .venv/node/node_modules/.bin/azurite-blob ] && command -v npm >/dev/null 2>&1; then

@@ -365,12 +365,13 @@ def _no_state_left_behind(request):
     import gc
     import logging
 
-    from ckptcore import _knobs, _storage, manager
+    from ckptcore import _knobs, _storage, events, manager
 
     env, cwd, loggers = dict(os.environ), os.getcwd(), _loggers()
     knobs, hook = dict(_knobs._overrides), _storage._op_hook
     sigterm = signal.getsignal(signal.SIGTERM)
     before = {id(m) for m in list(getattr(manager, "_live", ()))}
+    hooks = list(events._hooks)
     yield
     left: list[str] = []
     if _open_managers(before):
@@ -410,6 +411,9 @@ def _no_state_left_behind(request):
             log = logging.getLogger(name)
             log.handlers[:] = [h for h in log.handlers if _pytests(h)] + handlers
             log.setLevel(level)
+    if events._hooks != hooks:
+        left.append(f"event callbacks left registered: {events._hooks!r}")
+        events._hooks[:] = hooks
     if signal.getsignal(signal.SIGTERM) is not sigterm:
         signal.signal(signal.SIGTERM, sigterm)
     if left:

@@ -59,6 +59,12 @@ with ``cb = BackupAndRestore(root, cursor=cursor, save_freq=...)`` (the cursor s
   such as ``ckptcore.KeepBest("loss")`` works.  ``save_best_only=True`` saves only when
   ``monitor`` improves (``mode`` ``"min"``/``"max"``/``"auto"``, Keras' spellings); the
   best value so far travels in the checkpoint, so a resumed run keeps comparing to it.
+* **Save figures in the logs.**  At each epoch's end the callback adds the figures of its last
+  committed save to the epoch's logs (``ckpt_save_seconds``, ``ckpt_blocked_seconds``: what
+  training waited, ``ckpt_bytes``, ``ckpt_bytes_written``, ``ckpt_requests``, and with a
+  backup ``ckpt_backup_lag_steps``/``ckpt_backup_lag_seconds``: ``ckptcore.SaveEvent.metrics``),
+  so they land in ``History`` and the progress bar beside the loss; ``log_figures=False`` leaves
+  the logs alone.  They are never recorded as a checkpoint's metrics.
 * **Preemption.**  The manager catches SIGTERM (``save_on_preemption=False`` to opt out);
   after each batch the callback asks ``manager.preempted``, saves the batch just
   trained through ``manager.save_if_preempted`` (synchronously) and stops ``fit``.
@@ -148,6 +154,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             ``backup_storage_options``, the older spellings, still work with a
             ``DeprecationWarning``.)
         lease: A ``ckptcore.Lease`` for the writer locks on object stores.
+        log_figures: Add the last save's figures to each epoch's logs (``ckpt_save_seconds``...).
 
     Example:
         >>> cursor = ckptcore.DataCursor(len(x), 64, seed=0)                  # doctest: +SKIP
@@ -166,7 +173,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                  save_on_preemption: bool = True,
                  storage_options: Mapping[str, Any] | None = None, backup: Any = None,
                  lease: Any = None, backup_keep: Any = None,
-                 backup_storage_options: Mapping[str, Any] | None = None):
+                 backup_storage_options: Mapping[str, Any] | None = None,
+                 log_figures: bool = True):
         if root is None and backup_dir is None:
             raise TypeError("BackupAndRestore needs root (or backup_dir, Keras' spelling of it)")
         if root is not None and backup_dir is not None:
@@ -198,6 +206,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "max" if any(k in monitor for k in ("acc", "auc", "fmeasure")) else "min")
         self.delete_checkpoint, self.lock = bool(delete_checkpoint), lock
         self.save_on_preemption = bool(save_on_preemption)
+        self.log_figures = bool(log_figures)
         self.storage_options = dict(storage_options or {})
         # A bucket tier behind the fast root (CheckpointManager(backup=...)): every committed
         # step replicated in the background; on_train_end waits for it.
@@ -323,6 +332,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch_done = True
         if self.save_freq == "epoch":
             self._save(logs)
+        last = self._manager.last_save if self._manager is not None else None
+        if self.log_figures and logs is not None and last is not None:
+            logs.update(last.metrics())  # History and the progress bar come after this callback
 
     def on_train_end(self, logs: dict | None = None) -> None:
         try:
@@ -412,8 +424,8 @@ def _recorded(logs: Mapping[str, Any] | None, names: Sequence[str] | None) -> di
     """The finite scalar logs (of ``names``, or all) as plain floats, for ``save(metrics=)``."""
     out: dict[str, float] = {}
     for k, v in (logs or {}).items():
-        if names is not None and k not in names:
-            continue
+        if (names is not None and k not in names) or str(k).startswith("ckpt_"):
+            continue  # (ckpt_*: the figures of the previous save, not the model's)
         try:
             a = np.asarray(v)
         except Exception:  # noqa: BLE001 - a log that is not a number is not a metric

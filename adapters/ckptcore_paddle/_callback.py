@@ -104,6 +104,13 @@ class Checkpoint(paddle.callbacks.Callback):
     Every checkpoint carries ``metrics=``: the numbers of the latest training logs and evaluation
     logs (prefixed ``eval_``), so ``keep=ckptcore.KeepBest("eval_loss")`` works.
 
+    With ``log_figures`` (the default), ``on_epoch_end`` adds the figures of the last committed
+    save to the epoch's logs (``ckpt_save_seconds``, ``ckpt_blocked_seconds``, ``ckpt_bytes``,
+    ``ckpt_bytes_written``, ``ckpt_requests``, with a backup ``ckpt_backup_lag_steps`` and
+    ``ckpt_backup_lag_seconds``: ``ckptcore.SaveEvent.metrics``), for the callbacks after this
+    one (VisualDL, your own); a save is written at the start of the next batch or epoch, so an
+    epoch's logs carry the save before it.  They are never recorded as a checkpoint's metrics.
+
     After ``on_train_begin``, ``restored`` is the state that was restored (None on a fresh start)
     and ``initial_epoch`` the number of epochs it had completed.
 
@@ -118,7 +125,8 @@ class Checkpoint(paddle.callbacks.Callback):
                  keep: Any = CALLBACK_KEEP, async_save: bool = False, storage_options: Mapping[str, Any] | None = None,
                  lock: bool = True, save_on_preemption: bool = True, monitor: str = "loss", mode: str = "auto",
                  save_best_only: bool = False, backup: Any = None, lease: Any = None,
-                 backup_keep: Any = None, backup_storage_options: Mapping[str, Any] | None = None):
+                 backup_keep: Any = None, backup_storage_options: Mapping[str, Any] | None = None,
+                 log_figures: bool = True):
         # Checked before anything else: "" would put checkpoints in "/" and None in a folder "None".
         root = check_url(root, "root")
         super().__init__()
@@ -141,6 +149,7 @@ class Checkpoint(paddle.callbacks.Callback):
         self.cursor = cursor
         self.keep, self.async_save, self.storage_options = keep, async_save, dict(storage_options or {})
         self.lock, self.save_on_preemption = bool(lock), bool(save_on_preemption)
+        self.log_figures = bool(log_figures)
         # A bucket tier behind the fast root (CheckpointManager(backup=...)): every committed
         # step replicated in the background; on_train_end waits for it.
         self._backup = tiers(backup, lease, backup_keep, backup_storage_options)
@@ -225,6 +234,9 @@ class Checkpoint(paddle.callbacks.Callback):
                              "save mid-epoch)")
             return
         self._due = True
+        last = None if self._manager is None else self._manager.last_save
+        if self.log_figures and isinstance(logs, dict) and last is not None:
+            logs.update(last.metrics())  # for the callbacks after this one
         epochs = self._epochs()
         if epochs is not None and self._epoch >= epochs and epoch + 1 < epochs:
             self.model.stop_training = self._stopped = True  # hapi's loop would run past the total
@@ -309,8 +321,8 @@ class Checkpoint(paddle.callbacks.Callback):
     def _note(self, logs: Any, prefix: str = "") -> None:
         """Keep the numbers of hapi's latest logs (a loss comes as a one-element list)."""
         for k, v in (logs or {}).items():
-            if k in _NOT_METRICS or not isinstance(k, str):
-                continue
+            if k in _NOT_METRICS or not isinstance(k, str) or k.startswith("ckpt_"):
+                continue  # (ckpt_*: a save's figures, not the model's)
             if isinstance(v, (list, tuple)) and len(v) == 1:
                 v = v[0]
             try:

@@ -105,6 +105,12 @@ class Checkpoint(pl.callbacks.Callback):
             across resumes); preemption saves and the final save are always written.
 
     Every checkpoint carries ``metrics=``: the finite scalars of ``trainer.callback_metrics``.
+    With ``log_figures`` (the default), each save's figures are logged through
+    ``pl_module.log_dict`` at the next batch's end, as any metric goes to the trainer's loggers
+    (``ckpt_save_seconds``, ``ckpt_blocked_seconds``, ``ckpt_bytes``, ``ckpt_bytes_written``,
+    ``ckpt_requests``, with a backup ``ckpt_backup_lag_steps``/``ckpt_backup_lag_seconds``:
+    ``ckptcore.SaveEvent.metrics``; rank 0, where saves are written); they are never recorded
+    as a checkpoint's metrics.
     After ``on_fit_start``, ``restored`` is the restored state (None on a fresh start); after
     ``fit``, ``preempted`` says whether SIGTERM stopped it.
 
@@ -120,7 +126,7 @@ class Checkpoint(pl.callbacks.Callback):
                  keep: Any = CALLBACK_KEEP, async_save: bool = False,
                  storage_options: Mapping[str, Any] | None = None, backup: Any = None, lease: Any = None,
                  lock: bool = True, save_on_preemption: bool = True, monitor: str = "train_loss",
-                 mode: str = "auto", save_best_only: bool = False):
+                 mode: str = "auto", save_best_only: bool = False, log_figures: bool = True):
         root = check_url(root, "root")  # before anything else: "" would be "/", None a folder "None"
         super().__init__()
         if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
@@ -139,6 +145,8 @@ class Checkpoint(pl.callbacks.Callback):
         self.root, self.cursor, self.every_n_steps = root, cursor, every_n_steps
         self.keep, self.async_save, self.storage_options = keep, async_save, dict(storage_options or {})
         self.lock, self.save_on_preemption = bool(lock), bool(save_on_preemption)
+        self.log_figures = bool(log_figures)
+        self._logged: Any = None  # the save event whose figures were logged last
         self._backup = tiers(backup, lease)
         self.monitor, self.save_best_only = monitor, bool(save_best_only)
         self.mode = mode if mode != "auto" else ("max" if "acc" in monitor else "min")
@@ -202,6 +210,7 @@ class Checkpoint(pl.callbacks.Callback):
                            batch: Any, batch_idx: int) -> None:
         self._batches += 1
         self._check_cursor()
+        self._log_figures(pl_module)
         self._note(trainer)
         if _last_batch(trainer):
             return  # recorded at on_train_epoch_end, after the epoch-end work
@@ -344,8 +353,17 @@ class Checkpoint(pl.callbacks.Callback):
                 f"{expect.position}: the training loader must advance the cursor as it hands each batch "
                 "to Lightning, and nothing else may move it (use ckptcore_torch.DataLoader)")
 
+    def _log_figures(self, pl_module: pl.LightningModule) -> None:
+        """Log the figures of a save committed since the last time, through Lightning."""
+        last = None if self._manager is None else self._manager.last_save
+        if self.log_figures and last is not None and last is not self._logged:
+            self._logged = last
+            pl_module.log_dict(last.metrics(), on_step=True, on_epoch=False, rank_zero_only=True)
+
     def _note(self, trainer: pl.Trainer) -> None:
         for k, v in trainer.callback_metrics.items():
+            if str(k).startswith("ckpt_"):
+                continue  # a save's figures (_log_figures), not the model's
             try:
                 f = float(v)
             except (TypeError, ValueError, RuntimeError):

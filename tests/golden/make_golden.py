@@ -101,6 +101,7 @@ def _pin(path: str) -> None:
         outer = msgpack.unpackb(f.read(), raw=False)
     body = msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
     body.update(PINNED)
+    body.pop("stats", None)  # the save's own timings: volatile, and optional for readers
     for i, s in enumerate(body["shards"]):
         name = f"shard-{i:05d}-golden.bin"
         os.rename(os.path.join(path, s["path"]), os.path.join(path, name))

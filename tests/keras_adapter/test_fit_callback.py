@@ -256,6 +256,24 @@ def test_metrics_are_recorded_so_keep_best_works(tmp_path):
     assert set(ckptcore.load_state(str(only / "step-000000000010")).metadata["metrics"]) == {"loss"}
 
 
+def test_each_epochs_logs_carry_the_last_saves_figures(tmp_path):
+    root = tmp_path / "ckpt"
+    seen = []
+    with ckptcore.on_event(seen.append):
+        _, _, _, history = _fit(root, epochs=2, save_freq="epoch",
+                                cb_kw={"backup": str(tmp_path / "bucket")})
+    saves = [e for e in seen if e.kind == "save"]
+    assert [e.step for e in saves] == [4, 8]
+    logged = history.history
+    assert logged["ckpt_bytes"] == [float(e.bytes) for e in saves]
+    assert logged["ckpt_save_seconds"] == [e.seconds_total for e in saves]
+    assert logged["ckpt_blocked_seconds"] == [e.seconds_blocked for e in saves]
+    assert all(n >= 1 for n in logged["ckpt_backup_lag_steps"])  # handed over, not yet copied
+    assert logged["ckpt_bytes"][0] == ckptcore.inspect(str(root / "step-000000000004")).nbytes
+    # Figures are not the model's metrics: never recorded in a checkpoint.
+    assert set(ckptcore.load_state(str(root / "step-000000000008")).metadata["metrics"]) == {"loss"}
+
+
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_save_best_only(tmp_path, mode):
     root = tmp_path / "ckpt"

@@ -124,6 +124,8 @@ def test_resumed_mid_epoch_and_logs_match(runs, name):
     b = json.loads((runs / name / "ckpt.json").read_text())
     assert b["epochs"] == [1, 2]
     for key, values in b["history"].items():
+        if key.startswith("ckpt_"):  # the saves' own figures (timings): logged, not compared
+            continue
         assert values == a["history"][key][1:], key  # metrics continue from their saved values
 
 

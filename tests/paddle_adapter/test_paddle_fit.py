@@ -172,3 +172,37 @@ def test_two_samplers_over_one_cursor_is_a_value_error(tmp_path):
     ckpt = cp.Checkpoint(str(tmp_path), cursor=cursor)
     with pytest.raises(ValueError, match="2 ResumableBatchSamplers"):
         ckpt._advance()
+
+
+class _EpochLogs(paddle.callbacks.Callback):
+    """What the callbacks after ckptcore's see at each epoch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs: list[dict] = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(dict(logs or {}))
+
+
+def test_epoch_logs_carry_the_last_saves_figures(tmp_path):
+    paddle.seed(1)
+    net = paddle.nn.Linear(4, 3)
+    model = paddle.Model(net)
+    model.prepare(paddle.optimizer.SGD(0.1, parameters=net.parameters()),
+                  paddle.nn.CrossEntropyLoss())
+    sampler = cp.ResumableBatchSampler(ckptcore.DataCursor(N, BS, seed=11))
+    loader = paddle.io.DataLoader(_Data(), batch_sampler=sampler)
+    root, after, seen = str(tmp_path / "run"), _EpochLogs(), []
+    with ckptcore.on_event(seen.append):
+        model.fit(loader, epochs=2, verbose=0, callbacks=[
+            cp.Checkpoint(root, save_freq=4, cursor=sampler, keep=None), after])
+    saves = {e.step: e for e in seen if e.kind == "save"}
+    assert sorted(saves) == [4, 8, 12, 16, 20, 24]
+    # A due save is written as the next batch starts: epoch 0 ends with step 8 its last one.
+    first, second = after.epochs
+    assert first["ckpt_save_seconds"] == saves[8].seconds_total
+    assert first["ckpt_bytes"] == saves[8].bytes > 0
+    assert second["ckpt_blocked_seconds"] == saves[20].seconds_blocked
+    metrics = ckptcore.load_state(os.path.join(root, f"step-{24:012d}")).metadata["metrics"]
+    assert "loss" in metrics and not [k for k in metrics if k.startswith("ckpt_")]

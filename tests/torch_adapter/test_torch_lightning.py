@@ -196,3 +196,18 @@ def _trainer(*callbacks, **limits):
     return L.Trainer(accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
                      enable_checkpointing=False, deterministic=True, enable_model_summary=False,
                      callbacks=list(callbacks), **limits)
+
+
+def test_each_saves_figures_are_logged_through_lightning(tmp_path):
+    seen = []
+    with ckptcore.on_event(seen.append):
+        trainer, _, _ = W.fit(str(tmp_path / "root"), max_epochs=1, every_n_steps=2)
+    saves = {e.step: e for e in seen if e.kind == "save"}
+    assert sorted(saves) == [2, 4, 5]
+    # Step 4 is written as batch 5 starts and logged as it ends; step 5 once fit ends (unlogged).
+    logged = trainer.callback_metrics
+    assert float(logged["ckpt_save_seconds"]) == pytest.approx(saves[4].seconds_total, rel=1e-6)
+    assert float(logged["ckpt_bytes"]) == saves[4].bytes > 0
+    assert float(logged["ckpt_requests"]) == saves[4].requests
+    metrics = _latest(tmp_path / "root").metadata["metrics"]
+    assert "train_loss" in metrics and not [k for k in metrics if k.startswith("ckpt_")]
