@@ -22,7 +22,7 @@ from ._manifest import MANIFEST_NAME
 from ._storage import Store
 from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import check_grace, gc, is_root, list_checkpoints
-from ._runlog import local_time, render, run_log
+from ._runlog import lineage_lines, local_time, render, run_log
 
 log = logging.getLogger("ckptcore")
 
@@ -67,6 +67,9 @@ def cmd_inspect(args: argparse.Namespace, so: dict) -> int:
     shown = f"{epoch} (the data cursor's)" if epoch != info.epoch else str(epoch)
     print(f"step        {info.step}    epoch {shown}    framework {info.framework or '-'}")
     print(f"sections    {', '.join(info.sections)}")
+    print(f"saved       {_when(info.created)}")
+    for i, line in enumerate(lineage_lines(info.lineage)):
+        print(f"{'lineage' if i == 0 else '':<11} {line}")
     if info.data:
         d = info.data
         print(f"data        epoch {d.get('epoch')} / position {d.get('position')} / seed {d.get('seed')}"

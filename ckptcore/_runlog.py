@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 from . import lineage
 from .layout import list_checkpoints
 
-__all__ = ["run_log", "render", "local_time"]
+__all__ = ["run_log", "render", "local_time", "lineage_lines"]
 
 log = logging.getLogger("ckptcore")
 
@@ -86,7 +86,7 @@ def run_log(root: str | os.PathLike, *, backups: Sequence[str] = (),
         r["sessions"].append(s)
     by_step = {st["step"]: s for s in sessions.values() for st in s["steps"]}
     for s in sessions.values():
-        _judge(s, sessions, by_step)
+        _judge(s, sessions, by_step, set(steps))
     out["runs"] = sorted(runs.values(), key=lambda r: r["sessions"][0]["steps"][0]["step"])
     for r in out["runs"]:
         r["steps"] = [r["sessions"][0]["steps"][0]["step"],
@@ -118,7 +118,8 @@ def _session(key: str, lin: Mapping[str, Any]) -> dict[str, Any]:
             "steps": []}
 
 
-def _judge(s: dict[str, Any], sessions: Mapping[str, Any], by_step: Mapping[int, Any]) -> None:
+def _judge(s: dict[str, Any], sessions: Mapping[str, Any], by_step: Mapping[int, Any],
+           listed: set[int]) -> None:
     """The verdict of the resume that started session ``s`` (``fresh`` without one)."""
     rf = s["resumed_from"]
     if s["conversion"]:
@@ -132,7 +133,8 @@ def _judge(s: dict[str, Any], sessions: Mapping[str, Any], by_step: Mapping[int,
     s["parent"] = parent["session"] if parent is not None and parent is not s else None
     flags, notes = s["flags"], s["notes"]
     if parent is None:
-        notes.append(f"step {rf.get('step')} is no longer listed")
+        notes.append(f"step {rf.get('step')} " + ("has no lineage recorded" if rf.get("step") in listed
+                                                  else "is no longer listed"))
     if rf.get("tier") not in (None, "local"):
         notes.append(f"restored from the backup {rf.get('tier')}")
     newest = rf.get("newest_step")
@@ -320,3 +322,32 @@ def _step_text(st: Mapping[str, Any]) -> str:
             + (f" {shown}" if shown else "")
             + (f"  fp {st['fingerprint']}" if st.get("fingerprint") else "")
             + f"  [{'+'.join(t if t == 'local' else 'backup' for t in st['tiers'])}]")
+
+
+def lineage_lines(lin: Mapping[str, Any] | None) -> list[str]:
+    """A checkpoint's lineage as the few lines ``ckpt inspect`` shows."""
+    if not lin:
+        return ["no lineage recorded (saved before ckptcore recorded it)"]
+    out = [f"run {lin.get('run_id')}  session {lin.get('session')}  resume count "
+           f"{lin.get('resume_count', 0)}  world size {lin.get('world_size')}  host {lin.get('host')}"]
+    rf = lin.get("resumed_from")
+    if isinstance(rf, Mapping):
+        out.append(f"resumed from step {rf.get('step')} ({rf.get('tier') or 'local'}: "
+                   f"{rf.get('url')}), its fingerprint {rf.get('fingerprint')}, restored as "
+                   f"{rf.get('restored_fingerprint') or 'unknown'}")
+    c = lin.get("conversion")
+    if isinstance(c, Mapping):
+        out.append(f"converted from {c.get('root')} (format {c.get('format')}, framework "
+                   f"{c.get('framework')})")
+    versions = lin.get("versions") if isinstance(lin.get("versions"), Mapping) else {}
+    git = lin.get("git")
+    out.append(" ".join(f"{k} {v}" for k, v in versions.items())
+               + (f"  git {git.get('commit')}" + (" (dirty)" if git.get("dirty") else "")
+                  if isinstance(git, Mapping) else "  git -"))
+    parts = lin.get("parts") if isinstance(lin.get("parts"), Mapping) else {}
+    out.append(f"fingerprint {lin.get('fingerprint')} ("
+               + ", ".join(f"{p} {parts.get(p) or '-'}" for p in lineage.PARTS) + ")")
+    tags = lin.get("tags") if isinstance(lin.get("tags"), Mapping) else {}
+    if tags:
+        out.append("tags " + " ".join(f"{k}={v}" for k, v in tags.items()))
+    return out

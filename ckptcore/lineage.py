@@ -44,7 +44,7 @@ from ._version import __version__
 from .errors import SchemaError
 
 __all__ = ["Run", "new_id", "environment", "git_state", "fingerprint_parts", "fingerprint",
-           "position", "process_run", "resume",
+           "position", "process_run", "resume", "converted",
            "restored_parts", "record", "parse", "PARTS", "check_tags"]
 
 log = logging.getLogger("ckptcore")
@@ -432,3 +432,17 @@ def resume(saved: Mapping[str, Any] | None, *, step: int, url: str, tier: str,
             "restored_fingerprint": (fingerprint(restored) if restored is not None else None),
             "position": dict(restored_position) if restored_position is not None else None,
             "newest_step": newest_step, "at": time.time()}
+
+
+def converted(*, framework: str | None, format: str, root: str,
+              source: Mapping[str, Any] | None = None) -> Run:
+    """The run of a checkpoint made by an import (``format``: the native format read) or a
+    conversion (``format="ckptcore"``) of ``root``: the source's run id when it has one (a
+    converted ckptcore checkpoint continues its run), else a new run."""
+    source = source or {}
+    run_id = source.get("run_id") if isinstance(source.get("run_id"), str) else new_id()
+    count = source.get("resume_count") if isinstance(source.get("resume_count"), int) else 0
+    tags = source.get("tags") if isinstance(source.get("tags"), Mapping) else {}
+    return Run(run_id=run_id, resume_count=count, tags=dict(tags),
+               conversion={"framework": framework, "format": format, "root": root,
+                           "fingerprint": source.get("fingerprint")})
