@@ -22,6 +22,7 @@ from .cursor import DataCursor
 from ._diff import CheckpointDiff, TensorDiff, diff
 from ._scrub import ScrubReport, scrub
 from .layout import CheckpointListing, gc, list_checkpoints
+from ._runlog import run_log
 from .manager import CheckpointManager, SaveHandle
 from .options import Backup, Lease
 from .policies import KeepAll, KeepAny, KeepBest, KeepEvery, KeepEveryDuration, KeepLast
@@ -36,7 +37,7 @@ __all__ = [
     "CheckpointInfo", "TensorInfo",
     "CheckpointManager", "SaveHandle", "Backup", "Lease", "CheckpointFallbackWarning",
     "LockTakeoverWarning",
-    "gc", "list_checkpoints", "CheckpointListing", "diff", "CheckpointDiff", "TensorDiff",
+    "gc", "list_checkpoints", "CheckpointListing", "run_log", "diff", "CheckpointDiff", "TensorDiff",
     "scrub", "ScrubReport",
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
     "DataCursor", "capture_rng", "restore_rng",
