@@ -271,3 +271,44 @@ def test_the_git_commit_and_a_dirty_checkout_are_recorded(tmp_path):
     outside.mkdir()
     if lineage.git_state(tmp_path) is None:  # (tmp_path itself may sit in some checkout)
         assert lineage.git_state(outside) is None
+
+
+def test_a_group_run_records_its_world_size_and_every_rank_sees_the_lineage(tmp_path):
+    from _support import run_ranks
+
+    root = str(tmp_path / "run")
+
+    def first(g):
+        with ckptcore.CheckpointManager(root, group=g, save_on_preemption=False) as mgr:
+            return mgr.save(1, _state(1)).result().lineage
+
+    def second(g):
+        with ckptcore.CheckpointManager(root, group=g, save_on_preemption=False) as mgr:
+            mgr.restore()
+            return mgr.save(2, _state(2)).result().lineage
+
+    saved = run_ranks(ckptcore.ThreadGroup.create(2), first)
+    assert saved[0] == saved[1] and saved[0]["world_size"] == 2  # rank 1's from rank 0's summary
+    resumed = run_ranks(ckptcore.ThreadGroup.create(2), second)
+    assert resumed[1] == resumed[0]
+    assert resumed[0]["resume_count"] == 1 and resumed[0]["run_id"] == saved[0]["run_id"]
+    assert resumed[0]["resumed_from"]["world_size"] == 2
+
+
+def test_ckpt_log_shows_the_tiers_and_flags_a_rewind(tmp_path):
+    root, backup = str(tmp_path / "run"), str(tmp_path / "backup")
+    with ckptcore.CheckpointManager(root, backup=ckptcore.Backup(backup)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    with ckptcore.CheckpointManager(root) as mgr:
+        mgr.restore(step=1)            # back to step 1 on purpose
+        mgr.rewind(2)
+        mgr.save(2, _state(2))
+    data = _log(root, "--backup", backup)
+    assert data["tiers"] == [{"name": "local", "url": root}, {"name": "backup", "url": backup}]
+    (run,) = data["runs"]
+    first, again = run["sessions"]
+    assert first["steps"][0]["tiers"] == ["local", backup]
+    assert again["verdict"] == "flagged" and again["resumed_from"]["step"] == 1
+    assert any(f.startswith("rewind: resumed from step 1 while step 2 was the newest")
+               for f in again["flags"])
