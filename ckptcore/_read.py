@@ -280,7 +280,8 @@ def summary_of(m: Manifest) -> bytes | None:
     """What a :class:`CheckpointInfo` of ``m`` shows but its tensor and shard lists (their
     counts instead), packed: the few hundred bytes rank 0 of a group save sends the other ranks
     (``_dist``), so that none of them reads the manifest back.  ``data`` and ``metadata`` are
-    left out when they would make it larger than ``_SUMMARY_MAX`` bytes (read on first use then);
+    left out when they would make it larger than ``_SUMMARY_MAX`` bytes (read on first use then),
+    and so is ``lineage`` always (a record of the run, which a rank rarely asks for);
     None (every rank reads the manifest) if even the rest would be, which no writer of ours
     produces."""
     info = info_of("", m)
@@ -296,9 +297,9 @@ def summary_of(m: Manifest) -> bytes | None:
         log.info("summary of a commit: %d bytes without data and metadata, over %d; the other "
                  "ranks read the manifest", size, _SUMMARY_MAX)
         return None
-    for key in ("data", "metadata", "lineage"):
-        if key == "lineage" and info.lineage is None:
-            continue
+    if info.lineage is not None:  # (rank 0 writes it; the others read it if they ask)
+        out["lineage_left_out"] = True
+    for key in ("data", "metadata"):
         try:
             n = len(_codec.pack_values(getattr(info, key)))
         except (TypeError, ValueError) as e:  # cannot happen for a decoded tree: be safe
@@ -308,8 +309,6 @@ def summary_of(m: Manifest) -> bytes | None:
         if n is not None and size + n <= _SUMMARY_MAX:
             out[key], size = getattr(info, key), size + n
         else:
-            if key == "lineage":
-                out["lineage_left_out"] = True
             log.info("summary of a commit: %s left out (%s); read from the manifest on first use",
                      key, why)
     return _codec.pack_values(out)
@@ -343,7 +342,7 @@ def _from_summary(store: Store, s: Any) -> CheckpointInfo:
     source = LazyManifest(store, s["writer"].get("id"))
     sections = {k: s[k] if isinstance(s.get(k), dict) else LazySection(source, k)
                 for k in ("data", "metadata")}
-    # (a lineage left out of the summary for its size is read on first use, like data)
+    # (rank 0 leaves the lineage out of the summary: read from the manifest on first use)
     lineage = s.get("lineage") if isinstance(s.get("lineage"), dict) else (
         LazySection(source, "lineage") if s.get("lineage_left_out") else None)
     return CheckpointInfo(

@@ -6,6 +6,7 @@ the git commit of a temporary repository."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -312,3 +313,25 @@ def test_ckpt_log_shows_the_tiers_and_flags_a_rewind(tmp_path):
     assert again["verdict"] == "flagged" and again["resumed_from"]["step"] == 1
     assert any(f.startswith("rewind: resumed from step 1 while step 2 was the newest")
                for f in again["flags"])
+
+
+def test_ckpt_log_shows_a_conversion_and_flags_a_change_of_framework(tmp_path):
+    root = tmp_path / "run"
+    source = lineage.converted(framework="keras", format="tf-checkpoint", root="/data/ckpt-9")
+    keras_state = dataclasses.replace(_state(1), framework="keras")
+    ckptcore.save_state(str(root / "step-000000000001"), keras_state, lineage=source)
+    with ckptcore.CheckpointManager(str(root)) as mgr:
+        state = mgr.restore()
+        mgr.save(2, dataclasses.replace(state, framework="numpy", step=2))
+    (run,) = _log(str(root))["runs"]
+    imported, migrated = run["sessions"]
+    assert imported["conversion"]["root"] == "/data/ckpt-9"
+    assert "converted from /data/ckpt-9 (format tf-checkpoint, framework keras)" in imported["notes"]
+    assert "framework changed: keras -> numpy (migrated; RNG states reseeded)" in migrated["flags"]
+    # ckpt ls --json carries the run and the local save time too
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["ls", str(root), "--json"]) == 0
+    rows = json.loads(out.getvalue())
+    assert [r["resume_count"] for r in rows] == [0, 1]
+    assert {r["run_id"] for r in rows} == {run["run_id"]} and rows[0]["created_local"][:2] == "20"
