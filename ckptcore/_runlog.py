@@ -43,8 +43,16 @@ _CONSEQUENCE = {
 
 def run_log(root: str | os.PathLike, *, backups: Sequence[str] = (),
             storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The history of the run(s) under ``root`` (and ``backups``' copies) as plain data: see the
-    module docstring and docs/FORMAT.md for its keys."""
+    """The history of the run(s) under ``root`` (and ``backups``' copies) as plain data: runs,
+    their sessions and each resume's verdict (the module docstring; the keys are in
+    docs/FORMAT.md, section 13).  Reads every committed step's manifest, never tensor data; a
+    step whose manifest cannot be read is listed under ``unreadable``, one without a lineage
+    under ``unrecorded``.
+
+    Example:
+        >>> for run in ckptcore.run_log("s3://runs/exp1")["runs"]:                # doctest: +SKIP
+        ...     print(run["run_id"], [s["verdict"] for s in run["sessions"]])
+    """
     tiers = [("local", os.fspath(root))] + [(os.fspath(b), os.fspath(b)) for b in backups]
     steps: dict[int, dict[str, Any]] = {}
     for name, url in tiers:

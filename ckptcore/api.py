@@ -91,7 +91,7 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     run = lineage if lineage is not None else _run_of(tags, resumed_from, storage_options)
     state, enc, arrays, version = _encode(store, state, objects, group)
     token = uuid.uuid4().hex[:16]
-    record = _lineage_record(state, run, group)
+    record = lineage_module.record(state, run, world_size=group.size if group else 1)
     make_manifest = _manifest_maker(state, enc, version, token, fence, len(arrays), record)
     if group is not None:
         return _save_with_group(store, group, enc, arrays, make_manifest, token=token,
@@ -200,25 +200,9 @@ def _run_of(tags: Mapping[str, str] | None, resumed_from: Any,
         return run
     info = (resumed_from if isinstance(resumed_from, CheckpointInfo)
             else inspect(resumed_from, storage_options=storage_options))
-    saved = dict(info.lineage) if info.lineage is not None else None
-    parts = (saved or {}).get("parts") or {p: None for p in lineage_module.PARTS}
-    return run.resumed(saved, lineage_module.resume(
-        saved, step=info.step, url=info.url, tier="local",
-        generation=info.writer.get("generation"), framework=info.framework, saved_parts=parts))
-
-
-def _lineage_record(state: TrainingState, run: Run, group: ProcessGroup | None
-                    ) -> dict[str, Any] | None:
-    """The manifest's lineage map; None (logged) if it cannot be made: a save never fails
-    for want of its lineage."""
-    try:
-        return lineage_module.record(
-            state, run, world_size=int(group.size) if group is not None else 1,
-            framework=state.framework,
-            framework_versions=dict(state.metadata.get("versions") or {}))
-    except Exception as e:  # noqa: BLE001 - bookkeeping: never the reason a save fails
-        log.warning("save: no lineage recorded (%s: %s)", type(e).__name__, e)
-        return None
+    return lineage_module.resuming(run, info.lineage, step=info.step, url=info.url,
+                                   generation=info.writer.get("generation"),
+                                   framework=info.framework)
 
 
 def _manifest_maker(state: TrainingState, enc: Any, version: int, token: str, fence: Any,

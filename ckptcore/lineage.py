@@ -44,7 +44,7 @@ from ._version import __version__
 from .errors import SchemaError
 
 __all__ = ["Run", "new_id", "environment", "git_state", "fingerprint_parts", "fingerprint",
-           "position", "process_run", "resume", "converted",
+           "position", "process_run", "resume", "resuming", "converted",
            "restored_parts", "record", "parse", "PARTS", "check_tags"]
 
 log = logging.getLogger("ckptcore")
@@ -274,7 +274,16 @@ def fingerprint_parts(state: Any) -> dict[str, str | None]:
     opt = getattr(state, "optimizer", None)
     return {"data": _digest(_cursor_key(state.data)) if state.data else None,
             "rng": _digest(state.rng) if state.rng else None,
-            "optimizer": _digest(int(opt.step)) if opt is not None else None}
+            "optimizer": _digest(_as_int(opt.step)) if opt is not None else None}
+
+
+def _as_int(v: Any) -> Any:
+    """An optimizer step as a Python int (a NumPy integer at capture is a plain int once
+    loaded); anything else as it is."""
+    try:
+        return int(v) if not isinstance(v, (bool, float)) else v
+    except (TypeError, ValueError):
+        return v
 
 
 def fingerprint(parts: Mapping[str, Any]) -> str:
@@ -325,18 +334,23 @@ def position(data: Mapping[str, Any] | None) -> dict[str, Any] | None:
             "per_epoch": per_epoch}
 
 
-def record(state: Any, run: Run, *, world_size: int, framework: str | None,
-           framework_versions: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``lineage`` map of a save of ``state`` in ``run``."""
-    parts = fingerprint_parts(state)
-    return {"run_id": run.run_id, "session": run.session, "started": float(run.started),
-            "resume_count": int(run.resume_count),
-            "resumed_from": dict(run.resumed_from) if run.resumed_from is not None else None,
-            "conversion": dict(run.conversion) if run.conversion is not None else None,
-            "world_size": int(world_size), "framework": framework,
-            **environment(framework, framework_versions),
-            "tags": dict(run.tags), "fingerprint": fingerprint(parts), "parts": parts,
-            "position": position(state.data)}
+def record(state: Any, run: Run, *, world_size: int) -> dict[str, Any] | None:
+    """The ``lineage`` map of a save of ``state`` in ``run``; None (logged) if it cannot be
+    made: a save never fails for want of its lineage."""
+    try:
+        parts = fingerprint_parts(state)
+        versions = state.metadata.get("versions") if isinstance(state.metadata, Mapping) else None
+        return {"run_id": run.run_id, "session": run.session, "started": float(run.started),
+                "resume_count": int(run.resume_count),
+                "resumed_from": dict(run.resumed_from) if run.resumed_from is not None else None,
+                "conversion": dict(run.conversion) if run.conversion is not None else None,
+                "world_size": int(world_size), "framework": state.framework,
+                **environment(state.framework, versions if isinstance(versions, Mapping) else {}),
+                "tags": dict(run.tags), "fingerprint": fingerprint(parts), "parts": parts,
+                "position": position(state.data)}
+    except Exception as e:  # noqa: BLE001 - bookkeeping: never the reason a save fails
+        log.warning("save: no lineage recorded (%s: %s)", type(e).__name__, e)
+        return None
 
 
 # -- reading: untrusted ------------------------------------------------------------------------
@@ -446,3 +460,14 @@ def converted(*, framework: str | None, format: str, root: str,
     return Run(run_id=run_id, resume_count=count, tags=dict(tags),
                conversion={"framework": framework, "format": format, "root": root,
                            "fingerprint": source.get("fingerprint")})
+
+
+def resuming(run: Run, saved: Mapping[str, Any] | None, *, step: int, url: str,
+             generation: int | None, framework: str | None) -> Run:
+    """``run`` resumed from checkpoint ``step`` at ``url`` whose lineage is ``saved``, what was
+    restored not known (``save_state(resumed_from=...)``)."""
+    saved = dict(saved) if saved is not None else None
+    parts = (saved or {}).get("parts") or {p: None for p in PARTS}
+    return run.resumed(saved, resume(saved, step=step, url=url, tier="local",
+                                     generation=generation, framework=framework,
+                                     saved_parts=parts))

@@ -340,8 +340,12 @@ class CheckpointManager:
             self._fell_back = frozenset(found.passed - {found.step})
         if self._coordinator and restorer.restored is not None:  # rank 0 writes the lineage
             tier, restored_step, newest = restorer.restored
-            self._run = resumed_run(self._run, self.tiers, tier, restored_step, newest, state,
-                                    objects, keys)
+            try:
+                self._run = resumed_run(self._run, self.tiers, tier, restored_step, newest,
+                                        state, objects, keys)
+            except Exception as e:  # noqa: BLE001 - bookkeeping never fails a restore
+                log.warning("restore: step %d restored, but its resume is not recorded in the "
+                            "lineage (%s: %s)", restored_step, type(e).__name__, e)
         return state
 
     @property
