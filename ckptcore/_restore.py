@@ -226,7 +226,8 @@ class Restorer:
 
 
 def resumed_run(run: lineage.Run, tiers: list[Tier], tier: int, step: int, newest: int | None,
-                state: TrainingState, objects: Mapping[str, Any], keys: Any) -> lineage.Run:
+                state: TrainingState, objects: Mapping[str, Any], keys: Any,
+                unapplied: set[str] | frozenset = frozenset()) -> lineage.Run:
     """The run a manager continues after restoring ``step`` from ``tiers[tier]`` into
     ``objects``: the step's run id, one resume more, and the record of what was restored
     against what was saved (``ckptcore.lineage.resume``).  The step's manifest is read again
@@ -243,7 +244,7 @@ def resumed_run(run: lineage.Run, tiers: list[Tier], tier: int, step: int, newes
     saved = dict(info.lineage) if info is not None and info.lineage is not None else None
     parts = ((saved or {}).get("parts") if isinstance((saved or {}).get("parts"), Mapping)
              else lineage.fingerprint_parts(state))
-    restored = lineage.restored_parts(state, objects, keys, parts)
+    restored = lineage.restored_parts(state, objects, keys, parts, unapplied)
     cursor = objects.get("cursor")
     got = getattr(cursor, "state_dict", None)
     record = lineage.resume(

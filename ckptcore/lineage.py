@@ -292,28 +292,31 @@ def fingerprint(parts: Mapping[str, Any]) -> str:
 
 
 def restored_parts(state: Any, objects: Mapping[str, Any], keys: Any,
-                   saved: Mapping[str, Any]) -> dict[str, str | None]:
+                   saved: Mapping[str, Any], unapplied: set[str] | frozenset = frozenset()
+                   ) -> dict[str, str | None]:
     """What a restore put back, per part: the digest of what was restored (the cursor's own
     position read back from it), or why not (:data:`IGNORED`, :data:`NOT_LOADED`,
     :data:`RETURNED`); None for a part the checkpoint does not hold.  ``saved``: the parts as
-    saved (what the checkpoint holds, also for a part ``keys`` left out)."""
+    saved (also those ``keys`` left out); ``unapplied``: the parts the restore warned it left
+    unapplied (``UnappliedStateWarning``: the adapter's word, e.g. an optimizer without
+    ``optimizer=``)."""
     keys = None if keys is None else set(keys)
     model = objects.get("model") is not None
+    left = {p.split()[0] for p in unapplied}  # "optimizer slots" is the optimizer's
     out: dict[str, str | None] = {}
-    for part, target in (("data", "cursor"), ("rng", None), ("optimizer", "optimizer")):
+    for part in PARTS:
         if saved.get(part) is None:
             out[part] = None
         elif keys is not None and part not in keys:
             out[part] = NOT_LOADED
+        elif part in left or (part == "rng" and model and objects.get("rng") is False):
+            out[part] = IGNORED
         elif part == "data" and objects.get("cursor") is not None:
             got = getattr(objects["cursor"], "state_dict", None)
-            out[part] = _digest(_cursor_key(got())) if callable(got) else _digest(
-                _cursor_key(state.data))
+            out[part] = _digest(_cursor_key(got() if callable(got) else state.data))
         elif not model:
             out[part] = RETURNED
-        elif part == "rng":
-            out[part] = IGNORED if objects.get("rng") is False else fingerprint_parts(state)["rng"]
-        elif objects.get(target) is None:
+        elif part == "data":  # a model without a cursor: the core warned (or keys left it)
             out[part] = IGNORED
         else:
             out[part] = fingerprint_parts(state)[part]

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 
 from . import _dist, _preempt, api, layout, lineage
 from ._backup import Backups, BackupTier
+from .adapter import unapplied_parts
 from ._lock import WriterLock
 from ._restore import Restorer, resumed_run
 from ._staging import InFlight, SaveHandle, Staging, completed
@@ -334,7 +335,9 @@ class CheckpointManager:
         every rank restores the same step, and a step that fails on any rank is skipped by all.
         """
         restorer = Restorer(self.tiers, self.group, self.root)
-        state, found = restorer.restore(step, keys=keys, like=like, seed=seed, objects=objects)
+        with unapplied_parts() as unapplied:  # (recorded in the lineage of the next saves)
+            state, found = restorer.restore(step, keys=keys, like=like, seed=seed,
+                                            objects=objects)
         if found is not None:  # only a run that did resume from an older step may save over these
             self._skipped = frozenset(found.damaged)
             self._fell_back = frozenset(found.passed - {found.step})
@@ -342,7 +345,7 @@ class CheckpointManager:
             tier, restored_step, newest = restorer.restored
             try:
                 self._run = resumed_run(self._run, self.tiers, tier, restored_step, newest,
-                                        state, objects, keys)
+                                        state, objects, keys, unapplied)
             except Exception as e:  # noqa: BLE001 - bookkeeping never fails a restore
                 log.warning("restore: step %d restored, but its resume is not recorded in the "
                             "lineage (%s: %s)", restored_step, type(e).__name__, e)

@@ -134,7 +134,7 @@ def test_a_resume_that_ignored_the_saved_cursor_is_flagged(tmp_path):
     cursor = ckptcore.DataCursor(100, 10, seed=1)
     with ckptcore.CheckpointManager(root) as mgr, warnings.catch_warnings():
         warnings.simplefilter("ignore", ckptcore.UnappliedStateWarning)
-        mgr.restore(model=model, optimizer=opt)  # no cursor=: the epoch starts over
+        mgr.restore(model=model, optimizer=opt, rng=False)  # no cursor=: the epoch starts over
         cursor.next_batch()
         mgr.save(4, model=model, optimizer=opt, cursor=cursor)
     (run,) = _log(root)["runs"]
@@ -144,6 +144,8 @@ def test_a_resume_that_ignored_the_saved_cursor_is_flagged(tmp_path):
     assert "data position saved but not restored (no cursor= given)" in flags
     # and the positions saved show what it cost: 30 samples seen again
     assert "data repeated: at step 4 the cursor is at sample 10 of the run, 30 before the 40" in flags
+    assert "RNG states saved but not restored (rng=False)" in flags
+    assert resumed["resumed_from"]["restored"]["optimizer"] == resumed["resumed_from"]["parts"]["optimizer"]
     text = _log_text(root)
     assert "FLAGGED" in text and "! data position saved but not restored" in text
 
