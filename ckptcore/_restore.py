@@ -254,8 +254,7 @@ def resumed_run(run: lineage.Run, tiers: list[Tier], tier: int, step: int, newes
         saved_parts=parts, restored=restored, newest_step=newest,
         restored_position=lineage.position(got()) if callable(got) else None)
     new = run.resumed(saved, record)
-    unapplied = [p for p, v in restored.items() if v in (lineage.IGNORED, lineage.NOT_LOADED)]
+    left = [p for p, v in restored.items() if v in (lineage.IGNORED, lineage.NOT_LOADED)]
     log.info("restore: run %s resumes from step %d (%s), resume %d%s", new.run_id, step, url,
-             new.resume_count, f"; saved part(s) not restored: {', '.join(unapplied)}"
-             if unapplied else "")
+             new.resume_count, f"; saved part(s) not restored: {', '.join(left)}" if left else "")
     return new
