@@ -71,6 +71,9 @@ class CheckpointInfo:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     # What the save recorded of its cost (the manifest's optional ``stats``; empty: none).
     stats: Mapping[str, Any] = field(default_factory=dict)
+    # The run this checkpoint belongs to and where it came from (``ckptcore.lineage``); None
+    # for a checkpoint written before ckptcore recorded it.
+    lineage: Mapping[str, Any] | None = None
 
 
 class LazyManifest:
@@ -246,7 +249,9 @@ class LazySection(MappingABC):
 
 def _section(m: Manifest, key: str) -> dict:
     """The ``data`` or ``metadata`` section shown as a value: tensors in it are named, not
-    loaded; a section that is not a map shows as ``{}``."""
+    loaded; a section that is not a map shows as ``{}``.  (``lineage``: the manifest's own.)"""
+    if key == "lineage":
+        return dict(m.lineage or {})
     named = _codec.substitute(m.tree.get(key),
                               lambda r: f"<tensor {m.tensors.logical_name(r.index)}>")
     return named if isinstance(named, dict) else {}
@@ -263,7 +268,8 @@ def info_of(url: str, m: Manifest) -> CheckpointInfo:
         sections=sections, tensors=TensorInfos(m),  # type: ignore[arg-type]
         nbytes=m.tensors.nbytes(), shards=tuple(s.path for s in m.shards),
         writer=m.writer, library=m.library,
-        data=_section(m, "data"), metadata=_section(m, "metadata"), stats=dict(m.stats or {}))
+        data=_section(m, "data"), metadata=_section(m, "metadata"), stats=dict(m.stats or {}),
+        lineage=m.lineage)
 
 
 # A summary larger than this leaves ``data`` and ``metadata`` out (read on first use instead):
@@ -277,7 +283,8 @@ def summary_of(m: Manifest) -> bytes | None:
     """What a :class:`CheckpointInfo` of ``m`` shows but its tensor and shard lists (their
     counts instead), packed: the few hundred bytes rank 0 of a group save sends the other ranks
     (``_dist``), so that none of them reads the manifest back.  ``data`` and ``metadata`` are
-    left out when they would make it larger than ``_SUMMARY_MAX`` bytes (read on first use then);
+    left out when they would make it larger than ``_SUMMARY_MAX`` bytes (read on first use then),
+    and so is ``lineage`` always (a record of the run, which a rank rarely asks for);
     None (every rank reads the manifest) if even the rest would be, which no writer of ours
     produces."""
     info = info_of("", m)
@@ -293,6 +300,8 @@ def summary_of(m: Manifest) -> bytes | None:
         log.info("summary of a commit: %d bytes without data and metadata, over %d; the other "
                  "ranks read the manifest", size, _SUMMARY_MAX)
         return None
+    if info.lineage is not None:  # (rank 0 writes it; the others read it if they ask)
+        out["lineage_left_out"] = True
     for key in ("data", "metadata"):
         try:
             n = len(_codec.pack_values(getattr(info, key)))
@@ -336,12 +345,15 @@ def _from_summary(store: Store, s: Any) -> CheckpointInfo:
     source = LazyManifest(store, s["writer"].get("id"))
     sections = {k: s[k] if isinstance(s.get(k), dict) else LazySection(source, k)
                 for k in ("data", "metadata")}
+    # (rank 0 leaves the lineage out of the summary: read from the manifest on first use)
+    lineage = s.get("lineage") if isinstance(s.get("lineage"), dict) else (
+        LazySection(source, "lineage") if s.get("lineage_left_out") else None)
     return CheckpointInfo(
         url=store.url, **{k: s[k] for k in _CORE},
         tensors=TensorInfos(source, s["tensors"]),  # type: ignore[arg-type]
         shards=ShardPaths(source, s["shards"]),  # type: ignore[arg-type]
         data=sections["data"], metadata=sections["metadata"],
-        stats=s["stats"] if isinstance(s.get("stats"), dict) else {})
+        stats=s["stats"] if isinstance(s.get("stats"), dict) else {}, lineage=lineage)
 
 
 def read_manifest(store: Store) -> Manifest:

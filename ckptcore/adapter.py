@@ -57,6 +57,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import contextlib
+import contextvars
 import functools
 import importlib
 import logging
@@ -82,7 +84,7 @@ __all__ = ["Adapter", "any_bit", "PackageAdapter", "FileFormat", "DemoProgram", 
            "check_url", "convert_for", "parse_dtype", "knobs", "tiers", "RestrictedUnpickler",
            "Record", "RecordClass", "restricted_load", "plain_records", "check_plain", "brief",
            "brief_error", "PLAIN_KEYS", "MAX_DEPTH", "plan_training_parts", "finish_restore",
-           "check_keywords", "lazy_attributes", "value_check"]
+           "check_keywords", "lazy_attributes", "value_check", "unapplied_parts"]
 
 # How many checkpoints a framework callback keeps when the user does not say: the same number in
 # every adapter, so switching frameworks does not change how much disk a run uses.
@@ -140,6 +142,22 @@ def qualified(section: str, *parts: str) -> str:
     return "/".join((section, *parts))
 
 
+_unapplied_seen: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "ckptcore_unapplied", default=None)
+
+
+@contextlib.contextmanager
+def unapplied_parts() -> Iterator[set[str]]:
+    """The parts :func:`warn_unapplied` names while the block runs (in this thread), whether
+    or not the warning is shown: what a ``CheckpointManager.restore`` left unapplied."""
+    seen: set[str] = set()
+    token = _unapplied_seen.set(seen)
+    try:
+        yield seen
+    finally:
+        _unapplied_seen.reset(token)
+
+
 def warn_unapplied(parts: Mapping[str, str], *, stacklevel: int = 3) -> None:
     """Warn, once per restore, about saved parts of the state that this restore does not apply.
 
@@ -151,6 +169,9 @@ def warn_unapplied(parts: Mapping[str, str], *, stacklevel: int = 3) -> None:
     """
     if not parts:
         return
+    seen = _unapplied_seen.get()
+    if seen is not None:  # a manager's restore records them in the run's lineage
+        seen.update(parts)
     listed = "; ".join(f"{part} ({fix})" for part, fix in parts.items())
     message = (f"the checkpoint holds training state this restore leaves unapplied: {listed}. "
                "A run resumed this way does not continue where it stopped. To leave a part out on "
