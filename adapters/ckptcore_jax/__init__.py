@@ -103,7 +103,8 @@ def template(model: Any, optimizer: Any = None) -> TrainingState:
 
 def process_group() -> Any:
     """This JAX job's processes as a ``ckptcore.ProcessGroup``: a group of one in a single
-    process; a multi-process job (``jax.distributed``) is not supported yet (see ``_group.py``)."""
+    process, else the processes of ``jax.distributed`` over its coordination service (see
+    ``_group.py``)."""
     from ._group import process_group as _process_group
     return _process_group()
 
@@ -117,7 +118,8 @@ def import_orbax(path: str | os.PathLike, **options: Any) -> TrainingState:
 
 def export_orbax(state: TrainingState, path: str | os.PathLike, **options: Any) -> Any:
     """Write an Orbax checkpoint that ``StandardCheckpointer().restore(path, target)`` restores
-    bit for bit (``target=``: that pytree, whose structure is written; see ``_files.py``)."""
+    bit for bit (``target=``: that pytree, whose structure is written; ``overwrite=True`` replaces
+    a folder already at ``path``; see ``_files.py``)."""
     from ._files import export_orbax as _export
     return _export(state, path, **options)
 
