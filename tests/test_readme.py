@@ -247,6 +247,13 @@ class Block:
         return next(iter(wanted), None)
 
 
+def other_frameworks(framework: str | None) -> list[str]:
+    """The modules a block of ``framework`` must not leave imported: the other frameworks' (but
+    what ``framework`` loads itself)."""
+    return [m for f, mods in FRAMEWORK_MODULES.items() if f != framework for m in mods[:1]
+            if m not in ALSO_LOADS.get(framework or "", ())]
+
+
 def _bound(tree: ast.AST, top_level: bool = False) -> set[str]:
     """Names ``tree`` binds (assignments, loop and ``with`` targets, defs, classes, imports)."""
     nodes = tree.body if top_level else list(ast.walk(tree))
@@ -362,8 +369,7 @@ def test_readme_block_runs_as_written_twice(block, request, tmp_path):
         request.applymarker(pytest.mark.xfail(reason=KNOWN_BROKEN[block.digest], strict=True))
     preludes = "\n".join(textwrap.dedent(PRELUDES[p].code) for p in block.preludes)
     script = tmp_path / "block.py"
-    others = [m for f, mods in FRAMEWORK_MODULES.items() if f != framework for m in mods[:1]
-              if m not in ALSO_LOADS.get(framework, ())]
+    others = other_frameworks(framework)
     postlude = (f"\nimport sys as _sys\nassert not {{m for m in {others!r} if m in _sys.modules}}, "
                 f"'a README block imported another framework than {framework}'\n")
     script.write_text(f"{preludes}\n# --- README.md line {block.line} ---\n{block.code}{postlude}")
