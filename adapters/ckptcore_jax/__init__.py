@@ -12,6 +12,9 @@ What can be captured and restored:
 * ``optimizer``: an ``nnx.Optimizer``, or an Optax state pytree held in a :class:`Ref`;
 * ``cursor``: a :class:`ckptcore.DataCursor`; ``step``: the update count.
 
+A restore target's leaves may be abstract (``jax.ShapeDtypeStruct``, from ``jax.eval_shape`` or
+``nnx.eval_shape``): the restored arrays take their shape, dtype and sharding.
+
 JAX arrays are immutable: a restore puts new arrays (same dtype, device and sharding as the live
 ones) where the old ones were, which is why a bare Optax state (a tuple of NamedTuples) needs a
 :class:`Ref` to be restored into.
@@ -126,7 +129,7 @@ def export_orbax(state: TrainingState, path: str | os.PathLike, **options: Any) 
 
 def _jax_leaf(obj: object) -> bool:
     return any(getattr(c, "__module__", "").startswith(("jax", "jaxlib")) and c.__name__ in
-               ("ArrayImpl", "Array", "PRNGKeyArray") for c in type(obj).__mro__)
+               ("ArrayImpl", "Array", "PRNGKeyArray", "ShapeDtypeStruct") for c in type(obj).__mro__)
 
 
 class JaxAdapter(PackageAdapter):

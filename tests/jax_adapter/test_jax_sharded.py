@@ -174,6 +174,7 @@ def test_the_registry_finds_the_adapter_for_a_pytree_of_jax_arrays():
 
     assert adapter_for({"dense": {"kernel": jnp.zeros(2)}}) is ckptcore_jax.ADAPTER
     assert adapter_for([jnp.zeros(2)]) is ckptcore_jax.ADAPTER
+    assert adapter_for({"w": jax.ShapeDtypeStruct((2,), jnp.float32)}) is ckptcore_jax.ADAPTER
 
 
 def test_checkpoint_manager_restores_into_another_mesh(tmp_path):
