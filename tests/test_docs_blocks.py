@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from _support import REPO, subprocess_env
-from test_readme import FRAMEWORK_MODULES, _s3_env
+from test_readme import FRAMEWORK_MODULES, _s3_env, other_frameworks
 
 DOCS = ("docs/CURSOR.md", "docs/MIGRATION.md")
 
@@ -141,7 +141,7 @@ def run_doc(doc: str, request, work: Path) -> None:
     env.update(_s3_env(request, "".join(b.code for b in blocks)))
     for run in ("first", "second"):
         for b in blocks:
-            others = [m for f, mods in FRAMEWORK_MODULES.items() if f != b.framework for m in mods[:1]]
+            others = other_frameworks(b.framework)
             preludes = "\n".join(textwrap.dedent(PRELUDES[p][1]) for p in b.preludes)
             script = work.parent / f"{Path(doc).stem}-{b.line}.py"
             script.write_text(

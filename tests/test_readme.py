@@ -6,7 +6,9 @@ How a block is run:
   folder), then a second time in the same folder: a snippet a user re-runs must not fail
   (``CheckpointExistsError``...) the second time.  A framework's block runs in a process that
   imports only that framework (TensorFlow and Paddle never share a process); it is skipped only
-  when that framework is not installed here.
+  when that framework is not installed here.  A JAX block runs on 8 CPU devices
+  (``XLA_FLAGS=--xla_force_host_platform_device_count=8``, ``JAX_PLATFORMS=cpu``, as README
+  tells a reader to try a mesh on a CPU) with ``JAX_COORDINATOR_ADDRESS`` on a free port.
 - A block that mentions ``s3://`` runs against the moto S3 server of ``tests/conftest.py``:
   every bucket the block names is created there, and the process gets ``AWS_ENDPOINT_URL_S3``
   (what boto and s3fs use when a block passes no ``storage_options``, and what README's S3
@@ -43,14 +45,14 @@ from pathlib import Path
 
 import pytest
 
-from _support import REPO, subprocess_env
+from _support import REPO, free_port, subprocess_env
 
 README = REPO / "README.md"
 
 
 @dataclass(frozen=True)
 class Prelude:
-    framework: str | None  # the one framework the block's process may import ("keras"/"paddle")
+    framework: str | None  # the one framework the block's process may import ("keras", "jax"...)
     code: str
 
 
@@ -146,6 +148,43 @@ PRELUDES: dict[str, Prelude] = {
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
         loss_fn = torch.nn.CrossEntropyLoss()
         """),
+    # A Flax NNX classifier with Dropout, its nnx.Optimizer (Adam), a jitted step, and a bare
+    # parameter pytree with its Optax state.
+    "jax-model": Prelude("jax", """
+        import numpy as np
+        import jax, jax.numpy as jnp, optax
+        from flax import nnx
+        import ckptcore, ckptcore_jax
+        _g = np.random.default_rng(0)
+        x_train = _g.standard_normal((128, 8)).astype(np.float32)
+        y_train = _g.integers(0, 3, 128).astype(np.int32)
+        epochs = EPOCHS = 2
+
+        class MLP(nnx.Module):
+            def __init__(self, rngs):
+                self.hidden = nnx.Linear(8, 16, rngs=rngs)
+                self.drop = nnx.Dropout(0.1, rngs=rngs)
+                self.out = nnx.Linear(16, 3, rngs=rngs)
+
+            def __call__(self, x):
+                return self.out(self.drop(jax.nn.relu(self.hidden(x))))
+
+        model = MLP(nnx.Rngs(params=0, dropout=1))
+        tx = optax.adam(1e-3)
+        opt = optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def train_step(model, opt, x, y):
+            def loss_fn(m):
+                return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            opt.update(model, grads)
+            return loss
+
+        params = {"dense": {"kernel": jnp.asarray(_g.standard_normal((8, 3)), jnp.float32),
+                            "bias": jnp.zeros(3, jnp.float32)}}
+        opt_state = tx.init(params)
+        """),
 }
 
 # Blocks known to be broken as they stand, by the sha256 of their exact text, with the reason: a
@@ -158,7 +197,13 @@ MARKER = re.compile(r"^<!--\s*prelude:\s*(.+?)\s*-->$")
 CODE_MARKER = re.compile(r"^#\s*prelude:", re.MULTILINE)  # the old in-code marker: not shown any more
 FRAMEWORK_MODULES = {"keras": ("tensorflow", "keras", "ckptcore_keras"),
                      "paddle": ("paddle", "ckptcore_paddle"),
-                     "torch": ("torch", "ckptcore_torch", "lightning")}
+                     "torch": ("torch", "ckptcore_torch", "lightning"),
+                     "jax": ("jax", "ckptcore_jax", "flax", "optax", "orbax")}
+# What a framework imports itself: Keras 3 loads JAX when it is installed, whatever its backend.
+ALSO_LOADS = {"keras": ("jax",)}
+# A JAX block runs on 8 CPU devices (README says how to get them) and, for a block that starts
+# jax.distributed, with its coordinator on a free port (two blocks at once must not share one).
+JAX_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
 
 
 @dataclass(frozen=True)
@@ -200,6 +245,13 @@ class Block:
                 wanted.add(framework)
         assert len(wanted) <= 1, f"README block at line {self.line} needs {sorted(wanted)} in one process"
         return next(iter(wanted), None)
+
+
+def other_frameworks(framework: str | None) -> list[str]:
+    """The modules a block of ``framework`` must not leave imported: the other frameworks' (but
+    what ``framework`` loads itself)."""
+    return [m for f, mods in FRAMEWORK_MODULES.items() if f != framework for m in mods[:1]
+            if m not in ALSO_LOADS.get(framework or "", ())]
 
 
 def _bound(tree: ast.AST, top_level: bool = False) -> set[str]:
@@ -317,7 +369,7 @@ def test_readme_block_runs_as_written_twice(block, request, tmp_path):
         request.applymarker(pytest.mark.xfail(reason=KNOWN_BROKEN[block.digest], strict=True))
     preludes = "\n".join(textwrap.dedent(PRELUDES[p].code) for p in block.preludes)
     script = tmp_path / "block.py"
-    others = [m for f, mods in FRAMEWORK_MODULES.items() if f != framework for m in mods[:1]]
+    others = other_frameworks(framework)
     postlude = (f"\nimport sys as _sys\nassert not {{m for m in {others!r} if m in _sys.modules}}, "
                 f"'a README block imported another framework than {framework}'\n")
     script.write_text(f"{preludes}\n# --- README.md line {block.line} ---\n{block.code}{postlude}")
@@ -326,6 +378,8 @@ def test_readme_block_runs_as_written_twice(block, request, tmp_path):
     env = subprocess_env()
     env.pop("AWS_PROFILE", None)
     env.update(_s3_env(request, block.code))
+    if framework == "jax":
+        env.update(JAX_ENV, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}")
     for run in ("first", "second"):
         done = subprocess.run([sys.executable, str(script)], cwd=work, env=env, capture_output=True,
                               text=True, timeout=600)

@@ -12,6 +12,9 @@ What can be captured and restored:
 * ``optimizer``: an ``nnx.Optimizer``, or an Optax state pytree held in a :class:`Ref`;
 * ``cursor``: a :class:`ckptcore.DataCursor`; ``step``: the update count.
 
+A restore target's leaves may be abstract (``jax.ShapeDtypeStruct``, from ``jax.eval_shape`` or
+``nnx.eval_shape``): the restored arrays take their shape, dtype and sharding.
+
 JAX arrays are immutable: a restore puts new arrays (same dtype, device and sharding as the live
 ones) where the old ones were, which is why a bare Optax state (a tuple of NamedTuples) needs a
 :class:`Ref` to be restored into.
@@ -103,7 +106,8 @@ def template(model: Any, optimizer: Any = None) -> TrainingState:
 
 def process_group() -> Any:
     """This JAX job's processes as a ``ckptcore.ProcessGroup``: a group of one in a single
-    process; a multi-process job (``jax.distributed``) is not supported yet (see ``_group.py``)."""
+    process, else the processes of ``jax.distributed`` over its coordination service (see
+    ``_group.py``)."""
     from ._group import process_group as _process_group
     return _process_group()
 
@@ -117,14 +121,15 @@ def import_orbax(path: str | os.PathLike, **options: Any) -> TrainingState:
 
 def export_orbax(state: TrainingState, path: str | os.PathLike, **options: Any) -> Any:
     """Write an Orbax checkpoint that ``StandardCheckpointer().restore(path, target)`` restores
-    bit for bit (``target=``: that pytree, whose structure is written; see ``_files.py``)."""
+    bit for bit (``target=``: that pytree, whose structure is written; ``overwrite=True`` replaces
+    a folder already at ``path``; see ``_files.py``)."""
     from ._files import export_orbax as _export
     return _export(state, path, **options)
 
 
 def _jax_leaf(obj: object) -> bool:
     return any(getattr(c, "__module__", "").startswith(("jax", "jaxlib")) and c.__name__ in
-               ("ArrayImpl", "Array", "PRNGKeyArray") for c in type(obj).__mro__)
+               ("ArrayImpl", "Array", "PRNGKeyArray", "ShapeDtypeStruct") for c in type(obj).__mro__)
 
 
 class JaxAdapter(PackageAdapter):

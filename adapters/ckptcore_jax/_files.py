@@ -30,12 +30,15 @@ Writing (:func:`export_orbax`) uses Orbax itself (``PyTreeCheckpointHandler``: O
 default, zarr3 on request).  With ``target`` (the pytree the run will restore into, e.g.
 ``{"params": params, "opt_state": opt_state, "step": 0}``) the written tree has exactly its
 structure, dtypes and shardings, so ``StandardCheckpointer().restore(path, target)`` gives the
-state's values bit for bit; without it, nested dicts of NumPy arrays in the layout above.
+state's values bit for bit; without it, nested dicts of NumPy arrays in the layout above.  A state
+captured from sharded arrays (``Shard``/``Chunks`` leaves covering each array) is written whole;
+a folder already at the path is a CheckpointExistsError unless ``overwrite=True``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from typing import Any
@@ -43,8 +46,8 @@ from typing import Any
 import numpy as np
 
 from ckptcore.adapter import FileFormat, knobs, open_regular
-from ckptcore.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                             SchemaError, UnsafeCheckpointError)
+from ckptcore.errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
+                             CorruptCheckpointError, SchemaError, UnsafeCheckpointError)
 from ckptcore.state import OptimizerState, TrainingState
 
 __all__ = ["FORMATS", "import_orbax", "export_orbax", "is_orbax"]
@@ -56,6 +59,8 @@ _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 _SKIP_TYPES = ("None", "Dict", "List", "Tuple", "NamedTuple")  # empty nodes
 _MAX_ENTRIES = 1_000_000
 _MAX_DEPTH = 64
+
+log = logging.getLogger("ckptcore")
 
 
 # --- finding the item folder -------------------------------------------------------------------
@@ -316,12 +321,24 @@ def _state(values: dict[tuple[str, ...], tuple[np.ndarray, str | None]], folder:
 
 
 def _whole(value: Any, name: str) -> np.ndarray:
+    """The whole array of a leaf: blocks (a capture's, or a load's that covers the array) are
+    put together; blocks that leave part of it out are refused."""
     from ckptcore.sharding import Chunks, Shard
 
-    if isinstance(value, (Shard, Chunks)):
-        raise ValueError(f"{name}: a block of a sharded array; load the checkpoint without like= "
-                         "to export whole arrays")
-    return np.asarray(value)
+    if not isinstance(value, (Shard, Chunks)):
+        return np.asarray(value)
+    parts = value.parts if isinstance(value, Chunks) else (value,)
+    first = parts[0]
+    out = np.empty(first.global_shape, first.dtype)
+    covered = np.zeros(first.global_shape, bool)
+    for part in parts:
+        out[part.index()] = part.data
+        covered[part.index()] = True
+    if not covered.all():
+        raise SchemaError(f"{name}: holds only blocks of a sharded array ({int(covered.sum())} of "
+                          f"{covered.size} elements): load the checkpoint without like= to export "
+                          "whole arrays")
+    return out
 
 
 def _nested(flat: dict[str, Any]) -> dict[str, Any]:
@@ -358,6 +375,10 @@ def _from_target(state: TrainingState, target: Any) -> Any:
     others = dict(state.optimizer.extra.get("leaves") or {}) if state.optimizer else {}
     keys = dict((state.extra.get("jax") or {}).get("keys") or {})
     missing = []
+    # The parameters' global shapes, which say which optimizer leaves are their slots (a sharded
+    # parameter is a Shard/Chunks leaf: its own .shape, if any, is a block's).
+    shapes = {n: jax.ShapeDtypeStruct(getattr(v, "global_shape", np.shape(v)), np.float32)
+              for n, v in state.model.items()}
     for path, like in flat:
         full = path_name(path)
         top, _, rest = full.partition("/")
@@ -365,7 +386,7 @@ def _from_target(state: TrainingState, target: Any) -> Any:
         if top in MODEL_KEYS:
             value, impl = state.model.get(rest), keys.get(rest)
         elif top in OPTIMIZER_KEYS and state.optimizer is not None:
-            where = split_name(rest, like, state.model)
+            where = split_name(rest, like, shapes)
             value = (state.optimizer.slots.get(where[0]) or {}).get(where[1]) if where else others.get(rest)
         elif top in STEP_KEYS and not rest:
             value = np.asarray(state.step, dtype=np.asarray(like).dtype)
@@ -378,29 +399,38 @@ def _from_target(state: TrainingState, target: Any) -> Any:
             value = jax.random.wrap_key_data(value, impl=impl or str(jax.random.key_impl(like)))
         elif np.dtype(getattr(like, "dtype", np.asarray(like).dtype)) != value.dtype or \
                 tuple(np.shape(like)) != value.shape:
-            raise ValueError(f"{full}: the state holds {value.dtype}{list(value.shape)}, the target "
+            raise SchemaError(f"{full}: the state holds {value.dtype}{list(value.shape)}, the target "
                              f"{np.asarray(like).dtype}{list(np.shape(like))}")
         if isinstance(like, jax.Array):
             value = jax.device_put(value, like.sharding)
         leaves.append(value)
     if missing:
-        raise ValueError(f"export_orbax: the state has nothing for {', '.join(missing[:20])} of the target")
+        raise SchemaError(f"export_orbax: the state has nothing for {', '.join(missing[:20])} of "
+                          "the target")
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def export_orbax(state: TrainingState, path: str | os.PathLike, *, target: Any = None,
-                 zarr3: bool = False, ocdbt: bool = True, **options: Any) -> str:
+                 zarr3: bool = False, ocdbt: bool = True, overwrite: bool = False,
+                 **options: Any) -> str:
     """Write ``state`` as an Orbax checkpoint at ``path`` (see the module's docstring); returns
-    the path.  ``target``: the pytree Orbax will restore into (its structure is written)."""
+    the path.  ``target``: the pytree Orbax will restore into (its structure is written).
+    Something already at ``path`` is a CheckpointExistsError unless ``overwrite``: then Orbax
+    removes it first (``force=True``, logged; not atomic, as in Orbax)."""
     if options:
         raise TypeError(f"export_orbax does not take {', '.join(sorted(options))}")
+    dst = os.path.abspath(os.fspath(path))
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise CheckpointExistsError(f"{dst}: already exists; export_orbax(..., overwrite=True) "
+                                        "replaces it (or remove it first)")
+        log.info("export_orbax: replacing %s (Orbax removes it, then writes)", dst)
     import orbax.checkpoint as ocp
 
     tree = _default_tree(state) if target is None else _from_target(state, target)
-    dst = os.path.abspath(os.fspath(path))
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=zarr3)
     with ocp.Checkpointer(handler) as ckptr:
-        ckptr.save(dst, args=ocp.args.PyTreeSave(tree))
+        ckptr.save(dst, args=ocp.args.PyTreeSave(tree), force=overwrite)
     return dst
 
 

@@ -11,7 +11,8 @@ multi-process job) contributes an empty ``Shard``.
 Restore (:func:`rebuild`): the live leaf's sharding says which block each device needs; the
 block is cut from a whole saved array, or found among the blocks of a ``Shard``/``Chunks`` value
 (a load with ``like=``:func:`template_leaf`, which reads only those blocks), and
-``jax.make_array_from_callback`` places them.  Any saved mesh restores into any live one.
+``jax.make_array_from_callback`` places them.  Any saved mesh restores into any live one, and
+into an abstract leaf (``jax.ShapeDtypeStruct``) laid out by its ``sharding``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ckptcore.errors import RestoreError
+from ckptcore.errors import CaptureError, RestoreError
 from ckptcore.sharding import Chunks, Shard
 
 from ._tensors import to_numpy
@@ -30,8 +31,11 @@ __all__ = ["array_leaf", "template_leaf", "rebuild", "is_sharded", "global_shape
 
 
 def is_sharded(x: Any) -> bool:
-    """``x`` is a jax.Array cut into blocks (not whole on each device that holds it)."""
-    return isinstance(x, jax.Array) and not x.is_fully_replicated and len(x.sharding.device_set) > 1
+    """``x`` is a jax.Array (or an abstract ``jax.ShapeDtypeStruct`` with a sharding) cut into
+    blocks (not whole on each device that holds it)."""
+    sharding = getattr(x, "sharding", None)
+    return (isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and sharding is not None
+            and not sharding.is_fully_replicated and len(sharding.device_set) > 1)
 
 
 def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -109,7 +113,8 @@ def rebuild(value: Any, like: Any, name: str) -> Any:
     global shape and dtype as ``like``) laid out as ``like`` is: same sharding and devices."""
     shape = tuple(int(d) for d in like.shape)
     sharding = like.sharding
-    if not getattr(like, "committed", True):
+    if sharding is None or not getattr(like, "committed", True):
+        # An abstract leaf without a sharding goes to the default device.
         # An array JAX placed on its default device by itself (jnp.zeros, optax's counts) may
         # follow its operands anywhere; one put on a device explicitly may not.  The restored
         # leaf keeps that freedom.
@@ -132,8 +137,11 @@ def rebuild(value: Any, like: Any, name: str) -> Any:
 def capture_leaf(x: Any, copy: bool = True) -> tuple[Any, str | None]:
     """Leaf ``x`` as (state value, key implementation name or None): a typed key is stored as
     its uint32 ``key_data``, sharded like the key array."""
-    from ._tensors import is_key, key_data, key_impl
+    from ._tensors import is_abstract, is_key, key_data, key_impl
 
+    if is_abstract(x):
+        raise CaptureError(f"an abstract leaf ({x}) holds no values to save: restore into it, "
+                           "or save the concrete model")
     if is_key(x):
         return array_leaf(key_data(x), copy), key_impl(x)
     return array_leaf(x, copy), None
@@ -161,11 +169,11 @@ def plan_leaf(plan: Any, qname: str, saved: Any, live: Any, *, saved_impl: str |
         raise RestoreError(f"{qname}: the checkpoint holds {got_dtype}, the target is {want_dtype}")
 
     def do_put() -> None:
-        if isinstance(like, jax.Array):
+        if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
             new = rebuild(saved, like, qname)
             if impl:
                 new = jax.random.wrap_key_data(new, impl=impl)
-                if getattr(live, "committed", True):
+                if getattr(live, "committed", True) and live.sharding is not None:
                     new = jax.device_put(new, live.sharding)
         else:
             whole = saved if not isinstance(saved, (Shard, Chunks)) else _block(

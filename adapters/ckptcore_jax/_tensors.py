@@ -10,6 +10,11 @@ NNX ``Variable`` is set in place, a ``dict``/``list`` container item is replaced
 
 Typed ``jax.random`` keys (``jax.random.key``) are stored as their ``key_data`` (uint32) with the
 key's implementation name beside them; raw keys (``PRNGKey``) are plain uint32 arrays already.
+
+A restore target's leaf may be abstract, a ``jax.ShapeDtypeStruct`` (``jax.eval_shape``,
+``nnx.eval_shape``; with a ``sharding`` or without: then the default device), as Orbax restores
+into: the restored array is made with its shape, dtype and sharding, and nothing is allocated
+for the leaf before.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 from ckptcore.errors import RestoreError
 
 __all__ = ["Leaves", "named_tensors", "pytree_leaves", "nnx_leaves", "path_name", "is_key",
-           "key_impl", "to_numpy", "key_data", "assign"]
+           "is_abstract", "key_impl", "to_numpy", "key_data", "assign"]
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -45,11 +50,22 @@ def is_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def is_abstract(x: Any) -> bool:
+    """``x`` is a ``jax.ShapeDtypeStruct``: a leaf to restore into that holds no data yet."""
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
 def key_impl(x: Any) -> str:
+    if is_abstract(x):
+        # jax.random.key_impl takes only concrete keys; an abstract key's dtype (key<fry>) holds
+        # the implementation it names.
+        return str(x.dtype._impl.name)
     return str(jax.random.key_impl(x))
 
 
 def key_data(x: Any) -> Any:
+    if is_abstract(x):
+        return jax.eval_shape(jax.random.key_data, x)
     return jax.random.key_data(x)
 
 

@@ -3,6 +3,8 @@
     python _jax_group_worker.py save URL     # every process saves its blocks: one commit
     python _jax_group_worker.py load URL     # every process loads its blocks (like=) and checks them
     python _jax_group_worker.py late URL     # process 1 does not come to a barrier in time
+    python _jax_group_worker.py orbax DIR    # Orbax saves DIR/ocdbt and DIR/zarr3 (every process
+                                             # its shards) and restores DIR/exported into the mesh
 
 The arrays are :func:`expected` (pure functions of their shapes) laid over a mesh of every
 device of the job (4 x 2: ``a`` across the processes' devices, ``b`` within).
@@ -62,6 +64,9 @@ def main(mode: str, url: str) -> None:
     if mode == "late":
         late(group, rank)
         return
+    if mode == "orbax":
+        orbax(mesh, url, rank)
+        return
     if mode == "save":
         params, opt = build(mesh)
         state = ckptcore_jax.capture(ckptcore_jax.Ref(params), ckptcore_jax.Ref(opt), rng=False, step=7)
@@ -81,6 +86,38 @@ def main(mode: str, url: str) -> None:
             assert np.asarray(shard.data).tobytes() == whole[shard.index].tobytes(), (rank, k, shard.index)
             checked += 1
     print(json.dumps({"rank": rank, "ok": report.ok, "checked": checked, "step": state.step}), flush=True)
+
+
+def orbax(mesh, folder: str, rank: int) -> None:
+    """A multi-process Orbax save, OCDBT (``StandardCheckpointer``) and plain zarr3, each process
+    writing the shards it holds; then ``folder/exported`` (written by ``export_orbax`` in one
+    process) restored by Orbax into this job's mesh, every shard checked here."""
+    import os
+
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    params, opt = build(mesh)
+    tree = {"params": params, "opt_state": opt, "step": 7}
+    with ocp.StandardCheckpointer() as c:
+        c.save(os.path.join(folder, "ocdbt"), tree)
+        c.wait_until_finished()
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)) as c:
+        c.save(os.path.join(folder, "zarr3"), args=ocp.args.PyTreeSave(tree))
+    zeros, zero_opt = build(mesh, fill=False)
+    with ocp.StandardCheckpointer() as c:
+        restored = c.restore(os.path.join(folder, "exported"),
+                             {"params": zeros, "opt_state": zero_opt, "step": 0})
+    want, checked = expected(), 0
+    got = {**restored["params"], "mu": restored["opt_state"]["mu"]["w"],
+           "count": restored["opt_state"]["count"]}
+    for k, arr in got.items():
+        assert arr.sharding == (zeros.get(k, zeros["w"]) if k != "count" else zero_opt["count"]).sharding, k
+        for shard in arr.addressable_shards:
+            whole = want["w" if k == "mu" else k]
+            assert np.asarray(shard.data).tobytes() == whole[shard.index].tobytes(), (rank, k)
+            checked += 1
+    print(json.dumps({"rank": rank, "checked": checked, "step": int(restored["step"])}), flush=True)
 
 
 def late(group, rank: int) -> None:

@@ -1,7 +1,9 @@
 """Run a worker script as the processes of a real ``jax.distributed`` job on 127.0.0.1.
 
 ``launch(script, world, *args)`` starts ``world`` processes with ``JAX_RANK``, ``JAX_WORLD``,
-``JAX_COORDINATOR=127.0.0.1:<free port>`` and ``DEVICES`` CPU devices each, waits for them
+``JAX_COORDINATOR=127.0.0.1:<free port>`` (and the same as README's multi-process example reads
+them: ``PROCESS_ID``, ``NUM_PROCESSES``, ``JAX_COORDINATOR_ADDRESS``) and ``devices`` CPU
+devices each, in ``cwd`` (default: this folder), waits for them
 (``timeout``), kills any left in a ``finally`` (a broken test must not hang or leave processes
 behind), and returns each one's return code, last stdout line parsed as JSON and stderr tail.
 A worker calls :func:`init` first.
@@ -21,20 +23,22 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
-def launch(script: str, world: int, *args: Any, devices: int = 4, timeout: float = 120) -> list[dict[str, Any]]:
+def launch(script: str | Path, world: int, *args: Any, devices: int = 4, timeout: float = 120,
+           cwd: str | Path = HERE) -> list[dict[str, Any]]:
     sys.path.insert(0, str(HERE.parent))
     from _support import free_port, subprocess_env
 
-    env = {**subprocess_env(HERE), "JAX_COORDINATOR": f"127.0.0.1:{free_port()}",
-           "JAX_WORLD": str(world), "JAX_PLATFORMS": "cpu",
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {**subprocess_env(HERE), "JAX_COORDINATOR": coordinator, "JAX_COORDINATOR_ADDRESS": coordinator,
+           "JAX_WORLD": str(world), "NUM_PROCESSES": str(world), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     procs = []
     try:
         for r in range(world):
             procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / script), *map(str, args)], cwd=str(HERE),
-                env={**env, "JAX_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, start_new_session=True))
+                [sys.executable, str(HERE / script), *map(str, args)], cwd=str(cwd),
+                env={**env, "JAX_RANK": str(r), "PROCESS_ID": str(r)}, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True, start_new_session=True))
         deadline = time.monotonic() + timeout
         out = []
         for r, p in enumerate(procs):

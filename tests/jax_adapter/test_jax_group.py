@@ -1,7 +1,8 @@
 """Sharded saves and loads by the processes of a real ``jax.distributed`` job (2 processes of 4
 CPU devices each, one mesh over the 8): every process writes its blocks and the job commits
 once; the checkpoint restores bitwise into one process (8 devices, 4, 1), and a checkpoint of
-one process restores into the two (each reading its blocks)."""
+one process restores into the two (each reading its blocks).  README's multi-process example
+runs as written as a job of 3 processes."""
 
 from __future__ import annotations
 
@@ -70,3 +71,25 @@ def test_a_late_process_is_a_timeout_then_the_group_is_broken(tmp_path):
     assert first["outcome"].startswith("timeout: barrier: a rank did not arrive in time"), first
     assert first["waited"] < 3.5, first
     assert "the group is broken" in first["again"], first
+
+
+def test_the_readme_job_example_as_a_job_of_three_processes(tmp_path):
+    """README's multi-process example, as written, run as the 3 processes of a job (2 CPU devices
+    each: a 3 x 2 mesh) on a root where one process of 8 devices (4 x 2) saved step 100 with other
+    values: every process restores its blocks (cut across the saved ones) from it, and the job
+    saves step 200 with one commit, holding exactly what was restored."""
+    world = 3
+    from test_readme import BLOCKS
+
+    block = next(b for b in BLOCKS if "jax.distributed.initialize" in b.code)
+    (tmp_path / "job.py").write_text(block.code)
+    saved = np.random.default_rng(world).standard_normal((768, 256)).astype(np.float32)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    w = jax.device_put(saved, NamedSharding(mesh, P("data", "model")))
+    with ckptcore.CheckpointManager(str(tmp_path / "ckpts-jax-job")) as mgr:
+        mgr.save(100, model=ckptcore_jax.Ref({"w": w}), rng=False)
+    launch(tmp_path / "job.py", world, devices=2, cwd=tmp_path)
+    listed = ckptcore.list_checkpoints(str(tmp_path / "ckpts-jax-job"))
+    assert [c.step for c in listed] == [100, 200]
+    state = ckptcore.load_state(listed[-1].url)
+    assert state.step == 200 and state.model["w"].tobytes() == saved.tobytes()

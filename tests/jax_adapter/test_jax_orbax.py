@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ckptcore  # noqa: E402
 import ckptcore_jax  # noqa: E402
-from ckptcore.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,  # noqa: E402
-                             SchemaError, UnsafeCheckpointError)
+from ckptcore.errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,  # noqa: E402
+                             CorruptCheckpointError, SchemaError, UnsafeCheckpointError)
 
 TX = optax.adam(0.01)
 
@@ -134,6 +134,13 @@ def test_export_orbax_restores_in_orbax_bitwise(tmp_path, ocdbt, zarr3):
     assert back.model.keys() == loaded.model.keys() and back.step == 2
     assert all(back.model[k].tobytes() == loaded.model[k].tobytes() for k in loaded.model)
     assert back.optimizer.slots.keys() == loaded.optimizer.slots.keys()
+    # something already there: refused with a typed error, replaced only when asked
+    with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+        ckptcore_jax.export_orbax(loaded, tmp_path / "plain")
+    assert ckptcore_jax.import_orbax(plain).step == 2  # untouched
+    loaded.step = 3
+    ckptcore_jax.export_orbax(loaded, tmp_path / "plain", overwrite=True)
+    assert ckptcore_jax.import_orbax(plain).step == 3
 
 
 def test_ckpt_import_and_export_verbs(tmp_path):
@@ -250,3 +257,43 @@ def test_a_damaged_ocdbt_manifest(tmp_path):
     (tmp_path / "o" / "manifest.ocdbt").write_bytes(b"\x00garbage" * 4)
     with pytest.raises(CorruptCheckpointError):
         ckptcore_jax.import_orbax(tmp_path / "o")
+
+
+def test_a_multi_process_orbax_save_imports_bitwise_and_an_export_restores_in_a_job(tmp_path):
+    """Two processes of a ``jax.distributed`` job (4 CPU devices each, one mesh over the 8) save
+    with Orbax, each writing the shards it holds (OCDBT: a database per process; plain zarr3:
+    both into one folder per array): ``import_orbax`` reads both bitwise.  A checkpoint that
+    ``export_orbax`` wrote in one process restores through Orbax in the job, every shard in place."""
+    from _jax_group_worker import SHAPES, expected
+    from _jax_ranks import launch
+
+    want = expected()
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    params = {k: jax.device_put(want[k], NamedSharding(mesh, P(*spec))) for k, (_, spec) in SHAPES.items()}
+    opt = {"mu": {"w": params["w"]}, "count": jnp.asarray(want["count"])}
+    state = ckptcore_jax.capture(ckptcore_jax.Ref(params), ckptcore_jax.Ref(opt), rng=False, step=7)
+    ckptcore_jax.export_orbax(state, tmp_path / "exported",
+                              target={"params": params, "opt_state": opt, "step": 0})
+    out = launch("_jax_group_worker.py", 2, "orbax", tmp_path)
+    assert [(o["result"]["step"], o["result"]["checked"] > 0) for o in out] == [(7, True), (7, True)]
+    assert sorted(p.name for p in (tmp_path / "ocdbt").glob("ocdbt.process_*")) == [
+        "ocdbt.process_0", "ocdbt.process_1"]  # each process wrote its own shards
+    for layout in ("ocdbt", "zarr3"):
+        got = ckptcore_jax.import_orbax(tmp_path / layout)
+        assert got.step == 7, layout
+        for k in SHAPES:
+            assert got.model[k].dtype == want[k].dtype and got.model[k].tobytes() == want[k].tobytes(), (layout, k)
+        assert got.optimizer.slots["w"]["mu"].tobytes() == want["w"].tobytes()
+        assert got.optimizer.extra["leaves"]["count"].tobytes() == want["count"].tobytes()
+    # and into live arrays laid out over 4 devices of this process
+    small = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    live = {k: jax.device_put(np.zeros(s, np.float32), NamedSharding(small, P(*spec)))
+            for k, (s, spec) in SHAPES.items()}
+    target = ckptcore_jax.Ref(live)
+    moments = ckptcore_jax.Ref({"mu": {"w": live["w"]}, "count": jnp.zeros((), jnp.int32)})
+    assert ckptcore_jax.restore(got, target, moments, rng=False).ok
+    for k in SHAPES:
+        assert target.value[k].sharding == live[k].sharding
+        assert np.asarray(target.value[k]).tobytes() == want[k].tobytes(), k
+    assert np.asarray(moments.value["mu"]["w"]).tobytes() == want["w"].tobytes()
+    assert int(moments.value["count"]) == 5

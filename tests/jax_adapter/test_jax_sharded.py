@@ -174,6 +174,7 @@ def test_the_registry_finds_the_adapter_for_a_pytree_of_jax_arrays():
 
     assert adapter_for({"dense": {"kernel": jnp.zeros(2)}}) is ckptcore_jax.ADAPTER
     assert adapter_for([jnp.zeros(2)]) is ckptcore_jax.ADAPTER
+    assert adapter_for({"w": jax.ShapeDtypeStruct((2,), jnp.float32)}) is ckptcore_jax.ADAPTER
 
 
 def test_checkpoint_manager_restores_into_another_mesh(tmp_path):
@@ -187,3 +188,49 @@ def test_checkpoint_manager_restores_into_another_mesh(tmp_path):
     for k, v in target.value.items():
         assert np.asarray(v).tobytes() == np.asarray(source[k]).tobytes(), k
         assert len(v.sharding.device_set) in (1, 4)
+
+
+def test_restore_into_abstract_targets(tmp_path):
+    """Abstract leaves (``jax.ShapeDtypeStruct``, what ``jax.eval_shape`` and ``nnx.eval_shape``
+    give, and what Orbax restores into) take the restored arrays without being allocated first:
+    a sharded leaf on its own sharding (reading only its blocks with like=), a typed key, an
+    Optax state; an abstract NNX model and optimizer bitwise, training on alike.  Saving an
+    abstract leaf is a CaptureError."""
+    from _jax_models import net, nnx_arrays, nnx_objects, train_nnx
+    from flax import nnx
+
+    from ckptcore.errors import CaptureError
+
+    tx = optax.adam(0.01)
+    source = _tree(_mesh(8))
+    key = jax.random.key(3)
+    url = str(tmp_path / "tree")
+    ckptcore.save_state(url, model=ckptcore_jax.Ref({**source, "key": key}),
+                        optimizer=ckptcore_jax.Ref(tx.init(source)), rng=False)
+    small = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("a", "b"))
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(small, SPECS.get(k, P())))
+                for k, v in source.items()}
+    abstract["key"] = jax.eval_shape(lambda: key)
+    m = ckptcore_jax.Ref(abstract)
+    o = ckptcore_jax.Ref(jax.eval_shape(tx.init, {k: v for k, v in abstract.items() if k != "key"}))
+    like = ckptcore_jax.template(m, o)
+    assert isinstance(like.model["w"], (Shard, Chunks))  # only this process's blocks are read
+    assert ckptcore.load_state(url, model=m, optimizer=o, like=like) is not None
+    for k, v in source.items():
+        assert isinstance(m.value[k], jax.Array) and m.value[k].sharding == abstract[k].sharding, k
+        assert np.asarray(m.value[k]).tobytes() == np.asarray(v).tobytes(), k
+    assert np.array_equal(jax.random.key_data(m.value["key"]), jax.random.key_data(key))
+    assert int(o.value[0].count) == 0 and isinstance(o.value[0].mu["w"], jax.Array)
+
+    src = nnx_objects(0)
+    train_nnx(src, 2)
+    ckptcore.save_state(str(tmp_path / "nnx"), **src)
+    dst = nnx.eval_shape(lambda: nnx_objects(1))
+    ckptcore.load_state(str(tmp_path / "nnx"), **dst)
+    for objects in (src, dst):
+        train_nnx(objects, 1)  # Dropout draws from the restored stream
+    for obj in ("model", "optimizer"):
+        a, b = nnx_arrays(src[obj]), nnx_arrays(dst[obj])
+        assert list(a) == list(b) and all(a[k].tobytes() == b[k].tobytes() for k in a), obj
+    with pytest.raises(CaptureError, match="abstract leaf"):
+        ckptcore.save_state(str(tmp_path / "nothing"), model=nnx.eval_shape(lambda: net(0)))

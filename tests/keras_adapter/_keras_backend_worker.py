@@ -9,6 +9,11 @@
 * ``load DIR``: restore ``DIR/ckpt`` (saved on another backend) into a fresh model: every
   weight, statistic and slot equal to ``DIR/expect.npz``, the counters and seed words too; then
   train a step.
+* ``loop ROOT`` (JAX): a custom loop as JAX users write it, the state held as arrays outside
+  the model (``stateless_call`` and ``stateless_apply`` under ``jax.jit``), written back into the
+  variables before each save through a CheckpointManager; a run stopped after step 11 is resumed
+  by fresh objects from its newest checkpoint (step 9) and ends with every model and optimizer
+  variable equal, bit for bit, to an uninterrupted run's.
 * ``fit ROOT OUT KILL_AT``: ``model.fit`` on ``ckptcore_keras.dataset`` with ``BackupAndRestore``
   (saving every 3 batches); with KILL_AT > 0 the process SIGKILLs itself after that many batches
   of this process; at the end every model and optimizer variable is written to OUT.
@@ -155,5 +160,66 @@ def fit(root: str, out: str, kill_at: str) -> None:
     print("DONE", flush=True)
 
 
+def loop(root: str) -> None:
+    x, y = data()
+    reference = _jax_loop(os.path.join(root, "ref"), x, y)
+    assert _jax_loop(os.path.join(root, "run"), x, y, stop_after=11) is None
+    resumed = _jax_loop(os.path.join(root, "run"), x, y)
+    assert len(reference) == len(resumed) > 10
+    for i, (a, b) in enumerate(zip(reference, resumed)):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (i, a, b)
+    print("OK", flush=True)
+
+
+def _jax_loop(root: str, x: np.ndarray, y: np.ndarray, stop_after: int = 0) -> list | None:
+    """Train EPOCHS epochs (or stop after ``stop_after`` steps), resuming from ``root``; every
+    model and optimizer variable at the end, in order (their paths differ between models made
+    in one process)."""
+    import jax
+
+    keras.utils.set_random_seed(0)
+    model = make_model()
+    optimizer, loss_fn = model.optimizer, keras.losses.MeanSquaredError()
+    optimizer.build(model.trainable_variables)
+    cursor = ckptcore.DataCursor(SAMPLES, BATCH, seed=1)
+    mgr = ckptcore.CheckpointManager(root, keep=2, save_on_preemption=False)
+    if mgr.latest_step() is not None:
+        mgr.restore(model=model, optimizer=optimizer, cursor=cursor)
+    groups = (model.trainable_variables, model.non_trainable_variables, optimizer.variables)
+
+    def loss_and_updates(trainable, non_trainable, xb, yb):
+        pred, non_trainable = model.stateless_call(trainable, non_trainable, xb, training=True)
+        return loss_fn(yb, pred), non_trainable
+
+    @jax.jit
+    def train_step(state, xb, yb):
+        trainable, non_trainable, opt_vars = state
+        (loss, non_trainable), grads = jax.value_and_grad(loss_and_updates, has_aux=True)(
+            trainable, non_trainable, xb, yb)
+        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
+        return loss, (trainable, non_trainable, opt_vars)
+
+    def write_back(state) -> None:  # what a save needs first: the variables hold the state
+        for variables, values in zip(groups, state):
+            for v, value in zip(variables, values):
+                v.assign(value)
+
+    state = tuple([v.value for v in vs] for vs in groups)  # after the restore: its values
+    step = int(keras.ops.convert_to_numpy(optimizer.iterations))
+    while cursor.epoch < EPOCHS:
+        idx = cursor.next_batch()
+        _, state = train_step(state, x[idx], y[idx])
+        step += 1
+        if step % SAVE_FREQ == 0:
+            write_back(state)
+            mgr.save(step, model=model, optimizer=optimizer, cursor=cursor)
+        if step == stop_after:
+            mgr.close()
+            return None
+    write_back(state)
+    mgr.close()
+    return [np.asarray(keras.ops.convert_to_numpy(v.value)) for vs in groups for v in vs]
+
+
 if __name__ == "__main__":
-    {"roundtrip": roundtrip, "load": load, "fit": fit}[sys.argv[2]](*sys.argv[3:])
+    {"roundtrip": roundtrip, "load": load, "fit": fit, "loop": loop}[sys.argv[2]](*sys.argv[3:])

@@ -7,7 +7,9 @@
 * a ``fit`` with ``BackupAndRestore`` SIGKILLed mid-epoch resumes and ends bit for bit where an
   uninterrupted run does;
 * a checkpoint saved on one backend restores on another (jax -> torch, torch -> tensorflow,
-  tensorflow -> jax) with equal weights, statistics and slots.
+  tensorflow -> jax) with equal weights, statistics and slots;
+* on JAX, a custom loop holding its state as arrays (``stateless_call``/``stateless_apply``
+  under ``jax.jit``), written back into the variables before each save, resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -61,3 +63,7 @@ def test_fit_killed_mid_epoch_resumes_bit_for_bit(tmp_path, spawn_python, backen
     assert len(a.files) == len(b.files) > 10
     for k in a.files:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
+
+
+def test_a_stateless_jax_loop_resumes_bit_for_bit(tmp_path, run_python):
+    assert run_python(WORKER, "jax", "loop", tmp_path).strip().endswith("OK")
