@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._version import __version__
 
-from . import errors, events, metrics
+from . import errors, events, lineage, metrics
 from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
 from .errors import (AdapterNotFoundError, CaptureError, CheckpointError, CheckpointExistsError,
                      CheckpointFallbackWarning, CheckpointNotFoundError, CorruptCheckpointError, FencedError, GroupError,
@@ -23,6 +23,7 @@ from .events import BackupEvent, Event, RestoreEvent, SaveEvent, on_event
 from ._diff import CheckpointDiff, TensorDiff, diff
 from ._scrub import ScrubReport, scrub
 from .layout import CheckpointListing, gc, list_checkpoints
+from ._runlog import run_log
 from .manager import CheckpointManager, SaveHandle
 from .options import Backup, Lease
 from .policies import KeepAll, KeepAny, KeepBest, KeepEvery, KeepEveryDuration, KeepLast
@@ -32,12 +33,12 @@ from .state import (AccumulationState, OptimizerState, ParamInfo, RestoreReport,
 
 __all__ = [
     "__version__",
-    "errors", "events", "metrics",
+    "errors", "events", "lineage", "metrics",
     "save_state", "load_state", "inspect", "verify", "convert", "MigrationWarning",
     "CheckpointInfo", "TensorInfo",
     "CheckpointManager", "SaveHandle", "Backup", "Lease", "CheckpointFallbackWarning",
     "LockTakeoverWarning",
-    "gc", "list_checkpoints", "CheckpointListing", "diff", "CheckpointDiff", "TensorDiff",
+    "gc", "list_checkpoints", "CheckpointListing", "run_log", "diff", "CheckpointDiff", "TensorDiff",
     "scrub", "ScrubReport",
     "KeepLast", "KeepEvery", "KeepBest", "KeepEveryDuration", "KeepAll", "KeepAny",
     "DataCursor", "capture_rng", "restore_rng",

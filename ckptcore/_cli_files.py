@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any, Iterator, Mapping, Sequence
 
-from . import api, registry
+from . import api, lineage, registry
 from ._cli_common import size_text
 from .adapter import FileFormat
 
@@ -161,7 +161,9 @@ def cmd_import(args: argparse.Namespace, so: dict) -> int:
         objects = load_factory(args.model) if args.model else {}
         state = fmt.read(args.src, model=objects.get("model"), optimizer=objects.get("optimizer"),
                          **options, **_strict(args))
-    info = api.save_state(args.dst, state, storage_options=so, overwrite=args.overwrite)
+    info = api.save_state(args.dst, state, storage_options=so, overwrite=args.overwrite,
+                          lineage=lineage.converted(framework=fmt.framework, format=fmt.name,
+                                                    root=args.src))
     print(f"imported {args.src} ({fmt.name}) -> {info.url} ({len(info.tensors)} tensors, "
           f"{size_text(info.nbytes)})")
     return 0
@@ -215,7 +217,11 @@ def cmd_convert(args: argparse.Namespace, so: dict) -> int:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     if fmt is None:
-        written = api.save_state(args.dst, state, storage_options=so, overwrite=args.overwrite).url
+        source = api.inspect(args.src, storage_options=so)
+        run = lineage.converted(framework=source.framework, format="ckptcore", root=args.src,
+                                source=source.lineage)
+        written = api.save_state(args.dst, state, storage_options=so, overwrite=args.overwrite,
+                                 lineage=run).url
     print(f"converted {args.src} ({state.metadata.get('migrated_from', {}).get('framework')}) -> "
           f"{written} ({target})")
     return 0

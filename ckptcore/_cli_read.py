@@ -22,6 +22,7 @@ from ._manifest import MANIFEST_NAME
 from ._storage import Store
 from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import check_grace, gc, is_root, list_checkpoints
+from ._runlog import lineage_lines, local_time, render, run_log
 
 log = logging.getLogger("ckptcore")
 
@@ -66,6 +67,9 @@ def cmd_inspect(args: argparse.Namespace, so: dict) -> int:
     shown = f"{epoch} (the data cursor's)" if epoch != info.epoch else str(epoch)
     print(f"step        {info.step}    epoch {shown}    framework {info.framework or '-'}")
     print(f"sections    {', '.join(info.sections)}")
+    print(f"saved       {_when(info.created)}")
+    for i, line in enumerate(lineage_lines(info.lineage)):
+        print(f"{'lineage' if i == 0 else '':<11} {line}")
     if info.data:
         d = info.data
         print(f"data        epoch {d.get('epoch')} / position {d.get('position')} / seed {d.get('seed')}"
@@ -243,8 +247,11 @@ def cmd_ls(args: argparse.Namespace, so: dict) -> int:
             else:
                 info = c.info
                 metrics = info.metadata.get("metrics") if isinstance(info.metadata, Mapping) else None
+                lin = info.lineage or {}
                 row.update(saved_step=info.step, epoch=_epoch(info), framework=info.framework,
-                           bytes=info.nbytes, created=info.created, metrics=metrics)
+                           bytes=info.nbytes, created=info.created,
+                           created_local=local_time(info.created), metrics=metrics,
+                           run_id=lin.get("run_id"), resume_count=lin.get("resume_count"))
             row["tiers"] = [t for t, d in (("local", local), ("backup", backup)) if step in d]
             rows.append(row)
         print(json.dumps(rows, indent=2, default=str))
@@ -287,6 +294,26 @@ def _metrics(metadata: Any) -> str:
         return "-"
     return " ".join(f"{k}={v:.6g}" if isinstance(v, (int, float)) and not isinstance(v, bool)
                     else f"{k}={v}" for k, v in metrics.items())
+
+
+def cmd_log(args: argparse.Namespace, so: dict) -> int:
+    store = Store(args.root, dict(so))
+    if not store.exists() and not args.backup:  # a typo or a missing bucket is not an empty run
+        raise FileNotFoundError(f"{args.root} does not exist (no such folder or bucket)")
+    if store.exists(MANIFEST_NAME) and not is_root(store):
+        raise CheckpointNotFoundError(
+            f"{args.root} is one checkpoint, not a run's root (a CheckpointManager folder): "
+            f"`ckpt inspect {args.root}` shows its lineage")
+    data = run_log(args.root, backups=args.backup or (), storage_options=so)
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+        return 0
+    if not (data["runs"] or data["unrecorded"] or data["unreadable"]):
+        print(f"no committed checkpoints under {args.root}")
+        return 0
+    for line in render(data):
+        print(line)
+    return 0
 
 
 def cmd_sync(args: argparse.Namespace, so: dict) -> int:

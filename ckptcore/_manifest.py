@@ -25,6 +25,7 @@ import numpy as np
 
 from . import _codec
 from ._chunkrules import element_counts, check_chunks
+from .lineage import parse as parse_lineage
 from .errors import (CheckpointError, CorruptCheckpointError, SchemaError, UnsafeCheckpointError,
                      UnsupportedCheckpointError)
 
@@ -404,6 +405,8 @@ class Manifest:
     partial: bool = field(default=False, repr=False, compare=False)
     # Optional: what the save knew of its own cost before the commit (docs/FORMAT.md, "stats").
     stats: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    # The optional lineage map (``ckptcore.lineage``): None in checkpoints written without one.
+    lineage: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensors, TensorTable):
@@ -428,6 +431,7 @@ class Manifest:
             "shards": [{"path": s.path, "size": s.size, "checksum": s.checksum} for s in self.shards],
             "tensors": tensors, "tree": self.tree,
             **({} if self.stats is None else {"stats": self.stats}),
+            **({"lineage": self.lineage} if self.lineage is not None else {}),
         })
         return _codec.pack({"format": FORMAT_NAME, "version": version, "body": body,
                             "body_crc32c": crc32c.crc32c(body)})
@@ -556,7 +560,8 @@ def _validate(b: Any, version: int, refs: list, source: str, rows_reader: Any = 
     created = _req(b, "created", (int, float), source)
     if isinstance(created, bool) or not math.isfinite(created):
         raise SchemaError(f"{source}: field 'created' is not a finite number")
-    return Manifest(created=float(created),
+    lineage = parse_lineage(b["lineage"], source) if b.get("lineage") is not None else None
+    return Manifest(created=float(created), lineage=lineage,
                     writer=_req(b, "writer", dict, source), library=_req(b, "library", dict, source),
                     framework=_req(b, "framework", dict, source),
                     alignment=_nonneg(b, "alignment", source), shards=tuple(shards),

@@ -71,6 +71,9 @@ class CheckpointInfo:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     # What the save recorded of its cost (the manifest's optional ``stats``; empty: none).
     stats: Mapping[str, Any] = field(default_factory=dict)
+    # The run this checkpoint belongs to and where it came from (``ckptcore.lineage``); None
+    # for a checkpoint written before ckptcore recorded it.
+    lineage: Mapping[str, Any] | None = None
 
 
 class LazyManifest:
@@ -246,7 +249,9 @@ class LazySection(MappingABC):
 
 def _section(m: Manifest, key: str) -> dict:
     """The ``data`` or ``metadata`` section shown as a value: tensors in it are named, not
-    loaded; a section that is not a map shows as ``{}``."""
+    loaded; a section that is not a map shows as ``{}``.  (``lineage``: the manifest's own.)"""
+    if key == "lineage":
+        return dict(m.lineage or {})
     named = _codec.substitute(m.tree.get(key),
                               lambda r: f"<tensor {m.tensors.logical_name(r.index)}>")
     return named if isinstance(named, dict) else {}
@@ -263,7 +268,8 @@ def info_of(url: str, m: Manifest) -> CheckpointInfo:
         sections=sections, tensors=TensorInfos(m),  # type: ignore[arg-type]
         nbytes=m.tensors.nbytes(), shards=tuple(s.path for s in m.shards),
         writer=m.writer, library=m.library,
-        data=_section(m, "data"), metadata=_section(m, "metadata"), stats=dict(m.stats or {}))
+        data=_section(m, "data"), metadata=_section(m, "metadata"), stats=dict(m.stats or {}),
+        lineage=m.lineage)
 
 
 # A summary larger than this leaves ``data`` and ``metadata`` out (read on first use instead):
@@ -293,7 +299,9 @@ def summary_of(m: Manifest) -> bytes | None:
         log.info("summary of a commit: %d bytes without data and metadata, over %d; the other "
                  "ranks read the manifest", size, _SUMMARY_MAX)
         return None
-    for key in ("data", "metadata"):
+    for key in ("data", "metadata", "lineage"):
+        if key == "lineage" and info.lineage is None:
+            continue
         try:
             n = len(_codec.pack_values(getattr(info, key)))
         except (TypeError, ValueError) as e:  # cannot happen for a decoded tree: be safe
@@ -303,6 +311,8 @@ def summary_of(m: Manifest) -> bytes | None:
         if n is not None and size + n <= _SUMMARY_MAX:
             out[key], size = getattr(info, key), size + n
         else:
+            if key == "lineage":
+                out["lineage_left_out"] = True
             log.info("summary of a commit: %s left out (%s); read from the manifest on first use",
                      key, why)
     return _codec.pack_values(out)
@@ -336,12 +346,15 @@ def _from_summary(store: Store, s: Any) -> CheckpointInfo:
     source = LazyManifest(store, s["writer"].get("id"))
     sections = {k: s[k] if isinstance(s.get(k), dict) else LazySection(source, k)
                 for k in ("data", "metadata")}
+    # (a lineage left out of the summary for its size is read on first use, like data)
+    lineage = s.get("lineage") if isinstance(s.get("lineage"), dict) else (
+        LazySection(source, "lineage") if s.get("lineage_left_out") else None)
     return CheckpointInfo(
         url=store.url, **{k: s[k] for k in _CORE},
         tensors=TensorInfos(source, s["tensors"]),  # type: ignore[arg-type]
         shards=ShardPaths(source, s["shards"]),  # type: ignore[arg-type]
         data=sections["data"], metadata=sections["metadata"],
-        stats=s["stats"] if isinstance(s.get("stats"), dict) else {})
+        stats=s["stats"] if isinstance(s.get("stats"), dict) else {}, lineage=lineage)
 
 
 def read_manifest(store: Store) -> Manifest:

@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from . import _dist, api, events
+from . import _dist, api, events, lineage
 from ._manifest import MANIFEST_NAME
 from ._storage import Store
 from ._tier import Tier, is_damage
@@ -57,6 +57,9 @@ class Restorer:
         self.tiers, self.group, self.anchor = tiers, group, anchor
         self.chosen: tuple[int, int] | None = None  # (step, tier) restored, once known
         self.fallbacks: list[events.Fallback] = []  # every candidate passed over (the event's)
+        # After a restore: (tier index, step restored, newest step committed in any tier).
+        self.restored: tuple[int, int, int | None] | None = None
+        self.newest_step: int | None = None
 
     def restore(self, step: int | None, *, keys: Any, like: Any, seed: bool,
                 objects: dict) -> tuple[TrainingState, Restored | None]:
@@ -72,6 +75,7 @@ class Restorer:
                                   like=like, group=self.group)
 
         found = self.newest(load, lambda state: self._restore_into(state, objects))
+        self.restored = (found.tier, found.step, self.newest_step)
         if found.tier > 0:
             log.info("restore: step %d restored from its replica %s", found.step,
                      self.tiers[found.tier].step_url(found.step))
@@ -99,7 +103,16 @@ class Restorer:
             self._restore_into(state, objects)
         if where and where[0] > 0 and seed:
             self._seed(where[0], step)
+        if self.group is None or int(self.group.rank) == 0:  # (the newest: for the lineage)
+            self._plan_steps()
+        self.restored = (where[0] if where else 0, step, self.newest_step)
         return state
+
+    def _plan_steps(self) -> None:
+        try:
+            self.newest_step = max((int(s) for s, _ in self._plan()), default=None)
+        except (CheckpointError, OSError) as e:
+            log.debug("restore: the newest step is unknown (%s); not recorded", e)
 
     def _restore_into(self, state: TrainingState, objects: dict) -> None:
         """Assign a loaded state to the objects; with a group, every rank succeeds or raises."""
@@ -143,6 +156,7 @@ class Restorer:
         """Load the newest step that loads (see the module docstring) and ``apply`` it."""
         for attempt in range(_RELISTS):
             plan = {int(s): [int(i) for i in tiers] for s, tiers in self._everyone(self._plan)}
+            self.newest_step = max(plan, default=None)
             if not plan:
                 # A listing is not atomic (step folders, then each one's manifest): one paused
                 # in between can find every listed step deleted by the holder's retention and
@@ -214,3 +228,38 @@ class Restorer:
         log.warning("restore: checkpoint step %d (%s) does not load (%s: %s); falling back to %s",
                     step, url, type(e).__name__, e, fallback)
         return "next"
+
+
+def resumed_run(run: lineage.Run, tiers: list[Tier], tier: int, step: int, newest: int | None,
+                state: TrainingState, objects: Mapping[str, Any], keys: Any) -> lineage.Run:
+    """The run a manager continues after restoring ``step`` from ``tiers[tier]`` into
+    ``objects``: the step's run id, one resume more, and the record of what was restored
+    against what was saved (``ckptcore.lineage.resume``).  The step's manifest is read again
+    for its lineage; if it is gone already (another writer's retention), what the state
+    says is recorded (logged)."""
+    where = tiers[tier]
+    url = where.step_url(step)
+    try:
+        info = api.inspect(url, storage_options=where.options)
+    except CheckpointError as e:
+        log.warning("restore: the lineage of step %d (%s) cannot be read (%s); recording the "
+                    "resume from what was restored", step, url, e)
+        info = None
+    saved = dict(info.lineage) if info is not None and info.lineage is not None else None
+    parts = ((saved or {}).get("parts") if isinstance((saved or {}).get("parts"), Mapping)
+             else lineage.fingerprint_parts(state))
+    restored = lineage.restored_parts(state, objects, keys, parts)
+    cursor = objects.get("cursor")
+    got = getattr(cursor, "state_dict", None)
+    record = lineage.resume(
+        saved, step=step, url=url, tier="local" if tier == 0 else where.url,
+        generation=info.writer.get("generation") if info is not None else None,
+        framework=info.framework if info is not None else state.framework,
+        saved_parts=parts, restored=restored, newest_step=newest,
+        restored_position=lineage.position(got()) if callable(got) else None)
+    new = run.resumed(saved, record)
+    unapplied = [p for p, v in restored.items() if v in (lineage.IGNORED, lineage.NOT_LOADED)]
+    log.info("restore: run %s resumes from step %d (%s), resume %d%s", new.run_id, step, url,
+             new.resume_count, f"; saved part(s) not restored: {', '.join(unapplied)}"
+             if unapplied else "")
+    return new

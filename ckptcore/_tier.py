@@ -109,7 +109,8 @@ class Tier:
 
     # -- committing ----------------------------------------------------------------------------
     def commit(self, step: int, state: Any, *, overwrite: bool = False, group: Any = None,
-               decide: Callable[[Callable[[], Any]], Any] = lambda work: work()) -> Any:
+               decide: Callable[[Callable[[], Any]], Any] = lambda work: work(),
+               lineage: Any = None) -> Any:
         """Save ``state`` as ``step`` (:func:`ckptcore.save_state` under this tier's lock) and
         return its ``CheckpointInfo``.  A step in the way that no reader accepts (committed by a
         writer after its lease was taken over) is removed first; ``decide(work)`` runs that
@@ -117,7 +118,8 @@ class Tier:
         A step in the way otherwise is a ``CheckpointExistsError`` saying what to do."""
         def save() -> Any:
             return save_state(self.step_url(step), state, storage_options=self.options,
-                              overwrite=overwrite, group=group, fence=self.lock)
+                              overwrite=overwrite, group=group, fence=self.lock,
+                              lineage=lineage)
         try:
             try:
                 return save()

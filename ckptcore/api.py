@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from . import _codec, _dist, _io, _knobs, _meter, events
+from . import lineage as lineage_module
 from .adapter import restore_gate, warn_unapplied
 from ._version import __version__
 from ._commit import commit
@@ -25,6 +26,7 @@ from ._read import (CheckpointInfo, TensorInfo, info_from_summary, info_of, insp
 from ._storage import Store
 from .errors import CheckpointError, IncompleteCheckpointError, SchemaError, caller_level
 from .group import ProcessGroup
+from .lineage import Run
 from .registry import adapter_for
 from .state import TrainingState
 
@@ -37,7 +39,9 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
                model: Any = None, optimizer: Any = None, cursor: Any = None,
                storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
                group: ProcessGroup | None = None, fence: Any = None,
-               **objects: Any) -> CheckpointInfo:
+               tags: Mapping[str, str] | None = None,
+               resumed_from: str | os.PathLike | CheckpointInfo | None = None,
+               lineage: Run | None = None, **objects: Any) -> CheckpointInfo:
     """Save a training state as a checkpoint directory at ``url`` (any fsspec URL).
 
     Pass either a :class:`TrainingState` or framework objects (``model``, ``optimizer``,
@@ -57,6 +61,15 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     1/N of the replicated bytes, rank 0 commits once, and every rank returns or raises alike
     (``ckptcore/_dist.py``).  ``fence``: the writer lease of the root ``url`` is in (what a
     ``CheckpointManager`` passes; docs/RELIABILITY.md, "Fencing").
+
+    The manifest records the checkpoint's lineage (``CheckpointInfo.lineage``, ``ckpt log``):
+    the run (one run id for every ``save_state`` of a process), the host, versions, the git
+    commit of the working directory, ``tags`` (``{str: str}``, yours) and a fingerprint of the
+    data position, RNG states and optimizer step.  ``resumed_from``: the URL (or
+    ``CheckpointInfo``) of the checkpoint this run resumed from, when it did: the save then
+    keeps that checkpoint's run id and counts one resume more (a ``CheckpointManager`` does
+    this itself).  ``lineage``: the :class:`ckptcore.lineage.Run` to record instead (what a
+    manager passes).
 
     Returns:
         The :class:`CheckpointInfo` of what was committed.  With ``group``, on the ranks other
@@ -79,7 +92,7 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
     with _meter.measuring(meter):
         try:
             info = _save(os.fspath(url), state, objects, storage_options, overwrite, group,
-                         fence, meter)
+                         fence, meter, lineage, tags, resumed_from)
         except Exception as e:
             if outer is None:
                 events.emit(events.SaveEvent(url=os.fspath(url), step=getattr(state, "step", None),
@@ -93,12 +106,16 @@ def save_state(url: str | os.PathLike, state: TrainingState | None = None, *,
 
 def _save(url: str, state: TrainingState | None, objects: dict[str, Any],
           storage_options: Mapping[str, Any] | None, overwrite: bool,
-          group: ProcessGroup | None, fence: Any, meter: _meter.Meter) -> CheckpointInfo:
+          group: ProcessGroup | None, fence: Any, meter: _meter.Meter, lineage: Run | None,
+          tags: Mapping[str, str] | None, resumed_from: Any) -> CheckpointInfo:
     """``save_state``'s work, measured by ``meter``."""
     store = Store(url, dict(storage_options or {}))
+    run = lineage if lineage is not None else _run_of(tags, resumed_from, storage_options)
     state, enc, arrays, version = _encode(store, state, objects, group)
     token = uuid.uuid4().hex[:16]
-    make_manifest = _manifest_maker(state, enc, version, token, fence, len(arrays), meter)
+    record = _lineage_record(state, run, group)
+    make_manifest = _manifest_maker(state, enc, version, token, fence, len(arrays), meter,
+                                    record)
     if group is not None:
         return _save_with_group(store, group, enc, arrays, make_manifest, token=token,
                                 overwrite=overwrite, fence=fence)
@@ -197,10 +214,41 @@ def _writer_version(enc: Any, arrays: Sequence[np.ndarray] = ()) -> int:
     return version
 
 
+def _run_of(tags: Mapping[str, str] | None, resumed_from: Any,
+            storage_options: Mapping[str, Any] | None) -> Run:
+    """The run of a plain ``save_state``: this process's, or one resumed from ``resumed_from``
+    (its manifest read for its run id and fingerprint)."""
+    run = lineage_module.process_run(lineage_module.check_tags(tags))
+    if resumed_from is None:
+        return run
+    info = (resumed_from if isinstance(resumed_from, CheckpointInfo)
+            else inspect(resumed_from, storage_options=storage_options))
+    saved = dict(info.lineage) if info.lineage is not None else None
+    parts = (saved or {}).get("parts") or {p: None for p in lineage_module.PARTS}
+    return run.resumed(saved, lineage_module.resume(
+        saved, step=info.step, url=info.url, tier="local",
+        generation=info.writer.get("generation"), framework=info.framework, saved_parts=parts))
+
+
+def _lineage_record(state: TrainingState, run: Run, group: ProcessGroup | None
+                    ) -> dict[str, Any] | None:
+    """The manifest's lineage map; None (logged) if it cannot be made: a save never fails
+    for want of its lineage."""
+    try:
+        return lineage_module.record(
+            state, run, world_size=int(group.size) if group is not None else 1,
+            framework=state.framework,
+            framework_versions=dict(state.metadata.get("versions") or {}))
+    except Exception as e:  # noqa: BLE001 - bookkeeping: never the reason a save fails
+        log.warning("save: no lineage recorded (%s: %s)", type(e).__name__, e)
+        return None
+
+
 def _manifest_maker(state: TrainingState, enc: Any, version: int, token: str, fence: Any,
-                    narrays: int, meter: _meter.Meter) -> Any:
+                    narrays: int, meter: _meter.Meter,
+                    lineage: dict[str, Any] | None = None) -> Any:
     """``make(shards, table)``: the manifest of this save once its shards are written, with
-    what the save knows of its cost by then (``stats``: docs/FORMAT.md)."""
+    what the save knows of its cost by then (``stats``: docs/FORMAT.md) and its lineage."""
     count = enc.chunks.tensor[-1] + 1 if enc.chunks is not None and narrays else narrays
     writer = {"id": token, "host": socket.gethostname(), "pid": os.getpid()}
     if fence is not None and fence.generation is not None:
@@ -216,7 +264,7 @@ def _manifest_maker(state: TrainingState, enc: Any, version: int, token: str, fe
                        "versions": dict(state.metadata.get("versions") or {})},
             alignment=_knobs.alignment(), shards=tuple(shards), tensors=tensors,
             tree=enc.tree, version=version, referenced=tuple(range(count)),
-            stats=_stats(shards, tensors, meter))
+            stats=_stats(shards, tensors, meter), lineage=lineage)
 
     return make_manifest
 

@@ -1,7 +1,7 @@
 """``ckpt``: thin verbs over the public API.  No logic lives here, and no framework is needed.
 
 This module holds the parser and :func:`main`; the verbs live in :mod:`ckptcore._cli_read`
-(inspect, verify, diff, ls, sync, gc) and :mod:`ckptcore._cli_files` (import, export, convert,
+(inspect, verify, diff, ls, log, sync, gc) and :mod:`ckptcore._cli_files` (import, export, convert,
 demo), over the helpers they share in :mod:`ckptcore._cli_common`.
 
 The verbs that touch other frameworks (``import``, ``export``, ``convert``, ``demo``) take their
@@ -22,7 +22,7 @@ from . import registry
 from ._cli_common import parse_options
 from ._cli_files import (MissingFramework, cmd_convert, cmd_demo, cmd_export, cmd_import,
                          format_dest, format_kwargs, installed_formats, load_factory)
-from ._cli_read import cmd_diff, cmd_gc, cmd_inspect, cmd_ls, cmd_sync, cmd_verify
+from ._cli_read import cmd_diff, cmd_gc, cmd_inspect, cmd_log, cmd_ls, cmd_sync, cmd_verify
 from ._version import __version__
 from .adapter import FileFormat
 from .errors import CheckpointError
@@ -30,7 +30,7 @@ from .errors import CheckpointError
 # Importable from here as before: the verbs, the formats the installed adapters declare and the
 # --model loader (defined in the verb modules).
 __all__ = ["FORMAT_VERBS", "build_parser", "cmd_convert", "cmd_demo", "cmd_diff", "cmd_export",
-           "cmd_gc", "cmd_import", "cmd_inspect", "cmd_ls", "cmd_sync", "cmd_verify",
+           "cmd_gc", "cmd_import", "cmd_inspect", "cmd_log", "cmd_ls", "cmd_sync", "cmd_verify",
            "installed_formats", "load_factory", "main"]
 
 log = logging.getLogger("ckptcore")
@@ -178,9 +178,19 @@ def _add_root_verbs(sub: _GlobalSubparsers) -> None:
     s.add_argument("--backup", metavar="URL", help="a backup root too: show which tiers hold each step")
     s.add_argument("--json", action="store_true",
                    help="a JSON list, one object per step: step (the folder's), folder, url, "
-                        "saved_step, epoch, framework, bytes, created (Unix time), metrics, tiers "
+                        "saved_step, epoch, framework, bytes, created (Unix time), created_local "
+                        "(local time, ISO 8601), metrics, run_id, resume_count, tiers "
                         "(problem instead of the manifest's fields when it cannot be read)")
     s.set_defaults(fn=cmd_ls)
+    s = sub.add_parser("log", help="a run's history from its checkpoints' lineage: runs, "
+                                   "resumes (exact or flagged, and why), rewinds, migrations, tiers")
+    s.add_argument("root")
+    s.add_argument("--backup", metavar="URL", action="append",
+                   help="a backup root too (repeatable): its steps join the history")
+    s.add_argument("--json", action="store_true",
+                   help="the same as data: {root, tiers, runs: [{run_id, tags, steps, resumes, "
+                        "flagged, sessions: [...]}], unrecorded, unreadable} (docs/FORMAT.md)")
+    s.set_defaults(fn=cmd_log)
     s = sub.add_parser("sync", help="copy the committed checkpoints of one root to another "
                                     "(any two stores), incremental and resumable")
     s.add_argument("src", help="the root to copy from (a manager's root)")

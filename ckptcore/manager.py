@@ -17,10 +17,10 @@ import logging
 import warnings
 from typing import Any, Mapping, Sequence
 
-from . import _dist, _meter, _preempt, api, events, layout
+from . import _dist, _meter, _preempt, api, events, layout, lineage
 from ._backup import Backups, BackupTier
 from ._lock import WriterLock
-from ._restore import Restorer
+from ._restore import Restorer, resumed_run
 from ._staging import InFlight, SaveHandle, Staging, completed
 from ._steps import step_name
 from ._storage import Store, check_url
@@ -66,6 +66,12 @@ class CheckpointManager:
             raise what failed, and ``restore()`` takes the newest step that verifies in any
             tier, local first.  The constructor checks that each answers (within 10 s): a run
             starting afresh raises ``StorageError`` naming one that does not.
+        tags: Your own labels (``{str: str}``, e.g. ``{"experiment": "lr-sweep"}``), recorded
+            in every checkpoint's lineage (``ckpt log``) and kept across resumes.
+
+    Every save records the run's lineage (``CheckpointInfo.lineage``): a run id drawn by a
+    fresh manager, or taken from the step a :meth:`restore` restored, with one resume more
+    and what that restore put back (``ckptcore.lineage``; ``ckpt log ROOT`` shows the tree).
 
     Every save, restore and replication is reported as a :mod:`ckptcore.events` event
     (:func:`ckptcore.on_event`); ``last_save`` is the :class:`ckptcore.SaveEvent` of the last
@@ -85,7 +91,8 @@ class CheckpointManager:
                  storage_options: Mapping[str, Any] | None = None, lock: bool | str = "lazy",
                  lease: Lease | None = None, save_on_preemption: bool = True,
                  group: ProcessGroup | None = None,
-                 backup: str | Backup | Sequence[str | Backup] | None = None, **deprecated: Any):
+                 backup: str | Backup | Sequence[str | Backup] | None = None,
+                 tags: Mapping[str, str] | None = None, **deprecated: Any):
         if lock not in (True, False, "lazy"):
             raise ValueError(f"lock must be True, False or 'lazy', got {lock!r}")
         specs, lease = resolve(backup, lease, deprecated)
@@ -111,6 +118,7 @@ class CheckpointManager:
         # The event of the last save that committed (an async one: once it did); the callbacks
         # put its figures in the training logs.
         self.last_save: events.SaveEvent | None = None
+        self._run = lineage.Run(tags=lineage.check_tags(tags))  # a restore() continues another
         local_steps: list[int] = []
         if lock is True or self.backups:  # before anything is installed: may raise (rank 0's
             # verdict for every rank: the others would wait out the group timeout otherwise)
@@ -276,7 +284,7 @@ class CheckpointManager:
         replicating = self._coordinator and bool(self.backups)
         with self.backups.paused() if replicating else contextlib.nullcontext():
             info = self.local.commit(step, state, overwrite=overwrite, group=self.group,
-                                     decide=self._on_coordinator)
+                                     decide=self._on_coordinator, lineage=self._run)
         self._saved.add(step)
         self.local.remember(step, info.created, state.metadata)
         try:
@@ -384,6 +392,10 @@ class CheckpointManager:
         if found is not None:  # only a run that did resume from an older step may save over these
             self._skipped = frozenset(found.damaged)
             self._fell_back = frozenset(found.passed - {found.step})
+        if self._coordinator and restorer.restored is not None:  # rank 0 writes the lineage
+            tier, restored_step, newest = restorer.restored
+            self._run = resumed_run(self._run, self.tiers, tier, restored_step, newest, state,
+                                    objects, keys)
         self._report_restore(meter, restorer, None)
         return state
 

@@ -102,6 +102,9 @@ def _pin(path: str) -> None:
     body = msgpack.unpackb(outer["body"], raw=False, strict_map_key=False)
     body.update(PINNED)
     body.pop("stats", None)  # the save's own timings: volatile, and optional for readers
+    # The golden files predate the optional lineage map (run id, host, git...: volatile): old
+    # checkpoints have none, and readers must load them as they are.
+    body.pop("lineage", None)
     for i, s in enumerate(body["shards"]):
         name = f"shard-{i:05d}-golden.bin"
         os.rename(os.path.join(path, s["path"]), os.path.join(path, name))
