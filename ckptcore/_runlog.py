@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from . import lineage
-from .layout import list_checkpoints
+from .layout import CheckpointListing, list_checkpoints
 
 __all__ = ["run_log", "render", "local_time", "lineage_lines"]
 
@@ -42,13 +42,18 @@ _CONSEQUENCE = {
 
 
 def run_log(root: str | os.PathLike, *, backups: Sequence[str] = (),
-            storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+            storage_options: Mapping[str, Any] | None = None,
+            listings: Mapping[str, Sequence[CheckpointListing]] | None = None) -> dict[str, Any]:
     """The history of the run(s) under ``root`` (and ``backups``' copies) as plain data: see the
-    module docstring and docs/FORMAT.md for its keys."""
+    module docstring and docs/FORMAT.md for its keys.  ``listings``: a tier's
+    :func:`list_checkpoints` already made, by its URL (``ckpt report`` reads the backups' blob
+    references from the same listing; each manifest is read once)."""
     tiers = [("local", os.fspath(root))] + [(os.fspath(b), os.fspath(b)) for b in backups]
     steps: dict[int, dict[str, Any]] = {}
     for name, url in tiers:
-        for c in list_checkpoints(url, storage_options=storage_options):
+        listed = (listings or {}).get(url)
+        for c in (listed if listed is not None else
+                  list_checkpoints(url, storage_options=storage_options)):
             row = steps.get(c.step)
             if row is None:
                 row = steps[c.step] = {"step": c.step, "url": c.url, "tiers": [], "info": c.info,
@@ -103,6 +108,7 @@ def _step_row(row: Mapping[str, Any], info: Any) -> dict[str, Any]:
             "created": info.created, "created_local": local_time(info.created),
             "metrics": dict(metrics) if isinstance(metrics, Mapping) else None,
             "framework": info.framework, "fingerprint": lin.get("fingerprint"),
+            "bytes": info.nbytes, "stats": dict(info.stats) or None,
             "position": lin.get("position") or lineage.position(info.data),
             "tiers": list(row["tiers"]), "url": row["url"]}
 
