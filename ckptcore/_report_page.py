@@ -304,7 +304,8 @@ def _costs(d: Mapping[str, Any], colors: Mapping[int, str]) -> str:
 def _dedup(url: str, dd: Mapping[str, Any]) -> str:
     head = f"<h3>Backup <span class=\"mono\">{esc(url)}</span>: deduplication</h3>"
     if dd["problem"]:
-        return head + f'<p class="none">unknown: its blobs cannot be listed ({esc(dd["problem"])})</p>'
+        return head + ('<p class="none">unknown: its blobs cannot be listed '
+                       f'({esc(dd["problem"])})</p>')
     if dd["kind"] != "deduplicated":
         return head + ('<p class="none">plain copies: every step uploads all its bytes '
                        '(no deduplication)</p>' if dd["kind"] == "plain" else
@@ -349,7 +350,7 @@ def _metrics(d: Mapping[str, Any], colors: Mapping[int, str]) -> str:
         for s in d["sessions"]:
             pts = [(float(st["step"]), float(v), f"{name} = {v:.6g} at step {st['step']} "
                     f"({_who(s)})") for st in s["steps"]
-                   for v in [(st.get("metrics") or {}).get(name)]
+                   for v in [{str(k): x for k, x in (st.get("metrics") or {}).items()}.get(name)]
                    if isinstance(v, (int, float)) and not isinstance(v, bool)]
             if pts:
                 series.append(Series(_who(s), colors[id(s)], pts))
@@ -372,7 +373,8 @@ def _steps(d: Mapping[str, Any]) -> str:
                 esc(" + ".join(st["tiers"])), _num(esc(_size(st.get("bytes")))),
                 _num(esc(_secs(stats.get("seconds")))),
                 esc("async" if stats.get("asynchronous") else "sync" if stats else "-"),
-                esc(metrics or "-"), f'<span class="mono">{esc(st.get("fingerprint") or "-")}</span>']))
+                esc(metrics or "-"),
+                f'<span class="mono">{esc(st.get("fingerprint") or "-")}</span>']))
     for u in d["log"]["unreadable"]:
         rows.append((u["step"], [esc(u["step"]), "", f'<span class="flag">unreadable</span>',
                                  "", esc(" + ".join(u["tiers"])), "", "", "", esc(u["problem"]),

@@ -44,13 +44,19 @@ log = logging.getLogger("ckptcore")
 
 def report_data(root: str | os.PathLike, *, backups: Sequence[str | os.PathLike] = (),
                 storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What the page shows, as plain data: ``log`` (:func:`ckptcore.run_log`'s result),
-    ``sessions`` (every session of every run, and a pseudo-session of the steps without
-    lineage, in the order of their first step, each with the ``color`` it is drawn in),
-    ``dedup`` (per backup: its steps' bytes and new bytes), ``copies`` (per backup: each
-    step's save time and session, and whether the local tier's step differs), ``metrics`` (the numeric metric
-    names, plotted ones first), ``findings`` (``(severity, text)``, ``"bad"`` first) and
-    ``status`` (``"bad"``, ``"warn"`` or ``"ok"``)."""
+    """What the page shows, as plain data (what :func:`render` draws):
+
+    * ``log``: :func:`ckptcore.run_log`'s result (``ckpt log --json``);
+    * ``sessions``: every session of every run, in the order of their first step, with a
+      pseudo-session (``session`` None, verdict ``"unrecorded"``) of the steps without lineage;
+    * ``dedup``: per backup, each step's ``bytes`` and ``new`` bytes (of blobs no earlier listed
+      step refers to), ``ratio`` and ``missing`` blobs; ``kind`` ``"plain"`` for plain copies;
+    * ``copies``: per backup, each step's save time and session, and whether the local tier
+      holds another checkpoint under that step (``differs``);
+    * ``metrics``: the numeric metric names, in the order they first appear;
+    * ``findings``: ``(severity, text)``, ``"bad"`` then ``"warn"`` then ``"note"``, and
+      ``status``: the worst of them (``"ok"`` without bad or warn).
+    """
     root = os.fspath(root)
     backups = [os.fspath(b) for b in backups]
     listings = {url: list_checkpoints(url, storage_options=storage_options)
