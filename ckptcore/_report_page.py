@@ -214,8 +214,10 @@ def _restores(sessions: Sequence[Mapping[str, Any]]) -> str:
          "newest step then", "verdict"], rows)
 
 
-def _time_fmt(span: float):
-    """Tick labels of a time axis, as fine as its span needs (a test's run lasts seconds)."""
+def _time_fmt(axis: tuple[float, float]):
+    """Tick labels of a time axis, as fine as its range needs (a test's run lasts seconds)."""
+    span = axis[1] - axis[0]
+
     def fmt(t: float) -> str:
         if not math.isfinite(t):
             return "?"
@@ -244,14 +246,12 @@ def _timeline(d: Mapping[str, Any], colors: Mapping[int, str]) -> str:
                                + (f" (NOT the local tier's step {step}: saved before a rewind, "
                                   "or by another run)" if c["differs"] else "")))
     marks = _resume_marks(d["sessions"], lambda s, rf: rf.get("at"))
-    pts = [p[0] for v in lanes.values() for p in v]
-    if not pts:
+    if not any(lanes.values()):
         return '<h2>Timeline</h2><p class="none">no step to place</p>'
-    span = max(pts) - min(pts)
     return ("<h2>Timeline: steps per tier, by save time</h2><p class=\"sub\">one mark per step "
             "each tier holds (a gap in a backup's lane: not replicated, or deleted by its "
             "retention); dashed lines: resumes, at the restore's time</p>"
-            + timeline("steps per tier", list(lanes.items()), marks, _time_fmt(span)))
+            + timeline("steps per tier", list(lanes.items()), marks, _time_fmt))
 
 
 def _resume_marks(sessions: Sequence[Mapping[str, Any]], where) -> list[Mark]:

@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-__all__ = ["esc", "Series", "Mark", "line_plot", "bar_plot", "timeline", "PALETTE", "nice_ticks"]
+__all__ = ["esc", "Series", "Mark", "line_plot", "bar_plot", "timeline", "PALETTE", "nice_ticks",
+           "span"]
 
 # Okabe-Ito: told apart with the common colour-vision deficiencies.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
@@ -62,15 +63,20 @@ def nice_ticks(lo: float, hi: float, count: int = 5, whole: bool = False) -> lis
     return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
 
 
-def _span(values: Sequence[float], zero: bool = False) -> tuple[float, float]:
+def span(values: Sequence[float], zero: bool = False,
+         flat: float | None = None) -> tuple[float, float]:
+    """The axis range of ``values`` (the finite ones), with 4% to spare on each side (none below
+    a ``zero`` floor); ``flat``: the half-width when every value is equal (default: a tenth of
+    the value), e.g. 30 seconds for one instant."""
     finite = [v for v in values if math.isfinite(v)]
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
     if zero:
         lo = min(lo, 0.0)
     if hi - lo < 1e-12 * max(1.0, abs(hi)):
-        pad = abs(hi) * 0.1 or 1.0
-        lo, hi = lo - pad, hi + pad
-    return lo, hi
+        pad = flat if flat is not None else (abs(hi) * 0.1 or 1.0)
+        return lo - pad, hi + pad
+    extra = (hi - lo) * 0.04
+    return (lo if zero and lo == 0.0 else lo - extra), hi + extra
 
 
 class _Frame:
@@ -138,7 +144,7 @@ def line_plot(title: str, series: Sequence[Series], marks: Sequence[Mark] = (),
               x_fmt: Callable[[float], str] = _fmt, y_fmt: Callable[[float], str] = _fmt) -> str:
     """Lines of ``series`` over a shared numeric x axis, ``marks`` as vertical lines."""
     xs = [p[0] for s in series for p in s.points] + [m.x for m in marks]
-    frame = _Frame(_span(xs), _span([p[1] for s in series for p in s.points]))
+    frame = _Frame(span(xs), span([p[1] for s in series for p in s.points]))
     whole = all(float(x).is_integer() for x in xs if math.isfinite(x))  # steps: no 2.5
     body = frame.axes(x_fmt, y_fmt, nice_ticks(frame.x0, frame.x1, 8, whole)) + frame.marks(marks)
     n = 0
@@ -167,7 +173,7 @@ def bar_plot(title: str, steps: Sequence[int], layers: Sequence[tuple[str, Seque
     than the one behind it (a save's seconds, and inside them the seconds it blocked); a value
     of None draws nothing (not recorded).  ``marks``' x are positions in ``steps``."""
     frame = _Frame((-0.5, len(steps) - 0.5),
-                   _span([float(v) for _, vals in layers for v in vals if v is not None], True))
+                   span([float(v) for _, vals in layers for v in vals if v is not None], True))
     ticks = list(range(len(steps)))
     if len(ticks) > 16:  # label every k-th step only
         k = math.ceil(len(ticks) / 16)
@@ -190,12 +196,14 @@ def bar_plot(title: str, steps: Sequence[int], layers: Sequence[tuple[str, Seque
 
 
 def timeline(title: str, lanes: Sequence[tuple[str, list[tuple[float, str, str]]]],
-             marks: Sequence[Mark] = (), t_fmt: Callable[[float], str] = _fmt) -> str:
-    """One lane per tier over time: ``(label, [(time, color, tooltip), ...])``."""
+             marks: Sequence[Mark] = (),
+             t_fmt: Callable[[tuple[float, float]], Callable[[float], str]] | None = None) -> str:
+    """One lane per tier over time: ``(label, [(time, color, tooltip), ...])``; ``t_fmt``
+    gives the tick labels' format for the axis' range."""
     height = _T + _B + 34 * max(len(lanes), 1) + 10
     ts = [t for _, pts in lanes for t, _, _ in pts] + [m.x for m in marks]
-    frame = _Frame(_span(ts), (0.0, float(max(len(lanes), 1))), height)
-    body = frame.axes(t_fmt, None) + frame.marks(marks)
+    frame = _Frame(span(ts, flat=30.0), (0.0, float(max(len(lanes), 1))), height)
+    body = frame.axes(t_fmt((frame.x0, frame.x1)) if t_fmt else _fmt, None) + frame.marks(marks)
     n = 0
     for i, (label, pts) in enumerate(lanes):
         y = frame.y(len(lanes) - i - 0.5)

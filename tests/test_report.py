@@ -180,11 +180,20 @@ def test_old_checkpoints_without_lineage_or_stats_still_render(tmp_path):
     d = report.write_report(root, out)
     (old,) = d["sessions"]
     assert old["verdict"] == "unrecorded" and [st["step"] for st in old["steps"]] == [3, 7, 9]
-    assert d["status"] == "ok" and d["findings"][0][0] == "note"
+    assert d["status"] == "ok" and d["findings"] == [
+        ("note", "3 step(s) saved without lineage (before ckptcore recorded it): their resumes "
+                 "cannot be checked")]
     text = out.read_text(encoding="utf-8")
     assert "no lineage recorded" in text and "save time not recorded for 3 step(s)" in text
     assert "no resume recorded" in text
     assert all(n > 0 for n in _Doc(text).plots)  # timeline and bytes: still drawn
+    # a step whose manifest cannot be read: the verdict's first line
+    (root / "step-000000000011").mkdir()
+    (root / "step-000000000011" / "manifest.msgpack").write_bytes(b"not a manifest")
+    d = report.write_report(root, out)
+    assert d["status"] == "bad" and d["findings"][0][0] == "bad"
+    assert d["findings"][0][1].startswith("step 11 cannot be read (SchemaError: ")
+    assert "unreadable" in out.read_text(encoding="utf-8")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "No committed checkpoints" in report.render(report.report_data(empty))
