@@ -197,21 +197,28 @@ def _lineage(sessions: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _restores(sessions: Sequence[Mapping[str, Any]]) -> str:
+    saved = {st["step"]: st["created"] for s in sessions for st in s["steps"]}
     rows = []
     for s in sessions:
         rf = s["resumed_from"]
         if not isinstance(rf, Mapping):
             continue
+        at, then = rf.get("at"), saved.get(rf.get("step"))
+        # from the restored step's save to the restore: the work lost plus the time down
+        gap = (_ago(at - then) if isinstance(at, (int, float)) and then is not None
+               and at >= then else "unknown")
         rows.append([esc(s["resume_count"]), esc(_who(s)), esc(rf.get("step")), esc(rf.get("tier")),
-                     esc(_when(rf.get("at"))), _num(esc(_secs(rf.get("seconds")))),
+                     esc(_when(at)), _num(esc(gap)), _num(esc(_secs(rf.get("seconds")))),
                      _num(esc(_size(rf.get("bytes")))), esc(rf.get("newest_step")),
                      f'<span class="flag">FLAGGED</span>' if s["verdict"] == "flagged"
                      else esc(s["verdict"])])
     if not rows:
         return '<h2>Restores</h2><p class="none">no resume recorded</p>'
-    return "<h2>Restores</h2>" + _table(
-        ["resume", "by", "step restored", "tier", "at", "took", "bytes loaded",
-         "newest step then", "verdict"], rows)
+    return ("<h2>Restores</h2>" + _table(
+        ["resume", "by", "step restored", "tier", "at", "after its save", "took",
+         "bytes loaded", "newest step then", "verdict"], rows)
+        + '<p class="sub">after its save: from the restored step\'s save to the restore (the '
+        "work lost and the time the run was down)</p>")
 
 
 def _time_fmt(axis: tuple[float, float]):

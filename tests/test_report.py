@@ -150,7 +150,7 @@ def test_the_page_shows_the_verdict_first_and_draws_every_plot_with_data(run):
                                      "<h2>Restores", "Timeline", "Save time", "Bytes per step",
                                      "deduplication", "Metrics by step", "Every step")]
     assert order == sorted(order)
-    assert "Needs attention" in text and "FLAGGED" in text
+    assert "Needs attention" in text and "FLAGGED" in text and "after its save" in text
     # timeline, save time, bytes, deduplication, and one plot per metric: all with data
     assert len(doc.plots) == 6 and all(n > 0 for n in doc.plots), doc.plots
     assert doc.plots[0] == 6 + 5  # the timeline: 6 local steps, 5 in the backup
