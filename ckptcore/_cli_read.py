@@ -337,6 +337,9 @@ def cmd_report(args: argparse.Namespace, so: dict) -> int:
     runs = data["log"]["runs"]
     steps = sum(len(s["steps"]) for s in data["sessions"]) + len(data["log"]["unreadable"])
     bad = sum(1 for sev, _ in data["findings"] if sev == "bad")
+    if not steps:
+        print(f"{out}: no committed checkpoints under {args.root}")
+        return 0
     print(f"{out}: {steps} step(s), {len(runs)} run(s), "
           f"{sum(r['resumes'] for r in runs)} resume(s); "
           + (f"{bad} PROBLEM(S) (see the page's verdict)" if bad else

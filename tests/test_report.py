@@ -213,6 +213,9 @@ def test_ckpt_report_writes_the_page_and_types_its_usage_errors(run, tmp_path, c
                            "--backup", backup, "--storage-option", "auto_mkdir=true")
     assert rc == 0 and out.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
     assert printed == f"{out}: 6 step(s), 1 run(s), 2 resume(s); 3 PROBLEM(S) (see the page's verdict)\n"
+    (tmp_path / "empty").mkdir()
+    rc, printed, _ = _ckpt(capsys, "report", str(tmp_path / "empty"), "-o", str(out))
+    assert rc == 0 and printed == f"{out}: no committed checkpoints under {tmp_path / 'empty'}\n"
     with pytest.raises(SystemExit) as e:  # -o is required
         cli.main(["report", root])
     assert e.value.code == 2 and "-o/--output" in capsys.readouterr().err
