@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._version import __version__
 
-from . import errors, events, lineage, metrics
+from . import errors, events, lineage, metrics, report
 from .api import CheckpointInfo, TensorInfo, convert, inspect, load_state, save_state, verify
 from .errors import (AdapterNotFoundError, CaptureError, CheckpointError, CheckpointExistsError,
                      CheckpointFallbackWarning, CheckpointNotFoundError, CorruptCheckpointError, FencedError, GroupError,
@@ -33,7 +33,7 @@ from .state import (AccumulationState, OptimizerState, ParamInfo, RestoreReport,
 
 __all__ = [
     "__version__",
-    "errors", "events", "lineage", "metrics",
+    "errors", "events", "lineage", "metrics", "report",
     "save_state", "load_state", "inspect", "verify", "convert", "MigrationWarning",
     "CheckpointInfo", "TensorInfo",
     "CheckpointManager", "SaveHandle", "Backup", "Lease", "CheckpointFallbackWarning",

@@ -1,5 +1,6 @@
 """The ``ckpt`` verbs that read checkpoints and a run's roots: ``inspect``, ``verify`` (and
-``--deep``), ``diff``, ``ls``, ``sync`` and ``gc``, with their printing helpers (the tensor tree,
+``--deep``), ``diff``, ``ls``, ``log``, ``report`` (the page itself: :mod:`ckptcore.report`),
+``sync`` and ``gc``, with their printing helpers (the tensor tree,
 chunk spans, ls columns).
 
 Separate from :mod:`ckptcore.cli`, which holds the parser and ``main`` and imports this module;
@@ -12,11 +13,12 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from typing import Any, Mapping
 
 from . import api
-from ._cli_common import Progress, is_tty, parse_options, size_text
+from ._cli_common import Progress, is_tty, parse_options, size_text, usage_error
 from ._diff import diff
 from ._manifest import MANIFEST_NAME
 from ._storage import Store
@@ -297,13 +299,7 @@ def _metrics(metadata: Any) -> str:
 
 
 def cmd_log(args: argparse.Namespace, so: dict) -> int:
-    store = Store(args.root, dict(so))
-    if not store.exists() and not args.backup:  # a typo or a missing bucket is not an empty run
-        raise FileNotFoundError(f"{args.root} does not exist (no such folder or bucket)")
-    if store.exists(MANIFEST_NAME) and not is_root(store):
-        raise CheckpointNotFoundError(
-            f"{args.root} is one checkpoint, not a run's root (a CheckpointManager folder): "
-            f"`ckpt inspect {args.root}` shows its lineage")
+    _run_root(args.root, args.backup, so)
     data = run_log(args.root, backups=args.backup or (), storage_options=so)
     if args.json:
         print(json.dumps(data, indent=2, default=str))
@@ -313,6 +309,41 @@ def cmd_log(args: argparse.Namespace, so: dict) -> int:
         return 0
     for line in render(data):
         print(line)
+    return 0
+
+
+def _run_root(root: str, backups: Any, so: dict) -> None:
+    """A root ``ckpt log``/``ckpt report`` can read: it exists (or a backup is named) and is
+    not one checkpoint's folder."""
+    store = Store(root, dict(so))
+    if not store.exists() and not backups:  # a typo or a missing bucket is not an empty run
+        raise FileNotFoundError(f"{root} does not exist (no such folder or bucket)")
+    if store.exists(MANIFEST_NAME) and not is_root(store):
+        raise CheckpointNotFoundError(
+            f"{root} is one checkpoint, not a run's root (a CheckpointManager folder): "
+            f"`ckpt inspect {root}` shows its lineage")
+
+
+def cmd_report(args: argparse.Namespace, so: dict) -> int:
+    from .report import write_report
+
+    out = args.output
+    if "=" in os.path.basename(out) and not out.lower().endswith((".html", ".htm")):
+        raise usage_error(f"ckpt report: -o/--output names the page to write, got {out!r}; "
+                          "after `report`, storage options go in --storage-option KEY=VALUE "
+                          "(or -o KEY=VALUE before the verb)")
+    _run_root(args.root, args.backup, so)
+    data = write_report(args.root, out, backups=args.backup or (), storage_options=so)
+    runs = data["log"]["runs"]
+    steps = sum(len(s["steps"]) for s in data["sessions"]) + len(data["log"]["unreadable"])
+    bad = sum(1 for sev, _ in data["findings"] if sev == "bad")
+    if not steps:
+        print(f"{out}: no committed checkpoints under {args.root}")
+        return 0
+    print(f"{out}: {steps} step(s), {len(runs)} run(s), "
+          f"{sum(r['resumes'] for r in runs)} resume(s); "
+          + (f"{bad} PROBLEM(S) (see the page's verdict)" if bad else
+             "warnings on the page" if data["status"] == "warn" else "nothing flagged"))
     return 0
 
 

@@ -232,10 +232,12 @@ class Restorer:
 
 def resumed_run(run: lineage.Run, tiers: list[Tier], tier: int, step: int, newest: int | None,
                 state: TrainingState, objects: Mapping[str, Any], keys: Any,
-                unapplied: set[str] | frozenset = frozenset()) -> lineage.Run:
+                unapplied: set[str] | frozenset = frozenset(), *,
+                seconds: float | None = None, nbytes: int | None = None) -> lineage.Run:
     """The run a manager continues after restoring ``step`` from ``tiers[tier]`` into
     ``objects``: the step's run id, one resume more, and the record of what was restored
-    against what was saved (``ckptcore.lineage.resume``).  The step's manifest is read again
+    against what was saved (``ckptcore.lineage.resume``), with the restore's ``seconds`` and
+    ``nbytes`` (``ckpt report`` shows them).  The step's manifest is read again
     for its lineage; if it is gone already (another writer's retention), what the state
     says is recorded (logged)."""
     where = tiers[tier]
@@ -257,7 +259,8 @@ def resumed_run(run: lineage.Run, tiers: list[Tier], tier: int, step: int, newes
         generation=info.writer.get("generation") if info is not None else None,
         framework=info.framework if info is not None else state.framework,
         saved_parts=parts, restored=restored, newest_step=newest,
-        restored_position=lineage.position(got()) if callable(got) else None)
+        restored_position=lineage.position(got()) if callable(got) else None,
+        seconds=seconds, nbytes=nbytes)
     new = run.resumed(saved, record)
     left = [p for p, v in restored.items() if v in (lineage.IGNORED, lineage.NOT_LOADED)]
     log.info("restore: run %s resumes from step %d (%s), resume %d%s", new.run_id, step, url,

@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from . import lineage
-from .layout import list_checkpoints
+from .layout import CheckpointListing, list_checkpoints
 
 __all__ = ["run_log", "render", "local_time", "lineage_lines"]
 
@@ -42,12 +42,15 @@ _CONSEQUENCE = {
 
 
 def run_log(root: str | os.PathLike, *, backups: Sequence[str] = (),
-            storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+            storage_options: Mapping[str, Any] | None = None,
+            listings: Mapping[str, Sequence[CheckpointListing]] | None = None) -> dict[str, Any]:
     """The history of the run(s) under ``root`` (and ``backups``' copies) as plain data: runs,
     their sessions and each resume's verdict (the module docstring; the keys are in
     docs/FORMAT.md, section 13).  Reads every committed step's manifest, never tensor data; a
     step whose manifest cannot be read is listed under ``unreadable``, one without a lineage
-    under ``unrecorded``.
+    under ``unrecorded``.  ``listings``: a tier's :func:`list_checkpoints` already made, by its
+    URL (``ckpt report`` reads the backups' blob references from the same listing; each
+    manifest is read once).
 
     Example:
         >>> for run in ckptcore.run_log("s3://runs/exp1")["runs"]:                # doctest: +SKIP
@@ -56,7 +59,9 @@ def run_log(root: str | os.PathLike, *, backups: Sequence[str] = (),
     tiers = [("local", os.fspath(root))] + [(os.fspath(b), os.fspath(b)) for b in backups]
     steps: dict[int, dict[str, Any]] = {}
     for name, url in tiers:
-        for c in list_checkpoints(url, storage_options=storage_options):
+        listed = (listings or {}).get(url)
+        for c in (listed if listed is not None else
+                  list_checkpoints(url, storage_options=storage_options)):
             row = steps.get(c.step)
             if row is None:
                 row = steps[c.step] = {"step": c.step, "url": c.url, "tiers": [], "info": c.info,
@@ -111,6 +116,7 @@ def _step_row(row: Mapping[str, Any], info: Any) -> dict[str, Any]:
             "created": info.created, "created_local": local_time(info.created),
             "metrics": dict(metrics) if isinstance(metrics, Mapping) else None,
             "framework": info.framework, "fingerprint": lin.get("fingerprint"),
+            "bytes": info.nbytes, "stats": dict(info.stats) or None,
             "position": lin.get("position") or lineage.position(info.data),
             "tiers": list(row["tiers"]), "url": row["url"]}
 

@@ -1,7 +1,7 @@
 """``ckpt``: thin verbs over the public API.  No logic lives here, and no framework is needed.
 
 This module holds the parser and :func:`main`; the verbs live in :mod:`ckptcore._cli_read`
-(inspect, verify, diff, ls, log, sync, gc) and :mod:`ckptcore._cli_files` (import, export, convert,
+(inspect, verify, diff, ls, log, report, sync, gc) and :mod:`ckptcore._cli_files` (import, export, convert,
 demo), over the helpers they share in :mod:`ckptcore._cli_common`.
 
 The verbs that touch other frameworks (``import``, ``export``, ``convert``, ``demo``) take their
@@ -22,7 +22,8 @@ from . import registry
 from ._cli_common import parse_options
 from ._cli_files import (MissingFramework, cmd_convert, cmd_demo, cmd_export, cmd_import,
                          format_dest, format_kwargs, installed_formats, load_factory)
-from ._cli_read import cmd_diff, cmd_gc, cmd_inspect, cmd_log, cmd_ls, cmd_sync, cmd_verify
+from ._cli_read import (cmd_diff, cmd_gc, cmd_inspect, cmd_log, cmd_ls, cmd_report, cmd_sync,
+                        cmd_verify)
 from ._version import __version__
 from .adapter import FileFormat
 from .errors import CheckpointError
@@ -30,8 +31,8 @@ from .errors import CheckpointError
 # Importable from here as before: the verbs, the formats the installed adapters declare and the
 # --model loader (defined in the verb modules).
 __all__ = ["FORMAT_VERBS", "build_parser", "cmd_convert", "cmd_demo", "cmd_diff", "cmd_export",
-           "cmd_gc", "cmd_import", "cmd_inspect", "cmd_log", "cmd_ls", "cmd_sync", "cmd_verify",
-           "installed_formats", "load_factory", "main"]
+           "cmd_gc", "cmd_import", "cmd_inspect", "cmd_log", "cmd_ls", "cmd_report", "cmd_sync",
+           "cmd_verify", "installed_formats", "load_factory", "main"]
 
 log = logging.getLogger("ckptcore")
 
@@ -90,11 +91,14 @@ def _choices(names: Sequence[str]) -> dict:
     return {"choices": list(names)} if names else {}
 
 
-def _add_global_options(p: argparse.ArgumentParser, so_dest: str, verbose_dest: str) -> None:
+def _add_global_options(p: argparse.ArgumentParser, so_dest: str, verbose_dest: str,
+                        short_o: bool = True) -> None:
     """``-o`` and ``-v``: accepted before the verb and after it.  The verb's parser stores them
     under other names (a subparser's defaults would otherwise overwrite what came before the verb);
-    :func:`main` merges both."""
-    p.add_argument("--storage-option", "-o", dest=so_dest, action="append", metavar="KEY=VALUE",
+    :func:`main` merges both.  ``short_o=False``: the verb's ``-o`` is its own (``ckpt report
+    ROOT -o report.html``, the issue's contract); ``--storage-option`` still works after it."""
+    p.add_argument("--storage-option", *(["-o"] if short_o else []), dest=so_dest,
+                   action="append", metavar="KEY=VALUE",
                    default=None if so_dest == "storage_option" else argparse.SUPPRESS,
                    help="fsspec storage option (repeatable; dots nest: client_kwargs.endpoint_url=...)")
     p.add_argument("--verbose", "-v", dest=verbose_dest, action="count",
@@ -108,9 +112,9 @@ class _GlobalSubparsers:
     def __init__(self, sub: Any):
         self._sub = sub
 
-    def add_parser(self, *args: Any, **kwargs: Any) -> argparse.ArgumentParser:
+    def add_parser(self, *args: Any, own_o: bool = False, **kwargs: Any) -> argparse.ArgumentParser:
         s = self._sub.add_parser(*args, **kwargs)
-        _add_global_options(s, "storage_option_after", "verbose_after")
+        _add_global_options(s, "storage_option_after", "verbose_after", short_o=not own_o)
         return s
 
 
@@ -172,7 +176,7 @@ def _add_checkpoint_verbs(sub: _GlobalSubparsers) -> None:
 
 
 def _add_root_verbs(sub: _GlobalSubparsers) -> None:
-    """The verbs over a manager's root: ls, sync, gc."""
+    """The verbs over a manager's root: ls, log, report, sync, gc."""
     s = sub.add_parser("ls", help="list the committed checkpoints under a manager's root")
     s.add_argument("root")
     s.add_argument("--backup", metavar="URL", help="a backup root too: show which tiers hold each step")
@@ -191,6 +195,20 @@ def _add_root_verbs(sub: _GlobalSubparsers) -> None:
                    help="the same as data: {root, tiers, runs: [{run_id, tags, steps, resumes, "
                         "flagged, sessions: [...]}], unrecorded, unreadable} (docs/FORMAT.md)")
     s.set_defaults(fn=cmd_log)
+    s = sub.add_parser("report", own_o=True,
+                       help="write one self-contained HTML page about a run: the verdict first "
+                            "(flagged resumes, lagging backups), lineage, a timeline of the steps "
+                            "per tier, save and restore times, bytes and deduplication, metrics "
+                            "across resumes")
+    s.add_argument("root")
+    s.add_argument("-o", "--output", required=True, metavar="FILE.html",
+                   help="the page to write (a local file, replaced whole); here -o is the "
+                        "output: storage options go in --storage-option KEY=VALUE, or in -o "
+                        "before the verb")
+    s.add_argument("--backup", metavar="URL", action="append",
+                   help="a backup root too (repeatable): its steps join the timeline, and its "
+                        "deduplication is shown")
+    s.set_defaults(fn=cmd_report)
     s = sub.add_parser("sync", help="copy the committed checkpoints of one root to another "
                                     "(any two stores), incremental and resumable")
     s.add_argument("src", help="the root to copy from (a manager's root)")

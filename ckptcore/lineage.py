@@ -366,6 +366,11 @@ _TYPED: dict[str, tuple] = {
 }
 
 
+# The numbers of a ``resumed_from`` record, each nil or non-negative (checked by :func:`parse`).
+_RESUME_TYPED: dict[str, tuple] = {"step": (int,), "newest_step": (int,), "at": (int, float),
+                                   "seconds": (int, float), "bytes": (int,)}
+
+
 def parse(value: Any, source: str) -> dict[str, Any]:
     """A manifest's ``lineage`` as untrusted data: a map of plain values (str, int, float, bool,
     nil, lists, maps with str keys), at most 8 deep, 4096 items and 4096-character strings,
@@ -385,6 +390,13 @@ def parse(value: Any, source: str) -> dict[str, Any]:
             raise SchemaError(f"{where}: {key!r} is negative")
     if any(not isinstance(v, str) for v in value.get("tags", {}).values()):
         raise SchemaError(f"{where}: 'tags' must map str to str")
+    rf = value.get("resumed_from")
+    for key, kinds in _RESUME_TYPED.items():
+        # (what a report plots: a number of the wrong kind would be drawn as one)
+        v = rf.get(key) if isinstance(rf, dict) else None
+        if v is not None and (not isinstance(v, kinds) or isinstance(v, bool) or v < 0):
+            raise SchemaError(f"{where}: 'resumed_from.{key}' is {v!r}, not a non-negative "
+                              f"{'int' if kinds == (int,) else 'number'} or nil")
     return value
 
 
@@ -431,13 +443,16 @@ def process_run(tags: Mapping[str, str] | None = None) -> Run:
 def resume(saved: Mapping[str, Any] | None, *, step: int, url: str, tier: str,
            generation: int | None, framework: str | None, saved_parts: Mapping[str, Any],
            restored: Mapping[str, Any] | None = None, newest_step: int | None = None,
-           restored_position: Mapping[str, Any] | None = None) -> dict[str, Any]:
+           restored_position: Mapping[str, Any] | None = None, seconds: float | None = None,
+           nbytes: int | None = None) -> dict[str, Any]:
     """The ``resumed_from`` record of a resume from checkpoint ``step`` at ``url`` (in tier
     ``tier``, ``"local"`` or a backup's URL) whose lineage is ``saved`` (None: an old one).
 
     ``saved_parts``: the checkpoint's part digests; ``restored``: what the restore put back
     (:func:`restored_parts`; None when unknown, a plain ``save_state(resumed_from=...)``);
-    ``newest_step``: the newest step committed when it was restored (a rewind when larger)."""
+    ``newest_step``: the newest step committed when it was restored (a rewind when larger);
+    ``seconds`` and ``nbytes``: how long the restore took and the tensor bytes it loaded (the
+    figures of its RestoreEvent; None when not measured)."""
     saved = saved or {}
     parts = saved.get("parts") if isinstance(saved.get("parts"), Mapping) else saved_parts
     return {"step": int(step), "url": url, "tier": tier, "generation": generation,
@@ -448,7 +463,9 @@ def resume(saved: Mapping[str, Any] | None, *, step: int, url: str, tier: str,
             "restored": dict(restored) if restored is not None else None,
             "restored_fingerprint": (fingerprint(restored) if restored is not None else None),
             "position": dict(restored_position) if restored_position is not None else None,
-            "newest_step": newest_step, "at": time.time()}
+            "newest_step": newest_step, "at": time.time(),
+            "seconds": None if seconds is None else round(float(seconds), 6),
+            "bytes": None if nbytes is None else int(nbytes)}
 
 
 def converted(*, framework: str | None, format: str, root: str,

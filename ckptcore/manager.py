@@ -393,23 +393,30 @@ class CheckpointManager:
         if found is not None:  # only a run that did resume from an older step may save over these
             self._skipped = frozenset(found.damaged)
             self._fell_back = frozenset(found.passed - {found.step})
+        figures = self._restore_figures(meter)
         if self._coordinator and restorer.restored is not None:  # rank 0 writes the lineage
             tier, restored_step, newest = restorer.restored
             try:
                 self._run = resumed_run(self._run, self.tiers, tier, restored_step, newest,
-                                        state, objects, keys, unapplied)
+                                        state, objects, keys, unapplied,
+                                        seconds=figures["seconds_total"], nbytes=figures["bytes"])
             except Exception as e:  # noqa: BLE001 - bookkeeping never fails a restore
                 log.warning("restore: step %d restored, but its resume is not recorded in the "
                             "lineage (%s: %s)", restored_step, type(e).__name__, e)
-        self._report_restore(meter, restorer, None)
+        self._report_restore(meter, restorer, None, figures)
         return state
 
-    def _report_restore(self, meter: _meter.Meter, restorer: Restorer,
-                        error: BaseException | None) -> None:
-        """The :class:`ckptcore.RestoreEvent` of a restore: which step, from which tier, and
-        every candidate it fell back over."""
+    @staticmethod
+    def _restore_figures(meter: _meter.Meter) -> dict:
         figures = _meter.figures(meter)
         figures["bytes"], figures["shards"] = meter.loaded
+        return figures
+
+    def _report_restore(self, meter: _meter.Meter, restorer: Restorer,
+                        error: BaseException | None, figures: dict | None = None) -> None:
+        """The :class:`ckptcore.RestoreEvent` of a restore: which step, from which tier, and
+        every candidate it fell back over (``figures``: measured already, else now)."""
+        figures = figures if figures is not None else self._restore_figures(meter)
         chosen = restorer.chosen
         tier = self.tiers[chosen[1]] if chosen is not None else self.local
         lag = tuple(b.lag() for b in self.backups) if self._coordinator else ()

@@ -213,6 +213,9 @@ _BAD = {
     "not finite": {"run_id": "r", "started": math.nan},
     "bytes": {"run_id": "r", "extra": b"\x00"},
     "extension": {"run_id": "r", "extra": msgpack.ExtType(1, msgpack.packb(0))},
+    # the restore's figures a report plots: nil or non-negative numbers
+    "negative restore seconds": {"run_id": "r", "resumed_from": {"step": 1, "seconds": -0.5}},
+    "restore bytes a bool": {"run_id": "r", "resumed_from": {"step": 1, "bytes": True}},
 }
 
 
