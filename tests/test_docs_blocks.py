@@ -162,18 +162,16 @@ def test_doc_blocks_run_as_written_twice(doc, request, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     run_doc(doc, request, work)
+    if Path(doc).stem == "CURSOR":  # (one run of the doc serves both checks)
+        check_the_cursor_doc_saves_the_cursor_where_load_state_and_inspect_find_it(work)
 
 
-@pytest.mark.slow
-def test_the_cursor_doc_saves_the_cursor_where_load_state_and_inspect_find_it(request, tmp_path):
+def check_the_cursor_doc_saves_the_cursor_where_load_state_and_inspect_find_it(work):
     # The doc used to save state.data["cursor"] = cursor.state_dict(): load_state(url, cursor=c)
     # then failed (SchemaError: missing field(s) 'batch_size') and ckpt inspect showed
     # "position None".  Its checkpoints now hold the cursor as the data section itself.
     import ckptcore
 
-    work = tmp_path / "work"
-    work.mkdir()
-    run_doc("docs/CURSOR.md", request, work)
     root = work / "runs" / "cursor"
     listed = ckptcore.list_checkpoints(root)
     assert listed and listed[-1].step == 24  # 500 samples in batches of 64: 8 steps an epoch, 3 epochs

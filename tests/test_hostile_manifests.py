@@ -181,15 +181,15 @@ for name in corpus.CASES:
         corpus.write_good(root / "step-000000000001", step=1)
         os.rename(corpus.build(name, tmp / "case", outside), root / "step-000000000002")
         ckpt = str(root / "step-000000000002")
-        for fn in (ckptcore.load_state, ckptcore.verify, ckptcore.inspect):
-            try:
-                r = fn(ckpt)
-                if fn is ckptcore.load_state or (fn is ckptcore.verify and not r):
-                    bad.append(f"{name}: {fn.__name__} succeeded")
-            except CheckpointError:
-                pass
-            except BaseException as e:
-                bad.append(f"{name}: {fn.__name__}: {type(e).__name__}: {e}"[:300])
+        # load_state and inspect of each case are test_case_is_a_typed_error's; here the
+        # restore below loads it (then falls back) and verify reads every byte, in one process.
+        try:
+            if not ckptcore.verify(ckpt):
+                bad.append(f"{name}: verify succeeded")
+        except CheckpointError:
+            pass
+        except BaseException as e:
+            bad.append(f"{name}: verify: {type(e).__name__}: {e}"[:300])
         try:
             with ckptcore.CheckpointManager(str(root), lock=False) as mgr:
                 if mgr.restore().step != 1:
