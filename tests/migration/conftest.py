@@ -1,4 +1,4 @@
-"""Cross-framework tests: Keras and Paddle each run in their own worker process.
+"""Cross-framework tests: Keras, Paddle, PyTorch and JAX each run in their own worker process.
 
 TensorFlow and Paddle never share a process (importing both crashes), and pytest's own process
 imports neither.  The workers run once per session, in a chain (Keras source -> Paddle -> Keras
@@ -20,6 +20,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 HAVE = {m: importlib.util.find_spec(m) is not None for m in ("paddle", "tensorflow", "keras", "torch")}
+HAVE_JAX = all(importlib.util.find_spec(m) is not None for m in ("jax", "flax", "optax"))
 
 
 def worker_env() -> dict[str, str]:
@@ -32,7 +33,13 @@ def worker_env() -> dict[str, str]:
 
 
 def run_worker(*args: str, timeout: float = 600) -> None:
-    proc = subprocess.run([sys.executable, *args], env=worker_env(), capture_output=True, text=True,
+    env = worker_env()
+    if args[0] == "_jworker.py":
+        # As tests/jax_adapter/conftest.py but one device, one thread, and XLA's quick compile (its
+        # optimisation passes take seconds per training step; the steps themselves take milliseconds).
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false "
+                   "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=str(HERE))
     if proc.returncode != 0:
         pytest.fail(f"{args} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
@@ -67,3 +74,20 @@ def torch_migration_results(tmp_path_factory):
     run_worker("_tworker.py", "target", str(d))
     return {name: json.loads((d / f"{name}.json").read_text())
             for name in ("torch_source", "keras_torch", "paddle_torch", "torch_target")}
+
+
+@pytest.fixture(scope="session")
+def jax_migration_results(tmp_path_factory):
+    """The JAX pairs: JAX source -> PyTorch, Keras, Paddle (each continuing the JAX runs and training
+    its own) -> JAX target.  ``{"jax_source": ..., "torch_jax": ..., "keras_jax": ..., "paddle_jax": ...,
+    "jax_target": ...}``."""
+    if not (HAVE_JAX and all(HAVE.values())):
+        pytest.skip("needs jax/flax/optax, torch, paddlepaddle and tensorflow/keras")
+    d = tmp_path_factory.mktemp("jax_migration")
+    run_worker("_jworker.py", "source", str(d))
+    run_worker("_tworker.py", "jax", str(d))
+    run_worker("_kworker.py", "jax", str(d), "{}")
+    run_worker("_pworker.py", str(d), "{}", "jax")
+    run_worker("_jworker.py", "target", str(d))
+    return {name: json.loads((d / f"{name}.json").read_text())
+            for name in ("jax_source", "torch_jax", "keras_jax", "paddle_jax", "jax_target")} | {"dir": str(d)}
