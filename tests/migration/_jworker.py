@@ -1,16 +1,19 @@
-"""JAX half of the JAX migration tests: ``python _jworker.py source|target <dir>``.
+"""JAX half of the JAX migration tests: ``python _jworker.py source|target|both <dir>``.
 
 ``source`` trains the Flax NNX twins with Optax and saves the checkpoints the PyTorch, Keras and
 Paddle workers continue (``_jpairs.py``), with the JAX reference continuations; it also checks what
 the capture reads from Optax transformations and each Optax schedule's canonical formula.
-``target`` loads the partners' checkpoints into JAX objects and continues them.  Results go to
-``<dir>/jax_<phase>.json`` (an ``error`` entry per failed task).  Imports JAX only.
+``target`` loads the partners' checkpoints into JAX objects and continues them.  ``both`` runs
+``source``, waits until ``<dir>/partners.done`` exists, then runs ``target`` in the same process,
+whose compiled training steps it reuses (compiling them is most of a JAX phase's time).  Results go
+to ``<dir>/jax_<phase>.json`` (an ``error`` entry per failed task).  Imports JAX only.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 import traceback
 import warnings
 
@@ -26,10 +29,6 @@ import ckptcore_jax
 from _common import (JAX_DATA_SEED, JAX_PARTNERS, JAX_TWINS, STEPS, jax_opt, jax_source, max_diff,
                      pair_batches, pair_probe, write_json)
 
-# Both phases compile the same training steps: the second finds them in the first one's cache.
-if len(sys.argv) > 2:
-    jax.config.update("jax_compilation_cache_dir", sys.argv[2] + "/jax_cache")
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 def _caught(fn):
@@ -180,6 +179,12 @@ PHASES = {"source": [structure, optax_reading, schedules, twins_source], "target
 
 
 def main(phase: str, d: str) -> None:
+    if phase == "both":
+        main("source", d)
+        done, deadline = Path(d, "partners.done"), time.monotonic() + 900
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        phase = "target"
     results = {}
     for task in PHASES[phase]:
         t0 = time.perf_counter()

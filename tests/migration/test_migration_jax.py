@@ -1,8 +1,8 @@
 """JAX <-> PyTorch, JAX <-> Keras and JAX <-> Paddle migration (Flax NNX models, Optax optimizers).
 
-Worker tests: each framework trains in its own process (``_jworker.py source``, then ``_tworker.py
-jax``, ``_kworker.py jax``, ``_pworker.py <dir> {} jax`` through ``_jpairs.py``, then ``_jworker.py
-target``; see ``conftest.jax_migration_results``).  Each twin runs 5 steps in its source framework,
+Worker tests: each framework trains in its own process (``_jworker.py both`` runs its source phase,
+waits while ``_tworker.py jax``, ``_kworker.py jax`` and ``_pworker.py <dir> {} jax`` run through
+``_jpairs.py``, then runs its target phase; see ``conftest.jax_migration_results``).  Each twin runs 5 steps in its source framework,
 is migrated, and continues for 5 more steps on the same batches in the target and in the source.
 Compared: inference logits right after migration; after the 5 steps the training-mode logits (batch
 statistics: every trainable weight enters them) and the inference logits.  Optimizers: Optax's
