@@ -65,7 +65,7 @@ def _transforms(tx: Any) -> list[tuple[str, dict[str, Any]]]:
             inner = _closure(fn).get("tx")
             found = _transforms(inner) if inner is not None else [(_owner(fn), _closure(fn))]
             if len(found) != 1:
-                return [("chain", {})] * 2   # a nested chain: moments not at "<i>/"
+                return [("nested chain", {})]   # its moments are not at "<i>/": not read
             out.extend(found)
         return out
     return [(owner, _closure(update))]
