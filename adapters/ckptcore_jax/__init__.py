@@ -23,7 +23,8 @@ Module map (the same as the other adapters'): ``_tensors`` (discovery of named l
 keys, moving bytes), ``_sharding`` (``jax.Array`` <-> ``ckptcore.Shard``/``Chunks``), ``_params``
 (ParamInfo), ``_optimizer`` (Optax state keyed by parameter path), ``_rng`` (NNX RNG streams),
 ``_capture`` (capture/restore), ``_group`` (``process_group``), ``_files`` (Orbax checkpoints),
-``_dialect`` (migration: not yet), ``_demo``.
+``_structure`` (what feeds what, from a traced forward pass), ``_optax`` (which optimizer an Optax
+transformation is), ``_dialect`` (migration), ``_demo``.
 
 Example:
     >>> import ckptcore, ckptcore_jax                                         # doctest: +SKIP
@@ -57,23 +58,21 @@ class NotYetImplementedError(NotImplementedError):
     which part and what to use meanwhile."""
 
 
-class _DialectNotYetImplementedError(NotYetImplementedError, ImportError):
-    """The migration dialect is missing: an ``ImportError`` too, as for a dialect module that is
-    not installed (the conformance suite skips its dialect test on it)."""
-
-
 class Ref:
     """A mutable holder of an immutable pytree (parameters, an Optax state) for ``restore`` to
-    put the restored pytree into: ``ref.value`` afterwards.
+    put the restored pytree into: ``ref.value`` afterwards.  For an Optax state, ``tx=`` (the
+    transformation that made it) lets a capture say which optimizer it is, which migration to
+    another framework needs (an ``nnx.Optimizer`` carries its own ``tx``).
 
     >>> ref = Ref({"w": 1.0}); ref.value
     {'w': 1.0}
     """
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "tx")
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, *, tx: Any = None) -> None:
         self.value = value
+        self.tx = tx
 
     def __repr__(self) -> str:
         return f"ckptcore_jax.Ref({type(self.value).__name__})"
@@ -157,12 +156,6 @@ class JaxAdapter(PackageAdapter):
             else:
                 break
         return node is not obj and _jax_leaf(node)
-
-    @property
-    def dialect(self) -> Any:
-        raise _DialectNotYetImplementedError(
-            "ckptcore_jax has no migration dialect yet (issue 26, point 5): states of other "
-            "frameworks cannot be converted for JAX objects, nor JAX states for theirs")
 
     def capture(self, **objects: Any) -> TrainingState:
         check_keywords(__name__, "capture", objects, _CAPTURE_KEYWORDS)

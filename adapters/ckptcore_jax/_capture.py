@@ -7,7 +7,8 @@ Naming (a contract: checkpoints written today must restore tomorrow):
   pytree's leaves by key path.  A sharded ``jax.Array`` is a ``ckptcore.Shard``/``Chunks`` leaf
   (``_sharding.py``); a typed key its uint32 ``key_data``, its implementation in
   ``extra["jax"]["keys"]``.
-* ``state.optimizer``: the Optax state keyed by parameter path (``_optimizer.py``).
+* ``state.optimizer``: the Optax state keyed by parameter path (``_optimizer.py``);
+  ``state.schedule``: its learning-rate schedule, when it has one (``_optax.py``).
 * ``state.rng``: ``"python"``, ``"numpy"`` and the NNX RNG streams (``_rng.py``).
 * ``state.data``: the cursor's ``state_dict()``; ``state.step``: ``step=``, else the NNX
   optimizer's ``step``, else 0.
@@ -22,6 +23,7 @@ dtype, devices and sharding.  Report names: model leaves by their own name,
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -39,6 +41,7 @@ from ._tensors import is_key, key_data, named_tensors
 __all__ = ["capture", "restore", "template"]
 
 NAME = "jax"
+_log = logging.getLogger("ckptcore")
 
 
 def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True,
@@ -55,9 +58,9 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
         if impl:
             keys[name] = impl
     state = TrainingState(framework=NAME, model=arrays,
-                          params=describe_params(leaves.values, arrays))
+                          params=describe_params(leaves.values, arrays, model))
     if optimizer is not None:
-        state.optimizer = capture_optimizer(optimizer, leaves.values, step=step, copy=copy)
+        state.optimizer, state.schedule = capture_optimizer(optimizer, leaves.values, step=step, copy=copy)
         state.step = state.optimizer.step
     elif step is not None:
         state.step = int(step)
@@ -118,8 +121,10 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     plan.unexpected_from(state.model, leaves.values)
     plan.then(leaves.commit)
     unapplied: dict[str, str] = {}
+    # An Optax schedule follows the optimizer's count leaves: restored with the optimizer.
     no_slots = plan_training_parts(
-        plan, state, optimizer=optimizer, scheduler=None, scaler=None, saved_scaler=False,
+        plan, state, optimizer=optimizer,
+        scheduler=optimizer if state.schedule is not None else None, scaler=None, saved_scaler=False,
         strict=strict, unapplied=unapplied,
         plan_optimizer=lambda: plan_optimizer(plan, state.optimizer, optimizer, leaves.values),
         plan_schedule=lambda: None, plan_scaler=lambda: None,
@@ -127,8 +132,13 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
                             "Optax state)",
                "schedule": "Optax schedules follow the optimizer's count leaves: pass optimizer=...",
                "grad scaler": ""})
-    if rng and state.rng:
+    migrated = "migration" in (state.extra or {}) and "nnx" not in (state.rng or {})
+    if rng and state.rng and not (migrated and streams.values):
         plan_rng(plan, state.rng, streams)
+    elif rng and migrated and streams.values:
+        _log.info("restore: the state was converted from %s, which has no NNX RNG streams; the "
+                  "model's streams (%s) are left as they are", state.extra["migration"].get("from"),
+                  ", ".join(sorted(streams.values)))
     return finish_restore(
         plan, state, strict, cursor=cursor, restore_rng=restore_framework_rng if rng else None,
         unapplied=unapplied, warn_data=warn_data,

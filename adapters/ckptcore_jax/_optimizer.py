@@ -10,10 +10,12 @@ dtype).  An ``nnx.Optimizer``'s leaves are named without the leading ``opt_state
 captured from one restores into a bare Optax state (a :class:`~ckptcore_jax.Ref`) and back;
 its ``step`` is ``OptimizerState.step`` (and, as a leaf, ``extra["leaves"]["step"]``).
 
-``OptimizerState.kind`` is ``"optax"``: an Optax transformation is code, not state, so the
-restore target's own ``tx`` is kept; a state whose slots do not fit its leaves is a
-RestoreError.  No schedule section: Optax schedules are functions of the ``count`` leaves, which
-are restored.
+An Optax transformation is code, not state, so the restore target's own ``tx`` is kept; a state
+whose slots do not fit its leaves is a RestoreError.  ``OptimizerState.kind`` and
+``hyperparams`` say which optimizer the transformation is, read from it by ``_optax.py``
+(``adam``, ``adamw``, ``sgd``; ``optax`` when it is none of those or there is no ``tx``), for
+migration; a restore never reads them.  An Optax schedule is a function of a ``count`` leaf,
+which is restored with the optimizer; its description (``state.schedule``) serves migration.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 from ckptcore.adapter import RestorePlan, qualified
-from ckptcore.state import OptimizerState
+from ckptcore.state import OptimizerState, ScheduleState
 
+from ._optax import describe
 from ._sharding import capture_leaf, plan_leaf
 from ._tensors import Leaves, nnx_leaves, pytree_leaves
 
@@ -59,7 +62,9 @@ def split_name(name: str, leaf: Any, params: dict[str, Any]) -> tuple[str, str] 
 
 
 def capture_optimizer(optimizer: Any, params: dict[str, Any], *, step: int | None,
-                      copy: bool = True) -> OptimizerState:
+                      copy: bool = True) -> tuple[OptimizerState, ScheduleState | None]:
+    """The optimizer's state, and its learning-rate schedule when the Optax transformation (an
+    ``nnx.Optimizer``'s ``tx``, a Ref's ``tx=``) has one (``_optax.py``)."""
     leaves, nnx_step = optimizer_leaves(optimizer)
     slots: dict[str, dict[str, Any]] = {}
     others: dict[str, Any] = {}
@@ -78,7 +83,12 @@ def capture_optimizer(optimizer: Any, params: dict[str, Any], *, step: int | Non
     extra: dict[str, Any] = {"leaves": others, "container": type(optimizer).__name__}
     if keys:
         extra["keys"] = keys
-    return OptimizerState(kind=KIND, step=int(step), hyperparams={}, slots=slots, extra=extra)
+    kind, hyperparams, schedule = KIND, {}, None
+    tx = getattr(optimizer, "tx", None)
+    if tx is not None:
+        kind, hyperparams, schedule = describe(tx, others)
+    return OptimizerState(kind=kind, step=int(step), hyperparams=hyperparams, slots=slots,
+                          extra=extra), schedule
 
 
 def plan_optimizer(plan: RestorePlan, saved: OptimizerState, optimizer: Any,

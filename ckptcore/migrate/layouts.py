@@ -10,7 +10,8 @@ the Flatten row permutation) the slot gets exactly the weight's transform.
 
 Layout letters are those of :mod:`ckptcore.vocab` (``io`` dense; convolutions ``kio``/``hwio``/
 ``dhwio`` or ``oik``/``oihw``/``oidhw``; transposed convolutions ``koi``/``hwoi`` or ``iok``/
-``iohw``; depthwise ``hwim``, or a grouped ``oihw`` of shape ``(in*M, 1, h, w)``).  Recurrent
+``iohw``, or ``hwio`` with ``attrs["spatially_flipped"]``; depthwise ``hwim``, or a grouped ``oihw``
+of shape ``(in*M, 1, h, w)`` or ``hwio`` of shape ``(h, w, 1, in*M)``).  Recurrent
 layouts are gate orders (``ifco`` LSTM; GRU ``zrh`` or ``rzc``, where ``h`` and ``c`` both name the
 candidate) and ``attrs["axes"]`` says whether the gate axis comes last (``io``) or first (``oi``).
 The recurrent bias takes one of three forms, read from the roles and shapes: *single* (one
@@ -137,6 +138,8 @@ def flatten_permutation(src: ParamInfo, dst: ParamInfo, rows: int, *, src_defaul
         raise LayoutProblem(f"the flattened feature map has {s_c} channels in the source but {d_c} "
                             "in the target")
     n = int(np.prod(spatial)) * int(c)
+    if n == rows and int(np.prod(spatial)) == 1:
+        return None, ""   # a 1x1 map (after global pooling) flattens the same in either order
     if n != rows:
         raise LayoutProblem(f"the flattened feature map {spatial}x{c} has {n} features but the kernel "
                             f"has {rows} rows")
@@ -159,9 +162,31 @@ def _same(xs: Sequence[Array]) -> Array:
 
 def _kernel_fn(kind: str, s: ParamInfo, d: ParamInfo, s_shape: tuple, d_shape: tuple,
                src: Unit, dst: Unit) -> tuple[Fn, str]:
-    """The transform of a kernel-like array from ``s``'s layout to ``d``'s."""
+    """The transform of a kernel-like array from ``s``'s layout to ``d``'s, flipping its spatial
+    axes when one side keeps a transposed convolution's kernel spatially flipped
+    (``attrs["spatially_flipped"]``: applied as a convolution of the dilated input)."""
+    fn, note = _relayout_fn(kind, s, d, s_shape, d_shape, src, dst)
+    if bool(s.attrs.get("spatially_flipped")) == bool(d.attrs.get("spatially_flipped")):
+        return fn, note
+    dl = d.layout or ""
+    axes = tuple(i for i, c in enumerate(dl) if c not in "io")
+    if not dl or len(dl) != len(d_shape):
+        raise LayoutProblem(f"cannot flip a kernel of unknown layout {dl!r}")
+    return (lambda xs: np.ascontiguousarray(np.flip(fn(xs), axes))), "; ".join(
+        x for x in (note, "spatially flipped") if x)
+
+
+def _relayout_fn(kind: str, s: ParamInfo, d: ParamInfo, s_shape: tuple, d_shape: tuple,
+                 src: Unit, dst: Unit) -> tuple[Fn, str]:
     sl, dl = s.layout or "", d.layout or ""
     if kind == Kind.DEPTHWISE_CONV2D and s.role == Role.KERNEL:
+        # A depthwise kernel as a grouped "hwio" of shape (h, w, 1, i*m), channel c*M+m.
+        if sl == "hwim" and dl == "hwio":
+            h, w, i, m = s_shape
+            return (lambda xs: np.ascontiguousarray(xs[0].reshape(h, w, 1, i * m))), "hwim->hw1(i*m)"
+        if sl == "hwio" and dl == "hwim":
+            h, w, i, m = d_shape
+            return (lambda xs: np.ascontiguousarray(xs[0].reshape(h, w, i, m))), "hw1(i*m)->hwim"
         if sl == "hwim" and dl == "oihw":       # (h,w,i,m) -> (i*m, 1, h, w), channel c*M+m
             h, w, i, m = s_shape
             return (lambda xs: np.ascontiguousarray(

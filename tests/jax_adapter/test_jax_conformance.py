@@ -57,7 +57,7 @@ class TestJaxPytreeConformance(AdapterTests):
 
     def make(self, seed):
         p = params(seed)
-        objects = {"model": ckptcore_jax.Ref(p), "optimizer": ckptcore_jax.Ref(_TX.init(p))}
+        objects = {"model": ckptcore_jax.Ref(p), "optimizer": ckptcore_jax.Ref(_TX.init(p), tx=_TX)}
         self.train(objects, 1)
         return objects
 

@@ -185,3 +185,39 @@ def pair_batches(name: str, seed: int, n: int, *, nchw: bool) -> list[tuple[np.n
 
 def pair_probe(name: str, *, nchw: bool) -> np.ndarray:
     return seq_probe() if name == "transformer" else twin_probe(nchw)
+
+
+# JAX pairs (JAX <-> PyTorch, Keras and Paddle): the four twins.  Beside PyTorch and Paddle, JAX
+# trains with optax.sgd (Nesterov momentum), optax.adam or optax.adamw, whose counterparts add Adam's
+# epsilon as Optax does (to the bias-corrected sqrt(v-hat)); beside Keras (whose Adam adds it to the
+# uncorrected sqrt(v), which no Optax optimizer does) every twin trains with Nesterov SGD.
+JAX_TWINS = TORCH_TWINS
+JAX_PARTNERS = ("torch", "keras", "paddle")
+JAX_TWIN_OPT = {"resnet": "sgd", "unet": "adam", "mobilenet": "adamw", "transformer": "adamw"}
+JAX_OPTS: dict[str, dict[str, tuple[str, dict]]] = {
+    "sgd": {"jax": ("sgd", {"learning_rate": 0.01, "momentum": 0.9, "nesterov": True}),
+            "torch": ("SGD", {"lr": 0.01, "momentum": 0.9, "nesterov": True}),
+            "paddle": ("Momentum", {"learning_rate": 0.01, "momentum": 0.9, "use_nesterov": True}),
+            "keras": ("SGD", {"learning_rate": 0.01, "momentum": 0.9, "nesterov": True})},
+    "adam": {"jax": ("adam", {"learning_rate": 1e-3}), "torch": ("Adam", {"lr": 1e-3}),
+             "paddle": ("Adam", {"learning_rate": 1e-3})},
+    "adamw": {"jax": ("adamw", {"learning_rate": 1e-3, "weight_decay": 0.05}),
+              "torch": ("AdamW", {"lr": 1e-3, "weight_decay": 0.05}),
+              "paddle": ("AdamW", {"learning_rate": 1e-3, "weight_decay": 0.05})},
+}
+# Data seeds of the runs each framework trains first (the other side continues on the same data).
+JAX_DATA_SEED = {"jax": 1300, "torch": 1400, "keras": 1500, "paddle": 1600}
+
+
+def jax_opt_key(name: str, partner: str) -> str:
+    return "sgd" if partner == "keras" else JAX_TWIN_OPT[name]
+
+
+def jax_opt(name: str, partner: str, side: str) -> tuple[str, dict]:
+    """The optimizer spec ``side`` (``"jax"`` or the partner) uses for twin ``name`` of a pair."""
+    return JAX_OPTS[jax_opt_key(name, partner)][side]
+
+
+def jax_source(name: str, partner: str) -> str:
+    """The JAX run a partner continues: one per twin and optimizer (partners share it)."""
+    return f"j_{name}_{jax_opt_key(name, partner)}"

@@ -1,4 +1,4 @@
-"""Keras halves of the migration tests: ``python _kworker.py source|target <dir> [options json]``.
+"""Keras halves of the migration tests: ``python _kworker.py source|target|torch|jax <dir> [options json]``.
 
 ``source`` trains and saves the Keras-side checkpoints (and the Keras reference continuations);
 ``target`` loads the Paddle-side checkpoints into Keras objects and continues them.  Each task's
@@ -298,9 +298,16 @@ def torch_pairs(d: str, opts: dict) -> dict:
     return out
 
 
+def jax_pairs(d: str, opts: dict) -> dict:
+    """Keras <-> JAX: continue the JAX worker's runs here, and train the runs it continues."""
+    from _jpairs import jax_pairs as pairs
+    return pairs(d, km, "keras", lambda spec, net: km.optimizer(*spec), nchw=False)
+
+
 PHASES = {"source": [cnn_source, opt_source, sched_source, zoo_source, twins_source, transformer_source,
                      e2e_source],
           "torch": [torch_pairs],
+          "jax": [jax_pairs],
           "target": [cnn_target, opt_target, sched_target, zoo_target, twins_target, transformer_target,
                      cli_back]}
 

@@ -311,11 +311,17 @@ TASKS = [rng, cnn, opt_k2p, opt_source, sched_k2p, sched_source, sched_mismatch,
          cli_to_paddle]
 
 
+def jax_pairs(d: str, opts: dict) -> dict:
+    """Paddle <-> JAX: continue the JAX worker's runs here, and train the runs it continues."""
+    from _jpairs import jax_pairs as pairs
+    return pairs(d, pm, "paddle", lambda spec, net: pm.optimizer(*spec, net.parameters()), nchw=True)
+
+
 def main(d: str, options: str = "{}", mode: str = "keras") -> None:
-    """``mode="torch"`` runs the PyTorch pairs only (``python _pworker.py <dir> {} torch``)."""
+    """``mode="torch"``/``"jax"`` runs the PyTorch/JAX pairs only (``python _pworker.py <dir> {} torch``)."""
     opts = json.loads(options)
     results = {}
-    for task in ([torch_pairs] if mode == "torch" else TASKS):
+    for task in {"torch": [torch_pairs], "jax": [jax_pairs]}.get(mode, TASKS):
         if task is e2e and "e2e_url" not in opts:
             continue
         t0 = time.perf_counter()
@@ -324,7 +330,7 @@ def main(d: str, options: str = "{}", mode: str = "keras") -> None:
         except Exception:  # reported to the test, which fails with the traceback
             results[task.__name__] = {"error": traceback.format_exc()}
         results[task.__name__ + "_seconds"] = time.perf_counter() - t0
-    write_json(d, "paddle_torch" if mode == "torch" else "paddle", results)
+    write_json(d, f"paddle_{mode}" if mode in ("torch", "jax") else "paddle", results)
 
 
 if __name__ == "__main__":

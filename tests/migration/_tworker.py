@@ -1,8 +1,9 @@
-"""PyTorch half of the torch migration tests: ``python _tworker.py source|target <dir>``.
+"""PyTorch half of the torch migration tests: ``python _tworker.py source|target|jax <dir>``.
 
 ``source`` trains the torch twins and saves the checkpoints the Keras and Paddle workers continue
 (and the torch reference continuations); ``target`` loads the Keras and Paddle workers'
-checkpoints into torch objects and continues them.  Results go to ``<dir>/torch_<phase>.json``
+checkpoints into torch objects and continues them; ``jax`` is the PyTorch side of the JAX pairs
+(``_jpairs.py``).  Results go to ``<dir>/torch_<phase>.json``
 (an ``error`` entry per failed task).  Imports torch only.
 """
 
@@ -176,7 +177,13 @@ def cli(d: str) -> dict:
             "step": int(max(float(s["step"]) for s in opt.state.values()))}
 
 
-PHASES = {"source": [rng, structure, schedules, twins_source], "target": [twins_target, cli]}
+def jax_pairs(d: str) -> dict:
+    """PyTorch <-> JAX: continue the JAX worker's runs here, and train the runs it continues."""
+    from _jpairs import jax_pairs as pairs
+    return pairs(d, tm, "torch", lambda spec, net: tm.optimizer(*spec, net.parameters()), nchw=True)
+
+
+PHASES = {"source": [rng, structure, schedules, twins_source], "target": [twins_target, cli], "jax": [jax_pairs]}
 
 
 def main(phase: str, d: str) -> None:

@@ -50,15 +50,20 @@ def test_dialect_modules_import_no_framework_in_a_fresh_interpreter():
     import subprocess
 
     code = ("import sys, json; import ckptcore_keras._dialect as k, ckptcore_paddle._dialect as p, "
-            "ckptcore_numpy._dialect as n; [d.DIALECT.rng_from_seed(1) for d in (k, p, n)]; "
+            "ckptcore_numpy._dialect as n, ckptcore_torch._dialect as t, ckptcore_jax._dialect as j; "
+            "[d.DIALECT.rng_from_seed(1) for d in (k, p, n, t, j)]; "
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert not {"tensorflow", "keras", "paddle"} & set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert not ({"tensorflow", "keras", "paddle", "torch", "jax", "flax", "optax"}
+                & set(json.loads(out.stdout.strip().splitlines()[-1])))
 
 
 def test_adapters_hand_out_their_dialects():
+    from ckptcore_jax._dialect import DIALECT as JAX
+
     assert get_adapter("keras").dialect is KERAS
     assert get_adapter("paddle").dialect is PADDLE
+    assert get_adapter("jax").dialect is JAX and JAX.name == "jax"
     assert dialect_for("keras") is KERAS
 
 
