@@ -12,7 +12,8 @@ started each session and its verdict against the step it resumed from:
   not continue from the resumed step (samples skipped or repeated), a changed world size or
   framework, a rewind (resumed from an older step than the newest committed);
 * ``unchecked``: what was restored is not known (``save_state(resumed_from=...)``, or a
-  ``restore()`` that returned the state without objects to restore into).
+  ``restore()`` that returned the state without objects to restore into and no
+  ``CheckpointManager.restored_into`` after it).
 
 The result is plain data (``--json``; docs/FORMAT.md, "ckpt log --json"), and :func:`render`
 turns it into the text ``ckpt log`` prints.

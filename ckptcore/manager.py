@@ -120,6 +120,9 @@ class CheckpointManager:
         # put its figures in the training logs.
         self.last_save: events.SaveEvent | None = None
         self._run = lineage.Run(tags=lineage.check_tags(tags))  # a restore() continues another
+        # The last restore's resume (the run before it, tier, step, newest step, keys, seconds,
+        # bytes), so that restored_into() can record it again with the objects it went into.
+        self._resume: tuple | None = None
         local_steps: list[int] = []
         if lock is True or self.backups:  # before anything is installed: may raise (rank 0's
             # verdict for every rank: the others would wait out the group timeout otherwise)
@@ -396,15 +399,31 @@ class CheckpointManager:
         figures = self._restore_figures(meter)
         if self._coordinator and restorer.restored is not None:  # rank 0 writes the lineage
             tier, restored_step, newest = restorer.restored
-            try:
-                self._run = resumed_run(self._run, self.tiers, tier, restored_step, newest,
-                                        state, objects, keys, unapplied,
-                                        seconds=figures["seconds_total"], nbytes=figures["bytes"])
-            except Exception as e:  # noqa: BLE001 - bookkeeping never fails a restore
-                log.warning("restore: step %d restored, but its resume is not recorded in the "
-                            "lineage (%s: %s)", restored_step, type(e).__name__, e)
+            self._resume = (self._run, tier, restored_step, newest, keys,
+                            figures["seconds_total"], figures["bytes"])
+            self._record_resume(state, objects, unapplied)
         self._report_restore(meter, restorer, None, figures)
         return state
+
+    def restored_into(self, state: TrainingState, *, unapplied: Any = frozenset(),
+                      **objects: Any) -> None:
+        """Tell the manager which objects the state its last :meth:`restore` returned went into,
+        for a caller that applies it itself (``ckptcore.restore_objects``, a framework callback):
+        the run's lineage then records what was put back, part by part (``ckpt log`` judges
+        the resume exact or flags it), instead of "returned".  ``unapplied``: the parts the
+        caller's restore warned it left unapplied (``ckptcore.adapter.unapplied_parts``).  A
+        no-op on ranks other than 0 and before any restore."""
+        if self._coordinator and self._resume is not None:
+            self._record_resume(state, objects, frozenset(unapplied))
+
+    def _record_resume(self, state: TrainingState, objects: dict, unapplied: Any) -> None:
+        before, tier, step, newest, keys, seconds, nbytes = self._resume
+        try:
+            self._run = resumed_run(before, self.tiers, tier, step, newest, state, objects, keys,
+                                    unapplied, seconds=seconds, nbytes=nbytes)
+        except Exception as e:  # noqa: BLE001 - bookkeeping never fails a restore
+            log.warning("restore: step %d restored, but its resume is not recorded in the "
+                        "lineage (%s: %s)", step, type(e).__name__, e)
 
     @staticmethod
     def _restore_figures(meter: _meter.Meter) -> dict:

@@ -340,3 +340,36 @@ def test_ckpt_log_shows_a_conversion_and_flags_a_change_of_framework(tmp_path):
     rows = json.loads(out.getvalue())
     assert [r["resume_count"] for r in rows] == [0, 1]
     assert {r["run_id"] for r in rows} == {run["run_id"]} and rows[0]["created_local"][:2] == "20"
+
+
+def test_a_caller_that_applies_the_state_itself_tells_the_manager_and_the_resume_is_judged(tmp_path):
+    import warnings
+
+    from ckptcore.adapter import unapplied_parts
+    from ckptcore.api import restore_objects
+
+    # What the Keras and Lightning callbacks do: restore() without objects, restore_objects(),
+    # then restored_into() with the objects the state went into.
+    root = str(tmp_path / "run")
+    model, opt = _objects()
+    cursor = ckptcore.DataCursor(100, 10, seed=1)
+    with ckptcore.CheckpointManager(root) as mgr:
+        for step in (1, 2):
+            cursor.next_batch()
+            mgr.save(step, model=model, optimizer=opt, cursor=cursor)
+    for left_out, verdict in (((), "exact"), (("cursor",), "flagged")):
+        model, opt = _objects()
+        cursor = ckptcore.DataCursor(100, 10, seed=1)
+        objects = {k: v for k, v in {"model": model, "optimizer": opt, "cursor": cursor}.items()
+                   if k not in left_out}
+        with ckptcore.CheckpointManager(root) as mgr:
+            state = mgr.restore()
+            with unapplied_parts() as unapplied, warnings.catch_warnings(record=True) as shown:
+                warnings.simplefilter("always")
+                restore_objects(state, objects)
+            assert bool(shown) == bool(left_out)  # the saved cursor went nowhere: warned
+            mgr.restored_into(state, unapplied=unapplied, **objects)
+            cursor.next_batch()
+            mgr.save(mgr.latest_step() + 1, model=model, optimizer=opt, cursor=cursor).result()
+        session = _log(root)["runs"][0]["sessions"][-1]
+        assert session["verdict"] == verdict, session["flags"]

@@ -83,7 +83,7 @@ from typing import Any, Mapping, Sequence
 import keras
 import numpy as np
 
-from ckptcore.adapter import check_url, tiers
+from ckptcore.adapter import check_url, tiers, unapplied_parts
 from ckptcore.adapter import CALLBACK_KEEP
 from ckptcore.errors import RestoreError
 from ckptcore.manager import CheckpointManager
@@ -270,7 +270,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise RestoreError(f"{self.root}: the newest checkpoint was not written by "
                                "ckptcore_keras.BackupAndRestore (it has no fit progress); "
                                "use another root, or restore it with ckptcore.load_state")
-        restore(state, self.model, cursor=self.cursor)
+        with unapplied_parts() as unapplied:
+            restore(state, self.model, cursor=self.cursor)
+        # The run's lineage records what went where (ckpt log: an exact resume, or flagged).
+        self.manager.restored_into(state, unapplied=unapplied, model=self.model,
+                                   cursor=self.cursor)
         epoch, done = int(progress["epoch"]), bool(progress["epoch_done"])
         in_epoch = 0 if done else int(progress["batch"])
         self._batches = self._last_step = int(progress["batches"])

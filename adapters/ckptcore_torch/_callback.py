@@ -66,7 +66,7 @@ from typing import Any, Mapping
 import lightning.pytorch as pl
 from lightning.pytorch.loops import _Loop
 
-from ckptcore.adapter import CALLBACK_KEEP, check_url, tiers
+from ckptcore.adapter import CALLBACK_KEEP, check_url, tiers, unapplied_parts
 from ckptcore.cursor import CursorShard, DataCursor
 from ckptcore.errors import RestoreError
 from ckptcore.manager import CheckpointManager
@@ -261,8 +261,13 @@ class Checkpoint(pl.callbacks.Callback):
                                "or restore it with ckptcore.load_state")
         optimizer, scheduler, scaler = _objects(trainer)
         cursor = self._cursor()
-        restore(state, pl_module, optimizer, cursor=cursor, rng=False, scheduler=scheduler,
-                scaler=scaler, warn_data=cursor is None)
+        with unapplied_parts() as unapplied:
+            restore(state, pl_module, optimizer, cursor=cursor, rng=False, scheduler=scheduler,
+                    scaler=scaler, warn_data=cursor is None)
+        # The run's lineage records what went where (ckpt log: an exact resume, or flagged);
+        # the RNG states are put back below (rng=False above only defers them).
+        self._manager.restored_into(state, unapplied=unapplied, model=pl_module,
+                                    optimizer=optimizer, cursor=cursor)
         trainer.fit_loop.load_state_dict(_plain(progress["loops"]))
         if progress.get("epoch_end"):
             # The epoch has ended: nothing of it is to be restarted.  FitLoop decides so itself

@@ -330,6 +330,9 @@ def test_resume_through_the_callback_does_not_warn_and_a_bare_restore_does(tmp_p
     state = ckptcore.load_state(str(root / "step-000000000012"))
     with pytest.warns(UnappliedStateWarning, match=r"data \(pass cursor="):
         ckptcore_keras.restore(state, _model())
+    # The callback tells its manager what the state went into: ckpt log judges the resume.
+    session = ckptcore.run_log(str(root))["runs"][0]["sessions"][-1]
+    assert session["verdict"] == "exact", session
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -145,6 +145,9 @@ def test_sigterm_mid_epoch_saves_that_batch_and_returns(tmp_path, reference):
     assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)  # the handlers are gone
     trainer, _, ckpt = W.fit(root, log=log, max_epochs=3, every_n_steps=3)
     assert ckpt.restored.step == 7 and not ckpt.preempted
+    # The callback tells its manager what the state went into: ckpt log judges the resume.
+    session = ckptcore.run_log(root)["runs"][0]["sessions"][-1]
+    assert session["verdict"] == "exact", session
     assert _log(Path(log)) == reference["log"]
     assert W.counters(trainer) == reference["counters"]
     _same_state(_latest(Path(root)), reference["state"])
