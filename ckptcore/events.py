@@ -233,7 +233,8 @@ def on_event(callback: Callable[[Event], Any]) -> Subscription:
 def emit(event: Event) -> None:
     """Log ``event`` and hand it to every callback (for ckptcore's own modules; a callback's
     error is logged, never raised)."""
-    log.info("%s", event.summary(), extra={"ckptcore_event": event.as_dict()})
+    if log.isEnabledFor(logging.INFO):  # (building the record costs as much as a small save)
+        log.info("%s", event.summary(), extra={"ckptcore_event": event.as_dict()})
     with _guard:
         hooks = list(_hooks)
     for sub in hooks:
