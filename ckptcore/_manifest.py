@@ -165,6 +165,10 @@ class TensorTable(Sequence[TensorEntry]):
             self._names = np.array(list(self.interned or ()) + [""], object)[self.tensor].tolist()
         return self._names
 
+    @names.setter
+    def names(self, names: list[str]) -> None:
+        self._names = names
+
     @classmethod
     def from_columns(cls, names: list[str], dtype_names: Sequence[str],
                      shapes: Sequence[tuple[int, ...]], shard: Sequence[int],
