@@ -17,6 +17,10 @@ Times are medians over ``--repeats`` new managers (interleaved over N); on S3 th
 requests each save sends are counted on the client (botocore's before-send event).  The state
 is small (64 KiB): what is measured is the cost of the history, not of the bytes.
 
+Then, per N up to ``--list-max`` (1,000): ``list_checkpoints(root)`` (what ``ckpt ls``, ``ckpt log``
+and ``ckpt report`` read: every step's manifest) as it runs, against the same reads one after
+another (``remote_concurrency=1``: what it did before it read a bucket's manifests in a pool).
+
 Target (issue 25): on the S3 server, the first save over 1,000 committed steps under 2 s, and
 no save's requests growing with N.
 
@@ -137,7 +141,7 @@ def measure(root: str, n: int, opts: dict | None, sent, start: int, saves: int) 
 
 
 def run(store: str, counts: list[int], repeats: int, saves: int, opts: dict | None,
-        base: str) -> dict:
+        base: str, list_max: int = 0) -> dict:
     sent = _counter(opts)
     roots = {}
     for n in counts:
@@ -157,6 +161,31 @@ def run(store: str, counts: list[int], repeats: int, saves: int, opts: dict | No
             print(f"  {store} N={n} repeat {r}: first {m['first'][0]:.3f} s ({m['first'][1]} "
                   f"requests), steady {statistics.median(t for t, _ in m['steady']):.3f} s",
                   flush=True)
+    for n in counts:
+        if n <= list_max:
+            out[n]["listing"] = listing(roots[n], opts, max(2, repeats))
+            print(f"  {store} N={n} listing: " + ", ".join(
+                f"{k} {statistics.median(v):.3f} s" for k, v in out[n]["listing"].items()), flush=True)
+    return out
+
+
+def listing(root: str, opts: dict | None, repeats: int) -> dict:
+    """``list_checkpoints(root)`` as it runs and one manifest at a time: seconds, interleaved."""
+    import ckptcore
+    from ckptcore import _knobs
+
+    out: dict[str, list[float]] = {"pool": [], "one at a time": []}
+    for r in range(repeats):
+        for how in (("pool", "one at a time") if r % 2 == 0 else ("one at a time", "pool")):
+            t0 = time.perf_counter()
+            if how == "pool":
+                found = ckptcore.list_checkpoints(root, storage_options=opts)
+            else:
+                with _knobs.override(remote_concurrency=1):
+                    found = ckptcore.list_checkpoints(root, storage_options=opts)
+            out[how].append(time.perf_counter() - t0)
+            if any(c.info is None for c in found):
+                raise AssertionError(f"{root}: an unreadable step in the listing")
     return out
 
 
@@ -167,6 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--stores", default="local,s3")
     p.add_argument("--repeats", type=int, default=3, help="new managers per N")
     p.add_argument("--saves", type=int, default=4, help="steady saves per manager")
+    p.add_argument("--list-max", type=int, default=1000,
+                   help="time list_checkpoints for N up to this (0: not at all)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
@@ -180,7 +211,8 @@ def main(argv=None) -> int:
         if store == "local":
             scratch = tempfile.mkdtemp(prefix="ckpt-history-")
             try:
-                results[store] = run(store, counts, args.repeats, args.saves, None, scratch)
+                results[store] = run(store, counts, args.repeats, args.saves, None, scratch,
+                                     args.list_max)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
         elif store == "s3":
@@ -190,7 +222,7 @@ def main(argv=None) -> int:
                 import s3fs
                 s3fs.S3FileSystem(**opts).mkdir("ckptcore-bench")
                 results[store] = run(store, counts, args.repeats, args.saves, opts,
-                                     f"s3://ckptcore-bench/{uuid.uuid4().hex[:8]}")
+                                     f"s3://ckptcore-bench/{uuid.uuid4().hex[:8]}", args.list_max)
             finally:
                 stop()
         else:
@@ -232,6 +264,18 @@ def report(results: dict, args) -> str:
             flat = max(qs) - min(qs) <= 2 and max(fs) - min(fs) <= 2 + max(per_n) // 1000
             verdicts.append(f"requests flat across N (steady within 2, first within 2 + one "
                             f"listing page per 1,000 steps): {'met' if flat else 'NOT met'}")
+    rows = [(store, n, r["listing"]) for store, per_n in results.items() for n, r in per_n.items()
+            if "listing" in r]
+    if rows:
+        lines += ["", "Listing a root (`list_checkpoints`: `ckpt ls`, `ckpt log`, `ckpt report` read "
+                  "every step's manifest), medians [min-max] of interleaved repeats:", "",
+                  "| store | committed steps | as it runs | one manifest at a time | faster |",
+                  "|---|---:|---:|---:|---:|"]
+        for store, n, lst in rows:
+            a, b = lst["pool"], lst["one at a time"]
+            lines.append(f"| {store} | {n} | {statistics.median(a):.3f} s [{min(a):.3f}-{max(a):.3f}] "
+                         f"| {statistics.median(b):.3f} s [{min(b):.3f}-{max(b):.3f}] "
+                         f"| {statistics.median(b) / statistics.median(a):.1f}x |")
     lines += ["", "Verdicts: " + "; ".join(verdicts), ""]
     return "\n".join(lines)
 

@@ -111,6 +111,45 @@ def test_list_checkpoints_reports_an_unreadable_manifest(tmp_path):
     assert two.step == 2 and "Error" in two.problem
 
 
+def test_list_checkpoints_reads_a_buckets_manifests_at_once(s3_backend, monkeypatch):
+    """On a bucket each manifest is a GET: they are read several at a time (a listing of 1,000
+    steps was 1,000 round trips in a row), and the answer is the same as one by one: ascending,
+    each damaged manifest in its place with its problem."""
+    import threading
+
+    from ckptcore import layout
+
+    root = s3_backend.url("run")
+    opts = s3_backend.storage_options
+    with CheckpointManager(root, storage_options=opts, keep=None) as mgr:
+        for s in range(1, 13):
+            mgr.save(s, make_state(s))
+    for bad in (4, 9):
+        s3_backend.fs.pipe_file(s3_backend.path("run", f"step-{bad:012d}", MANIFEST_NAME), b"garbage")
+    real, lock = layout.inspect, threading.Lock()
+    running, most = [0], [0]
+
+    def counted(url, **kw):  # the real read, counting how many are in flight
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            return real(url, **kw)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(layout, "inspect", counted)
+    found = ckptcore.list_checkpoints(root, storage_options=opts)
+    assert [c.step for c in found] == list(range(1, 13))
+    for c in found:
+        if c.step in (4, 9):
+            assert c.info is None and "Error" in c.problem, c
+        else:
+            assert c.problem is None and c.info.step == c.step
+    assert most[0] > 1, "the manifests were read one after another"
+
+
 def test_list_checkpoints_skips_a_linked_step(tmp_path, caplog):
     elsewhere = tmp_path / "elsewhere"
     with CheckpointManager(elsewhere) as mgr:
