@@ -23,7 +23,7 @@ from ._diff import diff
 from ._manifest import MANIFEST_NAME
 from ._storage import Store
 from .errors import CheckpointError, CheckpointNotFoundError
-from .layout import check_grace, gc, is_root, list_checkpoints
+from .layout import check_grace, gc, is_root, list_checkpoints, recorded_backups
 from ._runlog import lineage_lines, local_time, render, run_log
 
 log = logging.getLogger("ckptcore")
@@ -218,8 +218,36 @@ def cmd_diff(args: argparse.Namespace, so: dict) -> int:
     return 1 if differences else 0
 
 
+RECORDED = "recorded"  # --backup recorded: the backup roots the root's writer named
+
+
+def _backups(root: str, given: Any, so: dict) -> list[str]:
+    """The ``--backup`` URLs of ``ls``/``log``/``report``: ``recorded`` stands for the backup
+    roots the root's newest writer named in its record (``_fence``).  Without ``--backup``,
+    those are named on stderr, not read: a root may come from anywhere, so the URLs it names are
+    read only when the user asks for them."""
+    urls = [given] if isinstance(given, str) else list(given or [])
+    named = recorded_backups(root, storage_options=so) if (not urls or RECORDED in urls) else []
+    if RECORDED in urls:
+        if not named:
+            raise usage_error(f"--backup {RECORDED}: {root} names no backup root (its writer had "
+                              "no backup=, or is older than that record); pass the backup's URL")
+        print(f"(--backup {RECORDED}: {', '.join(named)})", file=sys.stderr)
+        urls = [u for x in urls for u in (named if x == RECORDED else [x])]
+        return list(dict.fromkeys(urls))
+    if named:
+        print(f"({root}'s writer replicates to {', '.join(named)}; add --backup {RECORDED} to "
+              "include that tier)", file=sys.stderr)
+    return urls
+
+
 def cmd_ls(args: argparse.Namespace, so: dict) -> int:
     store = Store(args.root, dict(so))
+    backups = _backups(args.root, args.backup, so)
+    if len(backups) > 1:
+        print(f"(listing the first backup root, {backups[0]}; `ckpt log` takes them all)",
+              file=sys.stderr)
+    args.backup = backups[0] if backups else None
     local_missing = not store.exists()
     if local_missing and not args.backup:  # a typo or a missing bucket is not an empty run
         raise FileNotFoundError(f"{args.root} does not exist (no such folder or bucket)")
@@ -299,6 +327,7 @@ def _metrics(metadata: Any) -> str:
 
 
 def cmd_log(args: argparse.Namespace, so: dict) -> int:
+    args.backup = _backups(args.root, args.backup, so)
     _run_root(args.root, args.backup, so)
     data = run_log(args.root, backups=args.backup or (), storage_options=so)
     if args.json:
@@ -332,6 +361,7 @@ def cmd_report(args: argparse.Namespace, so: dict) -> int:
         raise usage_error(f"ckpt report: -o/--output names the page to write, got {out!r}; "
                           "after `report`, storage options go in --storage-option KEY=VALUE "
                           "(or -o KEY=VALUE before the verb)")
+    args.backup = _backups(args.root, args.backup, so)
     _run_root(args.root, args.backup, so)
     data = write_report(args.root, out, backups=args.backup or (), storage_options=so)
     runs = data["log"]["runs"]

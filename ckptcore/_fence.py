@@ -229,7 +229,7 @@ def accepted_steps(root: Store) -> tuple[list[int], View | None]:
     return [s for s, _ in split(root, found, v)[0]], v
 
 
-def claim(root: Store, holder: str, *, extra: Iterable[int] = ()
+def claim(root: Store, holder: str, *, extra: Iterable[int] = (), backups: Iterable[str] = ()
           ) -> tuple[int, list[int], dict[int, tuple[float, Any]]]:
     """Claim the next generation of ``root`` for ``holder`` (who holds its lock or lease) and
     return it with the steps its record accepts; ``LockedError`` if another writer claimed it
@@ -244,7 +244,7 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = ()
     accepted = sorted(set(steps) | set(extra))
     entries = read_index(root, before.newest, accepted) if before is not None else {}
     record = {"generation": g, "holder": holder, "claimed": time.time(), "accepted": accepted,
-              "committed": []}
+              "committed": [], **_backups_field(backups)}
     root.makedirs(GEN_DIR)
     try:
         root.write_bytes(gen_name(g), json.dumps(record).encode(), create_only=True)
@@ -260,8 +260,36 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = ()
 
 
 def record(root: Store, g: int, holder: str, accepted: Iterable[int],
-           committed: Iterable[int]) -> None:
+           committed: Iterable[int], backups: Iterable[str] = ()) -> None:
     """Rewrite generation ``g``'s record (only its holder does, while it holds the root)."""
     body = {"generation": g, "holder": holder, "claimed": time.time(),
-            "accepted": sorted(set(accepted)), "committed": sorted(set(committed))}
+            "accepted": sorted(set(accepted)), "committed": sorted(set(committed)),
+            **_backups_field(backups)}
     root.write_bytes(gen_name(g), json.dumps(body).encode())
+
+
+# -- the backups a writer replicates to ----------------------------------------------------------
+# A manager with ``backup=`` names its backup roots in its record, so that a reader of the local
+# root (``ckpt ls``/``log``/``report``) can say where the other tiers are.  Only the URLs: never
+# storage options or credentials.  A reader treats them as hostile data (a root may come from
+# anywhere): checked here, and never read unless the user asks (``--backup recorded``).
+MAX_BACKUPS, MAX_URL = 16, 2048
+
+
+def _backups_field(backups: Iterable[str]) -> dict[str, list[str]]:
+    urls = [str(u) for u in backups]
+    return {"backups": urls} if urls else {}
+
+
+def recorded_backups(root: Store) -> list[str]:
+    """The backup roots the newest writer of ``root`` recorded (``[]``: none, or no record).
+    A malformed list is logged and ignored, never raised: it only ever adds a hint."""
+    gens = generations(root) if root.exists() else []
+    record = read_record(root, gens[-1]) if gens else None
+    value = (record or {}).get("backups", [])
+    ok = (isinstance(value, list) and len(value) <= MAX_BACKUPS
+          and all(isinstance(u, str) and 0 < len(u) <= MAX_URL and u.isprintable() for u in value))
+    if not ok:
+        log.warning("%s: the writer record's list of backups is malformed; ignoring it", root.url)
+        return []
+    return list(value)

@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 from . import _fence, _knobs, _meter
 from ._storage import Store, file_kind
@@ -153,8 +153,9 @@ def check_lease_times(lease_seconds: float | None, heartbeat_seconds: float | No
 
 class WriterLock:
     def __init__(self, store: Store, *, lease_seconds: float | None = None,
-                 heartbeat_seconds: float | None = None):
+                 heartbeat_seconds: float | None = None, backups: Sequence[str] = ()):
         self.store = store
+        self.backups = list(backups)  # the holder's backup roots, named in its records (_fence)
         self.lease_seconds, self.heartbeat_seconds = check_lease_times(lease_seconds, heartbeat_seconds)
         self.token = uuid.uuid4().hex[:8]
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{self.token}"
@@ -250,7 +251,8 @@ class WriterLock:
     # -- fencing --------------------------------------------------------------------------------
     def _claim(self, extra: tuple[int, ...] = ()) -> None:
         """Claim the root's next generation (the caller holds the flock or the lease)."""
-        g, accepted, entries = _fence.claim(self.store, self.holder, extra=extra)
+        g, accepted, entries = _fence.claim(self.store, self.holder, extra=extra,
+                                             backups=self.backups)
         if self.generation is not None:
             log.warning("%s: this writer's lease renewal was overdue (%.1f s since the last one, "
                         "lease %s s), so it may have been taken over meanwhile; nobody had: "
@@ -360,7 +362,8 @@ class WriterLock:
                             "check its manifest instead", self.store.url, step, type(e).__name__, e)
 
     def _write_record(self) -> None:
-        _fence.record(self.store, self.generation, self.holder, self._accepted, self._committed)
+        _fence.record(self.store, self.generation, self.holder, self._accepted, self._committed,
+                      self.backups)
 
     def _write_index(self) -> None:
         """The retention index (``_fence``): a cache of the manifests, so a failure is only

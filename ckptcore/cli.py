@@ -179,7 +179,8 @@ def _add_root_verbs(sub: _GlobalSubparsers) -> None:
     """The verbs over a manager's root: ls, log, report, sync, gc."""
     s = sub.add_parser("ls", help="list the committed checkpoints under a manager's root")
     s.add_argument("root")
-    s.add_argument("--backup", metavar="URL", help="a backup root too: show which tiers hold each step")
+    s.add_argument("--backup", metavar="URL", help="a backup root too: show which tiers hold each step "
+                   "(`recorded`: the one the root's writer named)")
     s.add_argument("--json", action="store_true",
                    help="a JSON list, one object per step: step (the folder's), folder, url, "
                         "saved_step, epoch, framework, bytes, created (Unix time), created_local "
@@ -190,7 +191,8 @@ def _add_root_verbs(sub: _GlobalSubparsers) -> None:
                                    "resumes (exact or flagged, and why), rewinds, migrations, tiers")
     s.add_argument("root")
     s.add_argument("--backup", metavar="URL", action="append",
-                   help="a backup root too (repeatable): its steps join the history")
+                   help="a backup root too (repeatable): its steps join the history "
+                        "(`recorded`: those the root's writer named)")
     s.add_argument("--json", action="store_true",
                    help="the same as data: {root, tiers, runs: [{run_id, tags, steps, resumes, "
                         "flagged, sessions: [...]}], unrecorded, unreadable} (docs/FORMAT.md)")
@@ -207,7 +209,7 @@ def _add_root_verbs(sub: _GlobalSubparsers) -> None:
                         "before the verb")
     s.add_argument("--backup", metavar="URL", action="append",
                    help="a backup root too (repeatable): its steps join the timeline, and its "
-                        "deduplication is shown")
+                        "deduplication is shown (`recorded`: those the root's writer named)")
     s.set_defaults(fn=cmd_report)
     s = sub.add_parser("sync", help="copy the committed checkpoints of one root to another "
                                     "(any two stores), incremental and resumable")

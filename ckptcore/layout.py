@@ -31,7 +31,7 @@ from ._steps import STEP, committed_steps, fenced_steps, is_committed, is_root, 
 from ._storage import CAS_DIR, Entry, Store, check_url
 from .errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["gc", "list_checkpoints", "CheckpointListing", "step_name", "committed_steps",
+__all__ = ["gc", "list_checkpoints", "CheckpointListing", "recorded_backups", "step_name", "committed_steps",
            "is_committed", "fenced_steps", "is_root", "STEP"]
 
 log = logging.getLogger("ckptcore")
@@ -90,6 +90,15 @@ def list_checkpoints(root: str | os.PathLike, *, storage_options: Mapping[str, A
     ctx = contextvars.copy_context()
     with ThreadPoolExecutor(workers, thread_name_prefix="ckptcore-list") as pool:
         return list(pool.map(lambda item: ctx.copy().run(one, item), steps))
+
+
+def recorded_backups(root: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None
+                     ) -> list[str]:
+    """The backup roots the newest writer of ``root`` named (a ``CheckpointManager`` with
+    ``backup=`` records their URLs, never their storage options); ``[]`` when none did.  The
+    URLs come from the root, so treat them as its data: ``ckpt ls``/``log``/``report`` only
+    name them unless asked (``--backup recorded``)."""
+    return _fence.recorded_backups(Store(os.fspath(root), dict(storage_options or {})))
 
 
 def check_grace(grace: float | None) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -109,6 +110,9 @@ class CheckpointManager:
                       if lock and self._coordinator else None)
         self.local = Tier(self.root, storage_options, lock=self._lock, tracked=True)
         self.backups = Backups(self.root, specs, lock=bool(lock), lease=lease)
+        if self._lock is not None:  # named in the root's writer records: `ckpt ls` can say where
+            self._lock.backups = [os.path.abspath(u) if t.root.local and "://" not in u else u
+                                  for t in self.backups for u in [t.root.url]]
         self._inflight, self._staging = InFlight(), Staging()
         # The steps the last restore() fell back over: damaged ones (a save may replace them;
         # frozensets, swapped whole: the save thread reads them) and all (none is "the newest").

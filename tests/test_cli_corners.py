@@ -223,3 +223,63 @@ def test_ls_names_its_columns_and_shows_time_and_metrics(tmp_path, capsys, monke
     monkeypatch.setattr(_cli_read, "is_tty", lambda stream: False)  # piped: data lines only
     rc, out, _ = _ckpt(capsys, "ls", root)
     assert out.splitlines()[0].startswith("step-000000000100")
+
+
+# -- the backup roots a root's writer named ------------------------------------------------------
+def test_a_root_names_its_backup_and_ls_log_report_read_it_on_request(tmp_path, capsys):
+    root, backup = str(tmp_path / "run"), str(tmp_path / "bucket")
+    with CheckpointManager(root, backup=ckptcore.Backup(backup)) as mgr:
+        for s in (1, 2):
+            mgr.save(s, make_state(s))
+        mgr.wait()
+    named = ckptcore.layout.recorded_backups(root)
+    assert len(named) == 1 and named[0].rstrip("/").endswith("bucket")
+    # Without --backup: named on stderr, not read (the listing is the local tier's alone).
+    rc, out, err = _ckpt(capsys, "ls", root)
+    assert rc == 0 and named[0] in err and "--backup recorded" in err
+    assert "TIERS" not in out
+    rc, out, err = _ckpt(capsys, "ls", root, "--backup", "recorded")
+    assert rc == 0, err
+    rows = [ln for ln in out.splitlines() if ln.startswith("step-")]
+    assert len(rows) == 2 and all(ln.endswith("local+backup") for ln in rows), out
+    rc, out, err = _ckpt(capsys, "log", root, "--backup", "recorded", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert [t["name"] for t in data["tiers"]] == ["local", "backup"]
+    assert data["runs"][0]["sessions"][0]["steps"][0]["tiers"] == ["local", named[0]]
+    page = tmp_path / "report.html"
+    rc, out, err = _ckpt(capsys, "report", root, "-o", str(page), "--backup", "recorded")
+    assert rc == 0 and page.exists(), err
+
+
+def test_backup_recorded_without_a_recorded_backup_is_a_readable_error(tmp_path, capsys):
+    root = _run(tmp_path)
+    for verb in (["ls"], ["log"], ["report", "-o", str(tmp_path / "r.html")]):
+        with pytest.raises(SystemExit) as e:
+            cli.main([verb[0], root, *verb[1:], "--backup", "recorded"])
+        assert e.value.code == 2 and "names no backup root" in capsys.readouterr().err, verb
+    rc, out, err = _ckpt(capsys, "ls", root)
+    assert rc == 0 and "replicates" not in err
+
+
+@pytest.mark.parametrize("value", [["x" * 5000], "s3://one", [1, 2], ["s3://a\nb"],
+                                   [f"s3://b{i}" for i in range(17)]])
+def test_a_malformed_backup_list_in_the_record_is_ignored_with_a_warning(tmp_path, capsys, caplog,
+                                                                          value):
+    from ckptcore import _fence
+    from ckptcore._storage import Store
+
+    root = _run(tmp_path)
+    store = Store(root)
+    g = _fence.generations(store)[-1]
+    record = json.loads(store.read(_fence.gen_name(g)))
+    record["backups"] = value
+    store.write_bytes(_fence.gen_name(g), json.dumps(record).encode())
+    with caplog.at_level("WARNING", logger="ckptcore"):
+        assert ckptcore.layout.recorded_backups(root) == []
+    assert "malformed" in caplog.text
+    rc, out, err = _ckpt(capsys, "ls", root)
+    assert rc == 0 and "replicates" not in err and "step" in out.lower()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["ls", root, "--backup", "recorded"])
+    assert e.value.code == 2 and "names no backup root" in capsys.readouterr().err
