@@ -27,7 +27,7 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from . import lineage
-from .layout import CheckpointListing, list_checkpoints
+from .layout import CheckpointListing, list_checkpoints, recorded_backups
 
 __all__ = ["run_log", "render", "local_time", "lineage_lines"]
 
@@ -73,7 +73,9 @@ def run_log(root: str | os.PathLike, *, backups: Sequence[str] = (),
     out: dict[str, Any] = {"root": os.fspath(root),
                            "tiers": [{"name": n if n == "local" else "backup", "url": u}
                                      for n, u in tiers], "runs": [],
-                           "unrecorded": [], "unreadable": []}
+                           "unrecorded": [], "unreadable": [],
+                           "recorded_backups": recorded_backups(root,
+                                                                storage_options=storage_options)}
     sessions: dict[str, dict[str, Any]] = {}
     for step in sorted(steps):
         row = steps[step]

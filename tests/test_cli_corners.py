@@ -246,6 +246,7 @@ def test_a_root_names_its_backup_and_ls_log_report_read_it_on_request(tmp_path, 
     assert rc == 0, err
     data = json.loads(out)
     assert [t["name"] for t in data["tiers"]] == ["local", "backup"]
+    assert data["recorded_backups"] == named
     assert data["runs"][0]["sessions"][0]["steps"][0]["tiers"] == ["local", named[0]]
     page = tmp_path / "report.html"
     rc, out, err = _ckpt(capsys, "report", root, "-o", str(page), "--backup", "recorded")
