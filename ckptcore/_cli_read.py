@@ -227,6 +227,9 @@ def _backups(root: str, given: Any, so: dict) -> list[str]:
     those are named on stderr, not read: a root may come from anywhere, so the URLs it names are
     read only when the user asks for them."""
     urls = [given] if isinstance(given, str) else list(given or [])
+    if RECORDED in urls and not Store(root, dict(so)).exists():
+        raise FileNotFoundError(f"{root} does not exist (no such folder or bucket), so it names "
+                                f"no backup for --backup {RECORDED}")
     named = recorded_backups(root, storage_options=so) if (not urls or RECORDED in urls) else []
     if RECORDED in urls:
         if not named:

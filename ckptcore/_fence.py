@@ -229,22 +229,27 @@ def accepted_steps(root: Store) -> tuple[list[int], View | None]:
     return [s for s, _ in split(root, found, v)[0]], v
 
 
-def claim(root: Store, holder: str, *, extra: Iterable[int] = (), backups: Iterable[str] = ()
-          ) -> tuple[int, list[int], dict[int, tuple[float, Any]]]:
+def claim(root: Store, holder: str, *, extra: Iterable[int] = (),
+          backups: Iterable[str] | None = None
+          ) -> tuple[int, list[int], dict[int, tuple[float, Any]], list[str]]:
     """Claim the next generation of ``root`` for ``holder`` (who holds its lock or lease) and
     return it with the steps its record accepts; ``LockedError`` if another writer claimed it
     first.  The record lists the steps readers accept now (and ``extra``: a step this holder
     just committed).  The caller keeps the list returned here: reading the record back could
     fail (a timeout, a stale listing), and a holder that took its accepted steps as none would
     hide every earlier step from its own restore, then write that empty list into the record
-    with its first commit, hiding them from every reader."""
+    with its first commit, hiding them from every reader.  ``backups``: the holder's backup
+    roots (None: those the newest record names, carried forward); returned as recorded."""
     gens = generations(root)
     g = (gens[-1] if gens else 0) + 1
     steps, before = accepted_steps(root)
     accepted = sorted(set(steps) | set(extra))
     entries = read_index(root, before.newest, accepted) if before is not None else {}
+    if backups is None:
+        backups = recorded_backups(root) if before is not None else []
+    named = _backups_field(backups)
     record = {"generation": g, "holder": holder, "claimed": time.time(), "accepted": accepted,
-              "committed": [], **_backups_field(backups)}
+              "committed": [], **named}
     root.makedirs(GEN_DIR)
     try:
         root.write_bytes(gen_name(g), json.dumps(record).encode(), create_only=True)
@@ -256,11 +261,11 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = (), backups: Itera
         log.debug("%s: pruning the record of writer generation %d", root.url, old)
         root.delete(gen_name(old))
         root.delete(index_name(old))  # (nothing if absent)
-    return g, accepted, entries
+    return g, accepted, entries, named.get("backups", [])
 
 
 def record(root: Store, g: int, holder: str, accepted: Iterable[int],
-           committed: Iterable[int], backups: Iterable[str] = ()) -> None:
+           committed: Iterable[int], backups: Iterable[str] | None = ()) -> None:
     """Rewrite generation ``g``'s record (only its holder does, while it holds the root)."""
     body = {"generation": g, "holder": holder, "claimed": time.time(),
             "accepted": sorted(set(accepted)), "committed": sorted(set(committed)),
@@ -270,15 +275,45 @@ def record(root: Store, g: int, holder: str, accepted: Iterable[int],
 
 # -- the backups a writer replicates to ----------------------------------------------------------
 # A manager with ``backup=`` names its backup roots in its record, so that a reader of the local
-# root (``ckpt ls``/``log``/``report``) can say where the other tiers are.  Only the URLs: never
-# storage options or credentials.  A reader treats them as hostile data (a root may come from
-# anywhere): checked here, and never read unless the user asks (``--backup recorded``).
+# root (``ckpt ls``/``log``/``report``) can say where the other tiers are.  Only plain URLs of the
+# stores a backup can be on, without credentials; never storage options.  A reader treats them
+# as hostile data (a root may come from anywhere): each URL is checked (the same check the
+# writer applies, so a writer never records what its readers refuse), and none is read unless
+# the user asks (``--backup recorded``).  A claim without its own list (``gc``, ``ckpt sync``)
+# carries the newest record's forward, so routine maintenance does not erase it.
 MAX_BACKUPS, MAX_URL = 16, 2048
+_BACKUP_SCHEMES = frozenset({"file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl",
+                             "memory"})
 
 
-def _backups_field(backups: Iterable[str]) -> dict[str, list[str]]:
-    urls = [str(u) for u in backups]
-    return {"backups": urls} if urls else {}
+def backup_url_problem(url: Any) -> str | None:
+    """Why ``url`` may not be named as a backup root in a writer record (None: it may)."""
+    if not isinstance(url, str) or not 0 < len(url) <= MAX_URL:
+        return f"not a string of 1 to {MAX_URL} characters"
+    if not url.isprintable():
+        return "control or invisible characters"
+    if "::" in url:
+        return "a chained fsspec URL"
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return None if url.startswith("/") else "neither an absolute path nor a URL"
+    if scheme.lower() not in _BACKUP_SCHEMES:
+        return f"the scheme {scheme!r} is not one a backup can be on"
+    if "@" in rest.split("/", 1)[0]:
+        return "credentials in the URL"
+    return None
+
+
+def _backups_field(backups: Iterable[str] | None) -> dict[str, list[str]]:
+    urls = []
+    for u in backups or ():
+        problem = backup_url_problem(u)
+        if problem is None:
+            urls.append(u)
+        else:
+            log.info("not naming the backup root %r in the writer record: %s", str(u)[:200],
+                     problem)
+    return {"backups": urls[:MAX_BACKUPS]} if urls else {}
 
 
 def recorded_backups(root: Store) -> list[str]:
@@ -286,10 +321,17 @@ def recorded_backups(root: Store) -> list[str]:
     A malformed list is logged and ignored, never raised: it only ever adds a hint."""
     gens = generations(root) if root.exists() else []
     record = read_record(root, gens[-1]) if gens else None
+    return backups_of(root, record)
+
+
+def backups_of(root: Store, record: Mapping[str, Any] | None) -> list[str]:
+    """A record's ``backups``, checked (see above); ``[]`` when absent or malformed (logged)."""
     value = (record or {}).get("backups", [])
-    ok = (isinstance(value, list) and len(value) <= MAX_BACKUPS
-          and all(isinstance(u, str) and 0 < len(u) <= MAX_URL and u.isprintable() for u in value))
-    if not ok:
-        log.warning("%s: the writer record's list of backups is malformed; ignoring it", root.url)
+    problem = ("not a list of at most %d URLs" % MAX_BACKUPS
+               if not isinstance(value, list) or len(value) > MAX_BACKUPS else
+               next((p for p in map(backup_url_problem, value) if p), None))
+    if problem:
+        log.warning("%s: the writer record's list of backups is malformed (%s); ignoring it",
+                    root.url, problem)
         return []
     return list(value)

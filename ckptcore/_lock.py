@@ -153,9 +153,11 @@ def check_lease_times(lease_seconds: float | None, heartbeat_seconds: float | No
 
 class WriterLock:
     def __init__(self, store: Store, *, lease_seconds: float | None = None,
-                 heartbeat_seconds: float | None = None, backups: Sequence[str] = ()):
+                 heartbeat_seconds: float | None = None, backups: Sequence[str] | None = None):
         self.store = store
-        self.backups = list(backups)  # the holder's backup roots, named in its records (_fence)
+        # The holder's backup roots, named in its records (_fence); None: carry forward those
+        # the root's newest record names (gc, ckpt sync: they must not erase them).
+        self.backups = None if backups is None else list(backups)
         self.lease_seconds, self.heartbeat_seconds = check_lease_times(lease_seconds, heartbeat_seconds)
         self.token = uuid.uuid4().hex[:8]
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{self.token}"
@@ -251,8 +253,8 @@ class WriterLock:
     # -- fencing --------------------------------------------------------------------------------
     def _claim(self, extra: tuple[int, ...] = ()) -> None:
         """Claim the root's next generation (the caller holds the flock or the lease)."""
-        g, accepted, entries = _fence.claim(self.store, self.holder, extra=extra,
-                                             backups=self.backups)
+        g, accepted, entries, self.backups = _fence.claim(self.store, self.holder, extra=extra,
+                                                           backups=self.backups)
         if self.generation is not None:
             log.warning("%s: this writer's lease renewal was overdue (%.1f s since the last one, "
                         "lease %s s), so it may have been taken over meanwhile; nobody had: "

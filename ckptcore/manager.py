@@ -111,8 +111,9 @@ class CheckpointManager:
         self.local = Tier(self.root, storage_options, lock=self._lock, tracked=True)
         self.backups = Backups(self.root, specs, lock=bool(lock), lease=lease)
         if self._lock is not None:  # named in the root's writer records: `ckpt ls` can say where
-            self._lock.backups = [os.path.abspath(u) if t.root.local and "://" not in u else u
-                                  for t in self.backups for u in [t.root.url]]
+            # (a local one as the absolute path written to: "~" and relative paths resolved)
+            self._lock.backups = [os.path.abspath(t.root.path) if t.root.local else t.root.url
+                                  for t in self.backups]
         self._inflight, self._staging = InFlight(), Staging()
         # The steps the last restore() fell back over: damaged ones (a save may replace them;
         # frozensets, swapped whole: the save thread reads them) and all (none is "the newest").

@@ -263,8 +263,11 @@ def test_backup_recorded_without_a_recorded_backup_is_a_readable_error(tmp_path,
     assert rc == 0 and "replicates" not in err
 
 
-@pytest.mark.parametrize("value", [["x" * 5000], "s3://one", [1, 2], ["s3://a\nb"],
-                                   [f"s3://b{i}" for i in range(17)]])
+@pytest.mark.parametrize("value", [
+    ["x" * 5000], "s3://one", [1, 2], ["s3://a\nb"], [f"s3://b{i}" for i in range(17)],
+    ["zip://x::http://127.0.0.1:9/a.zip"], ["http://169.254.169.254/latest"],
+    ["sftp://user:pw@host/run"], ["s3://user:pw@bucket/run"], ["relative/path"],
+    ["s3://ok", "s3://bad\u200bzero-width"]])
 def test_a_malformed_backup_list_in_the_record_is_ignored_with_a_warning(tmp_path, capsys, caplog,
                                                                           value):
     from ckptcore import _fence
@@ -284,3 +287,43 @@ def test_a_malformed_backup_list_in_the_record_is_ignored_with_a_warning(tmp_pat
     with pytest.raises(SystemExit) as e:
         cli.main(["ls", root, "--backup", "recorded"])
     assert e.value.code == 2 and "names no backup root" in capsys.readouterr().err
+
+
+def test_gc_and_sync_keep_the_recorded_backups_and_home_paths_are_resolved(tmp_path, capsys,
+                                                                            monkeypatch):
+    import os
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, backup=ckptcore.Backup("~/bucket")) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.wait()
+    where = os.path.join(str(tmp_path / "home"), "bucket")
+    assert os.path.isdir(os.path.join(where, "step-000000000001"))  # fsspec expanded "~"
+    assert ckptcore.layout.recorded_backups(root) == [where]
+    assert _ckpt(capsys, "gc", root)[0] == 0                       # a claim of its own
+    assert ckptcore.layout.recorded_backups(root) == [where]
+    assert _ckpt(capsys, "sync", where, root)[0] == 0              # the same, for a sync into it
+    assert ckptcore.layout.recorded_backups(root) == [where]
+    with CheckpointManager(root) as mgr:                           # a manager without backup= clears it
+        mgr.save(2, make_state(2))
+    assert ckptcore.layout.recorded_backups(root) == []
+
+
+def test_a_backup_url_readers_would_refuse_is_not_recorded(tmp_path, caplog):
+    root = str(tmp_path / "run")
+    odd = tmp_path / "bk\u00a0copy"  # a real folder, but a name no reader accepts from a record
+    with caplog.at_level("INFO", logger="ckptcore"):
+        with CheckpointManager(root, backup=ckptcore.Backup(str(odd))) as mgr:
+            mgr.save(1, make_state(1))
+            mgr.wait()
+    assert "not naming the backup root" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ckptcore"):
+        assert ckptcore.layout.recorded_backups(root) == []
+    assert "malformed" not in caplog.text
+
+
+def test_backup_recorded_of_a_missing_root_says_it_is_missing(tmp_path, capsys):
+    rc, out, err = _ckpt(capsys, "ls", str(tmp_path / "nope"), "--backup", "recorded")
+    assert rc != 0 and "does not exist" in err and "names no backup root" not in err
