@@ -17,7 +17,7 @@ Times are medians over ``--repeats`` new managers (interleaved over N); on S3 th
 requests each save sends are counted on the client (botocore's before-send event).  The state
 is small (64 KiB): what is measured is the cost of the history, not of the bytes.
 
-Then, per N up to ``--list-max`` (1,000): ``list_checkpoints(root)`` (what ``ckpt ls``, ``ckpt log``
+Then, on S3, per N up to ``--list-max`` (1,000): ``list_checkpoints(root)`` (what ``ckpt ls``, ``ckpt log``
 and ``ckpt report`` read: every step's manifest) as it runs, against the same reads one after
 another (``remote_concurrency=1``: what it did before it read a bucket's manifests in a pool).
 
@@ -162,7 +162,7 @@ def run(store: str, counts: list[int], repeats: int, saves: int, opts: dict | No
                   f"requests), steady {statistics.median(t for t, _ in m['steady']):.3f} s",
                   flush=True)
     for n in counts:
-        if n <= list_max:
+        if n <= list_max and opts is not None:  # (local manifests are read in order either way)
             out[n]["listing"] = listing(roots[n], opts, max(2, repeats))
             print(f"  {store} N={n} listing: " + ", ".join(
                 f"{k} {statistics.median(v):.3f} s" for k, v in out[n]["listing"].items()), flush=True)

@@ -80,6 +80,8 @@ class View:
     named: frozenset[int] = field(default_factory=frozenset)
     holder: str = "unknown"
     readable: bool = True
+    # the record's "backups" as read: its data, checked by backups_of() on use
+    backups: Any = field(default=None, compare=False, hash=False)
 
     def accepts(self, step: int, generation: Callable[[], int | None]) -> bool:
         """Whether readers accept ``step`` (``generation()`` reads its manifest's generation,
@@ -101,7 +103,8 @@ def view(root: Store) -> View | None:
     if record is None:
         return View(gens[-1], readable=False)
     named = frozenset(_steps(record.get("accepted")) | _steps(record.get("committed")))
-    return View(gens[-1], named, str(record.get("holder", "unknown")))
+    return View(gens[-1], named, str(record.get("holder", "unknown")),
+                backups=record.get("backups"))
 
 
 # -- the retention index ------------------------------------------------------------------------
@@ -245,8 +248,8 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = (),
     steps, before = accepted_steps(root)
     accepted = sorted(set(steps) | set(extra))
     entries = read_index(root, before.newest, accepted) if before is not None else {}
-    if backups is None:
-        backups = recorded_backups(root) if before is not None else []
+    if backups is None:  # (the view just read the newest record: no second read)
+        backups = backups_of(root, before)
     named = _backups_field(backups)
     record = {"generation": g, "holder": holder, "claimed": time.time(), "accepted": accepted,
               "committed": [], **named}
@@ -265,7 +268,7 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = (),
 
 
 def record(root: Store, g: int, holder: str, accepted: Iterable[int],
-           committed: Iterable[int], backups: Iterable[str] | None = ()) -> None:
+           committed: Iterable[int], backups: Iterable[str] = ()) -> None:
     """Rewrite generation ``g``'s record (only its holder does, while it holds the root)."""
     body = {"generation": g, "holder": holder, "claimed": time.time(),
             "accepted": sorted(set(accepted)), "committed": sorted(set(committed)),
@@ -304,29 +307,28 @@ def backup_url_problem(url: Any) -> str | None:
     return None
 
 
-def _backups_field(backups: Iterable[str] | None) -> dict[str, list[str]]:
+def _backups_field(backups: Iterable[str]) -> dict[str, list[str]]:
     urls = []
-    for u in backups or ():
-        problem = backup_url_problem(u)
+    for u in backups:
+        problem = backup_url_problem(u) or (
+            f"more than {MAX_BACKUPS} backups" if len(urls) == MAX_BACKUPS else None)
         if problem is None:
             urls.append(u)
         else:
             log.info("not naming the backup root %r in the writer record: %s", str(u)[:200],
                      problem)
-    return {"backups": urls[:MAX_BACKUPS]} if urls else {}
+    return {"backups": urls} if urls else {}
 
 
 def recorded_backups(root: Store) -> list[str]:
     """The backup roots the newest writer of ``root`` recorded (``[]``: none, or no record).
     A malformed list is logged and ignored, never raised: it only ever adds a hint."""
-    gens = generations(root) if root.exists() else []
-    record = read_record(root, gens[-1]) if gens else None
-    return backups_of(root, record)
+    return backups_of(root, view(root) if root.exists() else None)
 
 
-def backups_of(root: Store, record: Mapping[str, Any] | None) -> list[str]:
-    """A record's ``backups``, checked (see above); ``[]`` when absent or malformed (logged)."""
-    value = (record or {}).get("backups", [])
+def backups_of(root: Store, known: View | None) -> list[str]:
+    """A view's ``backups``, checked (see above); ``[]`` when absent or malformed (logged)."""
+    value = known.backups if known is not None and known.backups is not None else []
     problem = ("not a list of at most %d URLs" % MAX_BACKUPS
                if not isinstance(value, list) or len(value) > MAX_BACKUPS else
                next((p for p in map(backup_url_problem, value) if p), None))
