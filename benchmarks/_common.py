@@ -152,6 +152,11 @@ def summary(times: list[float]) -> dict:
     return {"median": statistics.median(times), "best": min(times), "all": times}
 
 
+def cell(s: dict) -> str:
+    """A table cell for a ``summary``: the median and [best-worst], in seconds."""
+    return f"{s['median']:.3f} [{s['best']:.3f}-{max(s['all']):.3f}]"
+
+
 def vm_status(field: str) -> int:
     """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
     with open("/proc/self/status") as f:

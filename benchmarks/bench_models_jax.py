@@ -82,7 +82,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ckptcore  # noqa: E402
 import ckptcore_jax  # noqa: E402
-from _common import clean, evict, files_under, fsync_paths, summary  # noqa: E402
+from _common import clean, evict, files_under, fsync_paths, summary, timed, cell  # noqa: E402
 
 MODELS = ("resnet50", "gpt2")
 NAMES = {"ck": "ckptcore", "ob": "Orbax"}
@@ -253,11 +253,6 @@ class Contenders:
         self.ckptr.close()
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
 
 def sync_rounds(name: str, src: tuple, dst: tuple, args) -> dict:
     names = ["ck", "ob"]
@@ -322,9 +317,6 @@ def async_rounds(name: str, src: tuple, args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- report
-def _cell(s: dict) -> str:
-    return f"{s['median']:.3f} [{s['best']:.3f}-{max(s['all']):.3f}]"
-
 
 ROWS = [  # label, operation key, target (Orbax's time over ckptcore's, at least)
     ("save + fsync (until durable)", "save", TARGETS["save"]),
@@ -366,7 +358,7 @@ def report(results: dict, args) -> list[str]:
                 want = "<= Orbax's time" if op == "block" else f">= {need:g}x"
                 met = f"{want}: {'PASS' if ok else 'FAIL'}"
                 verdicts.append(f"{name} {label} vs Orbax: {ratio:.2f}x (target {want}) {'PASS' if ok else 'FAIL'}")
-            lines.append(f"| {name} | {label} | {_cell(t[f'ck_{op}'])} | {_cell(t[f'ob_{op}'])} | "
+            lines.append(f"| {name} | {label} | {cell(t[f'ck_{op}'])} | {cell(t[f'ob_{op}'])} | "
                          f"{ratio:.2f}x | {met} |")
     lines.append("")
     for name, res in results.items():

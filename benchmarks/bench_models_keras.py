@@ -55,7 +55,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import ckptcore  # noqa: E402
 from _common import (clean, evict, files_under, fsync_paths, reset_peak_rss, summary, timed,  # noqa: E402
-                     vm_status)
+                     vm_status, cell)
 
 ARCHS = ("ResNet50", "MobileNetV2", "EfficientNetB0")
 CONTENDERS = ("ck", "tf", "st")
@@ -159,9 +159,6 @@ def run_arch(args, arch: str, base: str) -> dict:
             "sizes": sizes, "peak": peak, "times": {k: summary(v) for k, v in times.items()}}
 
 
-def _cell(t: dict) -> str:
-    return f"{t['median']:.3f} [{min(t['all']):.3f}-{max(t['all']):.3f}]"
-
 
 def report(results: list[dict], args) -> list[str]:
     lines = [f"## Keras real architectures: ckptcore vs tf.train.Checkpoint and safetensors "
@@ -187,7 +184,7 @@ def report(results: list[dict], args) -> list[str]:
             if need is not None:
                 verdicts.append(r_tf >= need)
             lines.append(f"| {res['arch']} | {res['tensors']} / {res['bytes'] / 2**20:.0f} | {label} | "
-                         f"{_cell(c)} | {_cell(o)} | {_cell(s)} | {r_tf:.2f}x | {r_st:.2f}x | "
+                         f"{cell(c)} | {cell(o)} | {cell(s)} | {r_tf:.2f}x | {r_st:.2f}x | "
                          f"{'-' if need is None else f'>= {need:g}x'} | {met} |")
     lines += ["", "Peak memory added by one save (MiB; VmHWM over the RSS before it) and file sizes (MiB):", "",
               "| model | ckptcore | tf.train.Checkpoint | safetensors | files ck / tf / st |",

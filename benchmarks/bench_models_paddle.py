@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 
 import ckptcore  # noqa: E402
-from _common import clean, evict, files_under, fsync_paths, reset_peak_rss, summary, timed, vm_status  # noqa: E402
+from _common import clean, evict, files_under, fsync_paths, reset_peak_rss, summary, timed, vm_status, cell  # noqa: E402
 
 ARCHS = ("mobilenet_v2", "resnet50")
 SAVE_TARGET, RESTORE_TARGET = 1.7, 1.5
@@ -204,9 +204,6 @@ def peak_memory(arch: str, args) -> dict[str, float | None]:
 
 
 # ---------------------------------------------------------------------------------------- report
-def _cell(s: dict) -> str:
-    return f"{s['median']:.3f} [{s['best']:.3f}-{max(s['all']):.3f}]"
-
 
 def report(results: list[dict], args) -> list[str]:
     lines = [f"## Paddle real architectures: ckptcore vs paddle.save / paddle.load / safetensors "
@@ -232,7 +229,7 @@ def report(results: list[dict], args) -> list[str]:
                 verdicts.append(f"{res['arch']} {label.split(':')[0].split(',')[0]}: {ratio:.2f}x "
                                 f"(target {need:g}x) {'met' if ratio >= need else 'NOT met'}")
             lines.append(f"| {res['arch']} | {res['tensors']} | {res['bytes'] / 2**20:.0f} | {label} | "
-                         f"{_cell(t[c])} | {_cell(t[p])} | {_cell(t[s])} | {ratio:.2f}x | {vs_st:.2f}x | "
+                         f"{cell(t[c])} | {cell(t[p])} | {cell(t[s])} | {ratio:.2f}x | {vs_st:.2f}x | "
                          f"{target} | {met} |")
     lines.append("")
     if any(r.get("peak") for r in results):

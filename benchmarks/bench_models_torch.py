@@ -68,7 +68,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import _torch_models as tm  # noqa: E402
 import ckptcore  # noqa: E402
-from _common import clean, evict, files_under, fsync_paths, summary  # noqa: E402
+from _common import clean, evict, files_under, fsync_paths, summary, timed, cell  # noqa: E402
 
 TARGETS = {  # (operation, alternative): the least ratio ckptcore must reach
     ("save", "ts"): 1.5, ("save", "dcp"): 1.2, ("warm", "ts"): 1.3, ("warm", "dcp"): 1.2}
@@ -126,11 +126,6 @@ class Contenders:
             m.load_state_dict(sd["model"])
             opt.load_state_dict(sd["optimizer"])
 
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def check(c: Contenders, label: str) -> None:
@@ -284,9 +279,6 @@ def dist_rounds(name: str, args) -> dict:
 
 
 # ------------------------------------------------------------------------------------- report
-def _cell(s: dict) -> str:
-    return f"{s['median']:.3f} [{s['best']:.3f}-{max(s['all']):.3f}]"
-
 
 ROWS = [  # label, operation key, contenders, targets {alternative: least ratio}
     ("save + fsync", "save", ("ck", "ts", "dcp", "raw"),
@@ -308,7 +300,7 @@ def model_rows(name: str, res: dict, verdicts: list[str]) -> list[str]:
         ck = t[f"ck_{op}"]["median"]
         cells, ratios, mets = [], [], []
         for n in ("ck", "ts", "dcp", "raw"):
-            cells.append(_cell(t[f"{n}_{op}"]) if n in who else "-")
+            cells.append(cell(t[f"{n}_{op}"]) if n in who else "-")
         for alt in ("ts", "dcp", "raw"):
             if alt not in who:
                 ratios.append("-")
@@ -362,7 +354,7 @@ def dist_note(d: dict | str) -> str:
     parts = []
     for op, label in (("save", "save"), ("warm", "warm restore")):
         ratio = t[f"dcp_{op}"]["median"] / t[f"ck_{op}"]["median"]
-        parts.append(f"{label} ckptcore group {_cell(t[f'ck_{op}'])} s vs DCP {_cell(t[f'dcp_{op}'])} s "
+        parts.append(f"{label} ckptcore group {cell(t[f'ck_{op}'])} s vs DCP {cell(t[f'dcp_{op}'])} s "
                      f"= {ratio:.2f}x")
     return "; ".join(parts) + " (informative; gloo on 127.0.0.1, both ranks on one disk and 2 cores)"
 
