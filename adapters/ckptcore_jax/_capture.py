@@ -6,7 +6,9 @@ Naming (a contract: checkpoints written today must restore tomorrow):
   (``Param``, ``BatchStat`` and any other ``Variable`` but its RNG streams) by graph path, or a
   pytree's leaves by key path.  A sharded ``jax.Array`` is a ``ckptcore.Shard``/``Chunks`` leaf
   (``_sharding.py``); a typed key its uint32 ``key_data``, its implementation in
-  ``extra["jax"]["keys"]``.
+  ``extra["jax"]["keys"]``; the names of weakly typed arrays (``jnp.asarray(0.5)``) are listed
+  in ``extra["jax"]["weak"]`` (absent: none).  An NNX Variable holding no array (``None``,
+  Optax's ``MaskedNode``) is no leaf (``_tensors.py``).
 * ``state.optimizer``: the Optax state keyed by parameter path (``_optimizer.py``);
   ``state.schedule``: its learning-rate schedule, when it has one (``_optax.py``).
 * ``state.rng``: ``"python"``, ``"numpy"`` and the NNX RNG streams (``_rng.py``).
@@ -16,7 +18,8 @@ Naming (a contract: checkpoints written today must restore tomorrow):
 
 Restoring plans every leaf through one :class:`ckptcore.adapter.RestorePlan` (every check
 first), then puts new arrays into the targets: each with the saved bytes and the live leaf's
-dtype, devices and sharding.  Report names: model leaves by their own name,
+dtype, weak type, devices and sharding (an abstract leaf is weakly typed when its own
+``weak_type`` or the saved list says so).  Report names: model leaves by their own name,
 ``optimizer/<param>/<slot>``, ``optimizer/<leaf>`` (a leaf of no parameter: ``0/count``),
 ``rng/<stream leaf>``, ``data``.
 """
@@ -35,7 +38,7 @@ from ckptcore.state import RestoreReport, TrainingState
 from ._optimizer import capture_optimizer, optimizer_leaves, plan_optimizer, split_name
 from ._params import describe_params
 from ._rng import capture_framework_rng, plan_rng, restore_framework_rng
-from ._sharding import capture_leaf, plan_leaf, template_leaf
+from ._sharding import capture_leaf, is_weak, plan_leaf, template_leaf
 from ._tensors import is_key, key_data, named_tensors
 
 __all__ = ["capture", "restore", "template"]
@@ -52,11 +55,13 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
     synchronous save straight after the capture (a jitted step that donates its inputs reuses
     their memory)."""
     leaves, streams = named_tensors(model)
-    arrays, keys = {}, {}
+    arrays, keys, weak = {}, {}, []
     for name, leaf in leaves.values.items():
-        arrays[name], impl = capture_leaf(leaf, copy)
+        arrays[name], impl = capture_leaf(leaf, copy, name=qualified("model", name))
         if impl:
             keys[name] = impl
+        if is_weak(leaf):
+            weak.append(name)
     state = TrainingState(framework=NAME, model=arrays,
                           params=describe_params(leaves.values, arrays, model))
     if optimizer is not None:
@@ -72,6 +77,8 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
                       "model_class": type(model).__name__,
                       "optimizer_class": None if optimizer is None else type(optimizer).__name__}
     state.extra = {NAME: {"keys": keys, "kinds": dict(leaves.kinds)}}
+    if weak:
+        state.extra[NAME]["weak"] = weak
     return state
 
 
@@ -109,6 +116,7 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
     targets = {"model": model, "optimizer": optimizer}
     state = convert_for(state, NAME, {k: v for k, v in targets.items() if v is not None})
     saved_keys = dict((state.extra.get(NAME) or {}).get("keys") or {})
+    saved_weak = set((state.extra.get(NAME) or {}).get("weak") or ())
 
     plan = RestorePlan()
     for name, live in leaves.values.items():
@@ -117,7 +125,7 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
             plan.missing(qualified("model", name))
             continue
         plan_leaf(plan, name, value, live, saved_impl=saved_keys.get(name),
-                  put=lambda new, n=name: leaves.put(n, new))
+                  saved_weak=name in saved_weak, put=lambda new, n=name: leaves.put(n, new))
     plan.unexpected_from(state.model, leaves.values)
     plan.then(leaves.commit)
     unapplied: dict[str, str] = {}

@@ -6,9 +6,12 @@ leaves (``count``, ``mini_step``, injected hyperparameters).  A leaf whose path 
 parameter's name and whose shape is that parameter's is a *slot* of that parameter: its slot
 name is the rest of the path (``0/mu``: ``optax.chain``'s first transformation's ``mu``).  Every
 other leaf is kept by its whole path in ``OptimizerState.extra["leaves"]`` (an array, with its
-dtype).  An ``nnx.Optimizer``'s leaves are named without the leading ``opt_state``, so a state
-captured from one restores into a bare Optax state (a :class:`~ckptcore_jax.Ref`) and back;
-its ``step`` is ``OptimizerState.step`` (and, as a leaf, ``extra["leaves"]["step"]``).
+dtype), and the names of weakly typed leaves in ``extra["weak"]`` (when there are some).  A
+Variable holding no array (the ``MaskedNode`` that ``optax.masked`` and ``optax.multi_transform``
+leave for the parameters a transformation does not touch) is no leaf.  An ``nnx.Optimizer``'s
+leaves are named without the leading ``opt_state``, so a state captured from one restores into
+a bare Optax state (a :class:`~ckptcore_jax.Ref`) and back; its ``step`` is
+``OptimizerState.step`` (and, as a leaf, ``extra["leaves"]["step"]``).
 
 An Optax transformation is code, not state, so the restore target's own ``tx`` is kept; a state
 whose slots do not fit its leaves is a RestoreError.  ``OptimizerState.kind`` and
@@ -26,7 +29,7 @@ from ckptcore.adapter import RestorePlan, qualified
 from ckptcore.state import OptimizerState, ScheduleState
 
 from ._optax import describe
-from ._sharding import capture_leaf, plan_leaf
+from ._sharding import capture_leaf, is_weak, plan_leaf
 from ._tensors import Leaves, nnx_leaves, pytree_leaves
 
 __all__ = ["optimizer_leaves", "capture_optimizer", "plan_optimizer", "split_name"]
@@ -69,10 +72,13 @@ def capture_optimizer(optimizer: Any, params: dict[str, Any], *, step: int | Non
     slots: dict[str, dict[str, Any]] = {}
     others: dict[str, Any] = {}
     keys: dict[str, str] = {}
+    weak: list[str] = []
     for name, leaf in leaves.values.items():
-        value, impl = capture_leaf(leaf, copy)
+        value, impl = capture_leaf(leaf, copy, name=qualified("optimizer", name))
         if impl:
             keys[name] = impl
+        if is_weak(leaf):
+            weak.append(name)
         where = split_name(name, leaf, params)
         if where is None:
             others[name] = value
@@ -83,6 +89,8 @@ def capture_optimizer(optimizer: Any, params: dict[str, Any], *, step: int | Non
     extra: dict[str, Any] = {"leaves": others, "container": type(optimizer).__name__}
     if keys:
         extra["keys"] = keys
+    if weak:
+        extra["weak"] = weak
     kind, hyperparams, schedule = KIND, {}, None
     tx = getattr(optimizer, "tx", None)
     if tx is not None:
@@ -98,8 +106,20 @@ def plan_optimizer(plan: RestorePlan, saved: OptimizerState, optimizer: Any,
     leaves, _ = optimizer_leaves(optimizer)
     others = dict(saved.extra.get("leaves") or {})
     keys = dict(saved.extra.get("keys") or {})
+    weak = set(saved.extra.get("weak") or ())
     taken_slots: set[tuple[str, str]] = set()
     taken_others: set[str] = set()
+    # A checkpoint written before Variables holding nothing were left out (Optax's MaskedNode)
+    # holds an empty array under each of their names, where a capture put it: taken, not
+    # unexpected, so that such a checkpoint restores.
+    for name, nothing in leaves.empty.items():
+        where = split_name(name, nothing, params)
+        old = others.get(name) if where is None else (saved.slots.get(where[0]) or {}).get(where[1])
+        if old is not None and int(getattr(old, "size", -1)) == 0:
+            if where is None:
+                taken_others.add(name)
+            else:
+                taken_slots.add(where)
     for name, live in leaves.values.items():
         where = split_name(name, live, params)
         if where is None:
@@ -112,7 +132,7 @@ def plan_optimizer(plan: RestorePlan, saved: OptimizerState, optimizer: Any,
         if value is None:
             plan.missing(qname)
             continue
-        plan_leaf(plan, qname, value, live, saved_impl=keys.get(name),
+        plan_leaf(plan, qname, value, live, saved_impl=keys.get(name), saved_weak=name in weak,
                   put=lambda new, n=name: leaves.put(n, new))
     for p, slots in saved.slots.items():
         plan.unexpected(*(qualified("optimizer", p, s) for s in slots if (p, s) not in taken_slots))

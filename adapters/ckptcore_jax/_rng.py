@@ -23,7 +23,7 @@ def capture_framework_rng(streams: Leaves, copy: bool = True) -> dict[str, Any]:
     if streams.values:
         values, keys = {}, {}
         for name, leaf in streams.values.items():
-            values[name], impl = capture_leaf(leaf, copy)
+            values[name], impl = capture_leaf(leaf, copy, name=qualified("rng", name))
             if impl:
                 keys[name] = impl
         out["nnx"] = values

@@ -13,10 +13,16 @@ block is cut from a whole saved array, or found among the blocks of a ``Shard``/
 (a load with ``like=``:func:`template_leaf`, which reads only those blocks), and
 ``jax.make_array_from_callback`` places them.  Any saved mesh restores into any live one, and
 into an abstract leaf (``jax.ShapeDtypeStruct``) laid out by its ``sharding``.
+
+Weak types (:func:`weaken`): an array made from a Python scalar (``jnp.asarray(0.5)``) is weakly
+typed, which decides what it promotes to (``bf16 * it`` stays bfloat16); a restored array is
+weakly typed when the live leaf it replaces is, or when an abstract leaf is restored into and the
+capture recorded the saved one as weak (the adapter keeps those names in its extra metadata).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -27,7 +33,10 @@ from ckptcore.sharding import Chunks, Shard
 
 from ._tensors import to_numpy
 
-__all__ = ["array_leaf", "template_leaf", "rebuild", "is_sharded", "global_shape", "value_dtype"]
+__all__ = ["array_leaf", "template_leaf", "rebuild", "is_sharded", "global_shape", "value_dtype",
+           "weaken", "is_weak"]
+
+_log = logging.getLogger("ckptcore")
 
 
 def is_sharded(x: Any) -> bool:
@@ -131,27 +140,82 @@ def rebuild(value: Any, like: Any, name: str) -> Any:
     return jax.make_array_from_callback(shape, sharding, block)
 
 
+def is_weak(x: Any) -> bool:
+    """``x`` is a weakly typed jax.Array or abstract leaf (never a typed key)."""
+    from ._tensors import is_key
+
+    return (isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and bool(getattr(x, "weak_type", False))
+            and not is_key(x))
+
+
+def _weak_copy(zero: Any, x: Any) -> Any:
+    # Weak zeros laid out as x, then x's values put over them by a scatter: a scatter keeps its
+    # operand's weak type (jnp's .at[].set converts its result to it) and takes the update's
+    # values bit for bit (the same dtype: no conversion).  The zeros are made here, inside the
+    # jit, with x's sharding, so each device holds only its block and the scatter needs no
+    # collective (in a mesh of explicit axes too).  No public function makes a strong array
+    # weak otherwise.
+    base = jax.lax.full_like(zero, 0, shape=x.shape, sharding=jax.typeof(x).sharding)
+    return base.at[...].set(x)
+
+
+def weaken(x: Any, like: Any, name: str) -> Any:
+    """``x`` (a strongly typed jax.Array laid out as ``like``) weakly typed: the same values,
+    dtype and sharding.  ``like`` is the weak live leaf, or an abstract leaf, whose weak zero
+    is made from a Python scalar: that has only JAX's default dtype of each kind
+    (``float32``/``int32``/``complex64``, their 64-bit ones with ``jax_enable_x64``)."""
+    if isinstance(like, jax.Array):
+        # A weak 0-d zero of the live leaf's dtype: its values are not read, so a live leaf
+        # whose buffer a jitted step donated will do.
+        zero = jax.lax.full_like(like, 0, shape=())
+    else:
+        scalar = {"f": 0.0, "i": 0, "c": 0j}.get(np.dtype(like.dtype).kind)
+        zero = None if scalar is None else jax.lax.full_like(scalar, 0)
+        if zero is None or zero.dtype != like.dtype:
+            _log.warning("restore: %s: cannot make a weakly typed %s array for an abstract leaf "
+                         "(only a Python scalar's default dtype can be); it is restored strongly "
+                         "typed", name, np.dtype(like.dtype))
+            return x
+    if like.sharding is not None and getattr(like, "committed", True):
+        return jax.jit(_weak_copy, out_shardings=like.sharding)(zero, x)
+    # An array JAX placed by itself (uncommitted) stays free to follow its operands.
+    return jax.jit(_weak_copy)(zero, x)
+
+
 # --- one leaf, whatever it is: a jax.Array (sharded or not), a typed key, a NumPy array, a scalar
 
 
-def capture_leaf(x: Any, copy: bool = True) -> tuple[Any, str | None]:
-    """Leaf ``x`` as (state value, key implementation name or None): a typed key is stored as
-    its uint32 ``key_data``, sharded like the key array."""
-    from ._tensors import is_abstract, is_key, key_data, key_impl
+def capture_leaf(x: Any, copy: bool = True, *, name: str = "") -> tuple[Any, str | None]:
+    """Leaf ``x`` (``name`` in messages) as (state value, key implementation name or None): a
+    typed key is stored as its uint32 ``key_data``, sharded like the key array.
+
+    Raises:
+        CaptureError: ``x`` is abstract, or no array or scalar a restore could put back (a
+            string, a tuple of arrays held in one NNX Variable): saving it would write a
+            checkpoint that cannot be restored."""
+    from ._tensors import is_abstract, is_key, is_leaf_value, key_data, key_impl
 
     if is_abstract(x):
-        raise CaptureError(f"an abstract leaf ({x}) holds no values to save: restore into it, "
-                           "or save the concrete model")
+        raise CaptureError(f"{name}: an abstract leaf ({x}) holds no values to save: restore "
+                           "into it, or save the concrete model")
+    if not is_leaf_value(x):
+        raise CaptureError(
+            f"{name}: a leaf of type {type(x).__module__}.{type(x).__qualname__} cannot be "
+            "saved (a restore could not put it back): leaves are jax.Arrays, NumPy arrays and "
+            "scalars, Python bool/int/float/complex; keep other values out of the state, and "
+            "split an NNX Variable holding several arrays into one Variable per array")
     if is_key(x):
         return array_leaf(key_data(x), copy), key_impl(x)
     return array_leaf(x, copy), None
 
 
 def plan_leaf(plan: Any, qname: str, saved: Any, live: Any, *, saved_impl: str | None,
-              put: Any) -> None:
+              put: Any, saved_weak: bool = False) -> None:
     """Plan restoring ``saved`` into the place of ``live`` (checked now: shape, dtype, key
-    implementation), calling ``put(new_leaf)`` when the plan is applied."""
-    from ._tensors import assign, is_key, key_data, key_impl
+    implementation), calling ``put(new_leaf)`` when the plan is applied.  ``saved_weak``: the
+    capture recorded the leaf as weakly typed, which an abstract ``live`` leaf then is too (a
+    concrete one says itself)."""
+    from ._tensors import assign, is_abstract, is_key, key_data, key_impl
 
     impl = key_impl(live) if is_key(live) else None
     if impl != saved_impl:
@@ -168,9 +232,13 @@ def plan_leaf(plan: Any, qname: str, saved: Any, live: Any, *, saved_impl: str |
     if got_dtype != want_dtype:
         raise RestoreError(f"{qname}: the checkpoint holds {got_dtype}, the target is {want_dtype}")
 
+    weak = is_weak(like) or (saved_weak and is_abstract(like) and not impl)
+
     def do_put() -> None:
         if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)):
             new = rebuild(saved, like, qname)
+            if weak:
+                new = weaken(new, like, qname)
             if impl:
                 new = jax.random.wrap_key_data(new, impl=impl)
                 if getattr(live, "committed", True) and live.sharding is not None:

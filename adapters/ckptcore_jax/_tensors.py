@@ -15,6 +15,14 @@ A restore target's leaf may be abstract, a ``jax.ShapeDtypeStruct`` (``jax.eval_
 ``nnx.eval_shape``; with a ``sharding`` or without: then the default device), as Orbax restores
 into: the restored array is made with its shape, dtype and sharding, and nothing is allocated
 for the leaf before.
+
+A leaf is a ``jax.Array``, a NumPy array or scalar (``np.float32(1)``), or a Python ``bool``/
+``int``/``float``/``complex``: what :func:`assign` can put back.  An NNX ``Variable`` whose value
+has no pytree leaves (``None``, an empty tuple, Optax's ``MaskedNode``, which ``optax.masked`` and
+``optax.multi_transform`` leave for the parameters a transformation does not touch) holds
+nothing: it is no leaf, on capture and on restore alike, as ``jax.tree_util`` flattening drops
+such values from a pytree.  Any other value (a string, a tuple of arrays in one ``Variable``) is
+a CaptureError when saved, never a checkpoint that cannot be restored.
 """
 
 from __future__ import annotations
@@ -29,7 +37,11 @@ import numpy as np
 from ckptcore.errors import RestoreError
 
 __all__ = ["Leaves", "named_tensors", "pytree_leaves", "nnx_leaves", "path_name", "is_key",
-           "is_abstract", "key_impl", "to_numpy", "key_data", "assign"]
+           "is_abstract", "key_impl", "to_numpy", "key_data", "assign", "is_leaf_value",
+           "holds_nothing"]
+
+# The Python scalar leaves assign() puts back as their own type.
+_SCALARS = (bool, int, float, complex)
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -69,13 +81,27 @@ def key_data(x: Any) -> Any:
     return jax.random.key_data(x)
 
 
+def is_leaf_value(x: Any) -> bool:
+    """``x`` is a value :func:`assign` can put back (or an abstract leaf to restore into)."""
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, *_SCALARS))
+
+
+def holds_nothing(x: Any) -> bool:
+    """``x`` (an NNX Variable's value) has no pytree leaves: ``None``, an empty tuple or
+    NamedTuple (Optax's ``MaskedNode``), an empty dict."""
+    return not is_leaf_value(x) and not jax.tree_util.tree_leaves(x)
+
+
 @dataclass
 class Leaves:
     """One target's leaves: ``values[name]`` is the live leaf; :meth:`put` records a new value,
-    :meth:`commit` writes every recorded value back into the target at once."""
+    :meth:`commit` writes every recorded value back into the target at once.  ``empty`` holds
+    the NNX Variables that hold nothing (:func:`holds_nothing`), by name: no leaves, but a
+    checkpoint written before they were left out holds an empty array under their names."""
 
     values: dict[str, Any] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)  # name -> NNX variable class name
+    empty: dict[str, Any] = field(default_factory=dict)
     _setters: dict[str, Callable[[Any], None]] = field(default_factory=dict)
     _finish: Callable[[dict[str, Any]], None] | None = None
     _new: dict[str, Any] = field(default_factory=dict)
@@ -103,7 +129,11 @@ def nnx_leaves(obj: Any, *, skip: tuple[str, ...] = ()) -> tuple[Leaves, Leaves]
             continue
         name = path_name(tuple(p for p in path if p not in skip))
         target = rngs if isinstance(node, nnx.RngState) else main
-        target.values[name] = node.get_value()
+        value = node.get_value()
+        if holds_nothing(value):
+            target.empty[name] = value
+            continue
+        target.values[name] = value
         target.kinds[name] = type(node).__name__
         target._setters[name] = node.set_value
     return main, rngs
@@ -188,6 +218,11 @@ def assign(like: Any, array: Any, name: str) -> Any:
         return array
     if isinstance(like, np.ndarray):
         return np.asarray(array).astype(like.dtype, copy=False)
-    if isinstance(like, (bool, int, float, complex)):
+    # Before the Python scalars: np.float64 and np.complex128 are float and complex too, and
+    # must come back as themselves.  Indexing a 0-d array of the dtype gives its NumPy scalar,
+    # the same bits.
+    if isinstance(like, np.generic):
+        return np.asarray(array).astype(like.dtype, copy=False)[()]
+    if isinstance(like, _SCALARS):
         return type(like)(np.asarray(array)[()])
     raise RestoreError(f"{name}: cannot restore into a leaf of type {type(like).__name__}")

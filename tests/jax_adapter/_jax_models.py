@@ -68,11 +68,14 @@ def train_nnx(objects: dict[str, Any], steps: int, x: jax.Array = X, y: jax.Arra
 
 
 def nnx_arrays(obj: Any) -> dict[str, np.ndarray]:
-    """Every variable of an NNX object, by graph path, keys as their key data."""
+    """Every variable of an NNX object, by graph path, keys as their key data (a variable that
+    holds no array, as Optax's ``MaskedNode`` in a masked optimizer state, left out)."""
     out = {}
     for path, node in nnx.iter_graph(obj):
         if isinstance(node, nnx.Variable):
             v = node.get_value()
+            if not jax.tree_util.tree_leaves(v):
+                continue
             if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
                 v = jax.random.key_data(v)
             out["/".join(map(str, path))] = np.array(v)

@@ -1,7 +1,8 @@
 """ckptcore_jax's capture and restore beyond the conformance suite: Optax states of every shape
-(Adam, AdamW, SGD momentum, schedules' counts, optax.chain, MultiSteps mid-window) resumed bit
-for bit through a real checkpoint directory, typed and raw keys, dtypes and devices kept,
-in-place pytrees, the errors, the names not built yet, and the lazy import."""
+(Adam, AdamW, SGD momentum, schedules' counts, optax.chain, MultiSteps mid-window, a part of
+the model frozen by multi_transform or masked) resumed bit for bit through a real checkpoint
+directory, typed and raw keys, dtypes and devices kept, in-place pytrees, the errors, the names
+not built yet, and the lazy import."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ TXS = {
                                   optax.scale_by_schedule(_SCHEDULE), optax.scale(-1.0)),
     "multisteps": optax.MultiSteps(optax.adam(0.01), every_k_schedule=4),  # 3 steps: mid-window
     "injected": optax.inject_hyperparams(optax.adamw)(learning_rate=0.01, weight_decay=0.05),
+    # Part of the model frozen: Optax leaves a MaskedNode (no array) for each parameter a
+    # transformation does not touch, which an nnx.Optimizer holds in a Variable of its own.
+    "multi_transform": optax.multi_transform(
+        {"train": optax.adam(0.01), "freeze": optax.set_to_zero()},
+        lambda p: jax.tree.map(lambda x: "train" if x.ndim > 1 else "freeze", p)),
+    "masked": optax.masked(optax.adam(0.01), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
 }
 
 
