@@ -5,7 +5,11 @@ torch file import/export produce and consume too):
 
 * ``state.model``: every ``state_dict()`` entry by its key without wrapper components (see
   ``_tensors.py``); a tensor reachable under several names (tied weights) is stored once, and
-  ``extra["torch"]["aliases"]`` maps the others to it.
+  ``extra["torch"]["aliases"]`` maps the others to it.  A module's extra state
+  (``get_extra_state()``) is ``<module path>._extra_state`` there when it is a tensor, else
+  ``extra["torch"]["extra_states"][<module path>._extra_state]`` as plain data (numbers,
+  strings, bytes, lists, tuples, dicts, tensors as arrays); restore gives it back through the
+  module's ``set_extra_state``.  An extra state with no plain form is a CaptureError.
 * ``state.optimizer``: slots keyed by parameter name and torch's slot names, every param group's
   hyperparameters in ``extra["param_groups"]`` (see ``_optimizer.py``).  ``state.optimizer.step``
   (and ``state.step``): the ``step`` argument; else the largest per-parameter ``step`` slot
@@ -15,6 +19,11 @@ torch file import/export produce and consume too):
   last_lr=get_last_lr()[0], state=<its state_dict(), plain>)``.
 * ``optimizer.extra["grad_scaler"]``: a ``GradScaler``'s ``state_dict()`` (or
   ``extra["torch"]["grad_scaler"]`` without an optimizer).
+* ``state.optimizer`` slots and ``state.accumulation`` buffers are keyed by the name the
+  parameter has in ``state.model``; restore finds a target parameter's the way it finds its
+  values (under any of its names, or one the checkpoint records as an alias), so a tied model
+  whose submodules are registered in another order resumes exactly, and an untied one gives each
+  copy the tied tensor's values, slots and gradient.
 * ``state.accumulation``: gradients in flight (``param.grad``) with any bit set, with
   ``every``/``count`` from the ``accumulate_every``/``accumulated`` hints (0 when not given).
   ``extra["torch"]["zero_grads"]`` lists parameters whose gradient exists but is all zero
@@ -34,7 +43,7 @@ tensors by their own name, ``optimizer/<param>/<slot>``, ``optimizer``, ``schedu
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Container
 
 import numpy as np
 import torch
@@ -49,7 +58,8 @@ from ._optimizer import (capture_optimizer, capture_schedule, capture_scaler, pl
 from ._params import describe_params
 from ._rng import capture_framework_rng, restore_framework_rng
 from ._sharding import has_dtensors, is_dtensor, reshard_optimizer, restore_target, set_grad  # [sharding hook]
-from ._tensors import assign, named_tensors, new_tensor, numpy_dtype, to_numpy, unwrap
+from ._tensors import (Entries, assign, foreign_message, named_tensors, new_tensor, numpy_check, numpy_dtype,
+                       plain_extra_state, revive_extra_state, to_numpy, unwrap)
 
 
 def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool = True, copy: bool = True,
@@ -65,18 +75,31 @@ def capture(model: Any, optimizer: Any = None, *, cursor: Any = None, rng: bool 
 
     Raises:
         CaptureError: an optimizer ckptcore_torch cannot capture exactly (e.g. ``LBFGS``, or a
-            custom subclass with its own state keys), or one updating parameters outside the model.
+            custom subclass with its own state keys), or one updating parameters outside the model;
+            a tensor of a dtype with no exact NumPy form (``complex32``); a module's extra state
+            with no plain form, or a ``state_dict()`` entry that is no parameter, buffer or extra
+            state (see ``_tensors.py``).
 
     Example:
         >>> state = ckptcore_torch.capture(net, opt, scheduler=sched, cursor=cursor)  # doctest: +SKIP
         >>> ckptcore_torch.restore(state, new_net, new_opt, scheduler=new_sched)      # doctest: +SKIP
     """
-    tensors, aliases = named_tensors(model)
+    found = named_tensors(model)
+    tensors, aliases = found.tensors, found.aliases
+    if found.foreign:
+        raise CaptureError(foreign_message(found.foreign, "saved"))
     for name, t in tensors.items():
         _check_materialised(name, t, CaptureError)
+        numpy_check(t, name)
     arrays = {n: to_numpy(t, copy) for n, t in tensors.items()}
-    state = TrainingState(framework="torch", model=arrays, params=describe_params(unwrap(model), tensors, aliases))
     extra: dict[str, Any] = {}
+    for name, (module, value) in found.extra.items():
+        if isinstance(value, torch.Tensor):
+            arrays[name] = to_numpy(numpy_check(value, name), copy)
+        else:
+            extra.setdefault("extra_states", {})[name] = plain_extra_state(
+                value, f"{name} (the extra state of a {type(module).__name__})")
+    state = TrainingState(framework="torch", model=arrays, params=describe_params(unwrap(model), tensors, aliases))
     if aliases:
         extra["aliases"] = aliases
     if optimizer is not None:
@@ -134,9 +157,12 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
 
     Everything is checked before anything is assigned.  A shape or dtype mismatch is a RestoreError
     naming the tensor, whatever ``strict`` says; names present on only one side raise RestoreError
-    when ``strict`` and are returned in the RestoreReport otherwise.  ``rng=False`` leaves every
-    RNG as it is.  Objects not passed are left alone.  A ``LambdaLR``'s (``MultiplicativeLR``'s)
-    lambdas are code, not state: the live scheduler's own are kept.
+    when ``strict`` and are returned in the RestoreReport otherwise (a saved gradient or optimizer
+    slot of a parameter the target lacks too: ``accumulation/<param>``,
+    ``optimizer/<param>/<slot>``).  Modules' extra states go back through their
+    ``set_extra_state``.  ``rng=False`` leaves every RNG as it is.  Objects not passed are left
+    alone.  A ``LambdaLR``'s (``MultiplicativeLR``'s) lambdas are code, not state: the live
+    scheduler's own are kept.
 
     Saved parts with no target warn (:class:`ckptcore.errors.UnappliedStateWarning`) and never
     raise: a data position without ``cursor`` (unless ``warn_data=False``), an optimizer section
@@ -153,27 +179,30 @@ def restore(state: TrainingState, model: Any, optimizer: Any = None, *, cursor: 
                                          "scaler": scaler})
     extra = (state.extra or {}).get("torch") or {}
     plan = RestorePlan()
-    tensors, aliases = named_tensors(model)
-    _plan_model(plan, state, extra, tensors, aliases)
-    _plan_grads(plan, state, extra, tensors)
+    found = named_tensors(model)
+    if found.foreign and strict:
+        raise RestoreError(foreign_message(found.foreign, "restored"))
+    sources = _Sources(found, state, extra)
+    _plan_model(plan, state, extra, found, sources, strict)
+    _plan_grads(plan, state, extra, found.tensors, sources)
     unapplied: dict[str, str] = {}
-    no_slots = _plan_optimizer_part(plan, state, extra, optimizer, scheduler, scaler, tensors,
-                                    strict=strict, unapplied=unapplied)
+    no_slots = _plan_optimizer_part(plan, state, extra, optimizer, scheduler, scaler, found.tensors,
+                                    sources, strict=strict, unapplied=unapplied)
     return finish_restore(plan, state, strict, cursor=cursor, restore_rng=_restore_rng if rng else None,
                           unapplied=unapplied, warn_data=warn_data,
                           no_slots_message=_no_slots_message(optimizer) if no_slots else None)
 
 
 def _plan_optimizer_part(plan: RestorePlan, state: TrainingState, extra: dict, optimizer: Any,
-                         scheduler: Any, scaler: Any, tensors: dict[str, Any], *, strict: bool,
-                         unapplied: dict[str, str]) -> bool:
+                         scheduler: Any, scaler: Any, tensors: dict[str, Any], sources: _Sources, *,
+                         strict: bool, unapplied: dict[str, str]) -> bool:
     """The optimizer, LR scheduler and GradScaler into the targets given; saved ones with no
     target go in ``unapplied``.  Returns whether the state holds no optimizer section for a
     target optimizer (which, and its scheduler unless a schedule was saved, stay as they are)."""
     saved_scaler = (state.optimizer.extra if state.optimizer else {}).get("grad_scaler", extra.get("grad_scaler"))
 
     def optimizer_part() -> None:
-        plan_optimizer(plan, optimizer, state.optimizer, tensors, saved_params=set(state.model))
+        plan_optimizer(plan, optimizer, state.optimizer, tensors, source=sources.of)
         if has_dtensors(tensors.values()):  # [sharding hook] whole slots -> this rank's DTensor blocks
             plan.then(functools.partial(reshard_optimizer, optimizer))
 
@@ -200,26 +229,87 @@ def _restore_rng(rng: dict[str, Any]) -> None:
     restore_rng({k: v for k, v in rng.items() if k in ("python", "numpy", "numpy_generators")})
 
 
-def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any],
-                aliases: dict[str, str]) -> None:
-    """Pair each target tensor with the saved array under any of its names."""
+class _Sources:
+    """Which saved name each target tensor takes its values from: the first of its own names
+    (canonical, then the target's aliases of it) the checkpoint holds, directly or as a name the
+    checkpoint records as an alias (a tied checkpoint into an untied model: each copy takes the
+    tied tensor).  Its optimizer slots and gradient are saved under the same name as its values,
+    so they are found through the same one (see :meth:`of`)."""
+
+    def __init__(self, found: Entries, state: TrainingState, extra: dict) -> None:
+        self.model = set(state.model) | set(extra.get("extra_states") or {})
+        self.saved_alias = dict(extra.get("aliases") or {})
+        self.names_of: dict[str, list[str]] = {c: [c] for c in (*found.tensors, *found.extra)}
+        for a, c in found.aliases.items():
+            self.names_of[c].append(a)
+
+    def find(self, name: str, present: Container[str]) -> str | None:
+        for n in self.names_of.get(name, (name,)):
+            if n in present:
+                return n
+            c = self.saved_alias.get(n)
+            if c is not None and c in present:
+                return c
+        return None
+
+    def of(self, name: str, section: Container[str] = ()) -> str | None:
+        """The saved name of target tensor ``name``'s values, else (a state without its model
+        section) the one ``section`` holds it under; None: the state says nothing of it."""
+        src = self.find(name, self.model)
+        return src if src is not None else self.find(name, section)
+
+
+def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, found: Entries, sources: _Sources,
+                strict: bool) -> None:
+    """Pair each target tensor (and extra state) with the saved value under any of its names."""
     saved = state.model
-    saved_alias = {a: c for a, c in (extra.get("aliases") or {}).items() if c in saved}
-    names_of: dict[str, list[str]] = {c: [c] for c in tensors}
-    for a, c in aliases.items():
-        names_of[c].append(a)
+    plain = extra.get("extra_states") or {}
     used: set[str] = set()
-    for canonical, names in names_of.items():
-        src = next((n if n in saved else saved_alias[n] for n in names if n in saved or n in saved_alias), None)
+    for canonical, target in found.tensors.items():
+        src = sources.find(canonical, saved)
         if src is None:
             plan.missing(qualified("model", canonical))
             continue
-        _check_materialised(canonical, tensors[canonical], RestoreError)
-        t, value = restore_target(tensors[canonical], canonical, saved[src])  # [sharding hook]
-        plan.assign(qualified("model", canonical), value, shape=tuple(t.shape), dtype=numpy_dtype(t),
+        _check_materialised(canonical, target, RestoreError)
+        t, value = restore_target(target, canonical, saved[src])  # [sharding hook]
+        plan.assign(qualified("model", canonical), value, shape=tuple(t.shape), dtype=numpy_dtype(t, RestoreError),
                     put=functools.partial(assign, t, value))
         used.add(src)
+    left_out: list[str] = []  # plain extra states, and the state has no extra section at all
+    for canonical, (module, live) in found.extra.items():
+        src = sources.find(canonical, saved)
+        if src is not None:
+            # Any shape and dtype: set_extra_state takes what get_extra_state gave, as torch's
+            # load_state_dict hands it (an fp8 layer's serialised state varies in length).
+            plan.assign(qualified("model", canonical), saved[src], shape=None, dtype=None,
+                        put=functools.partial(_set_extra_tensor, module, saved[src], live))
+        elif (src := sources.find(canonical, plain)) is not None:
+            plan.then(functools.partial(_set_extra_plain, module, plain[src]))  # after every put
+        else:
+            if not isinstance(live, torch.Tensor) and not state.extra:
+                left_out.append(canonical)
+            plan.missing(qualified("model", canonical))
+            continue
+        used.add(src)
+    if left_out and strict:
+        raise RestoreError(f"{', '.join(left_out[:6])}: the state holds no extra section, where a module's "
+                           "extra state that is not a tensor is kept: if a load left it out, load with "
+                           "keys=[..., 'extra'] too (or strict=False to keep the live extra state)")
+    for name in found.foreign:  # (strict raised already) reported, not written into a throwaway
+        if name not in saved:
+            plan.missing(qualified("model", name))
     plan.unexpected_from(saved, used)
+    plan.unexpected_from(plain, used)
+
+
+def _set_extra_tensor(module: torch.nn.Module, value: np.ndarray, live: Any) -> None:
+    """``module.set_extra_state`` with the saved tensor, on the device of the live extra state."""
+    device = live.device if isinstance(live, torch.Tensor) and not is_dtensor(live) else None
+    module.set_extra_state(new_tensor(value, device=device))
+
+
+def _set_extra_plain(module: torch.nn.Module, value: Any) -> None:
+    module.set_extra_state(revive_extra_state(value))
 
 
 def _check_materialised(name: str, t: torch.Tensor, error: type[Exception]) -> None:
@@ -231,28 +321,33 @@ def _check_materialised(name: str, t: torch.Tensor, error: type[Exception]) -> N
                     "to_empty(device=...)) first")
 
 
-def _plan_grads(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any]) -> None:
-    """Gradients as captured: saved buffers, zero gradients, and None for every other parameter."""
+def _plan_grads(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any],
+                sources: _Sources) -> None:
+    """Gradients as captured: saved buffers, zero gradients, and None for every other parameter;
+    a saved gradient no target parameter takes is unexpected (``accumulation/<param>``)."""
     buffers = dict(state.accumulation.buffers) if state.accumulation else {}
     zero = extra.get("zero_grads")
     if zero is None and not buffers:
         return  # not captured by this adapter: leave the gradients alone
-    params = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
-    for name, arr in buffers.items():
-        if name not in params:
-            raise RestoreError(f"{qualified('accumulation', name)}: the target model has no such parameter")
-        target, buffers[name] = restore_target(params[name], name, arr)  # [sharding hook]
-        # Checked here, set by an action: the gradient tensor may not exist until then.
-        plan.assign(qualified("accumulation", name), buffers[name], shape=tuple(target.shape),
-                    dtype=numpy_dtype(target), put=lambda: None)
     zero = set(zero or ())
-    for name, t in params.items():
-        if name in buffers:
-            plan.then(functools.partial(_set_grad, t, buffers[name]))
-        elif name in zero:
+    present = buffers.keys() | zero
+    used: set[str] = set()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.nn.Parameter):
+            continue
+        src = sources.of(name, present)
+        used.add(src)
+        if src in buffers:
+            target, value = restore_target(t, name, buffers[src])  # [sharding hook]
+            # Checked here, set by an action: the gradient tensor may not exist until then.
+            plan.assign(qualified("accumulation", name), value, shape=tuple(target.shape),
+                        dtype=numpy_dtype(target, RestoreError), put=lambda: None)
+            plan.then(functools.partial(_set_grad, t, value))
+        elif src in zero:
             plan.then(functools.partial(_zero_grad, t))
         else:
             plan.then(functools.partial(setattr, t, "grad", None))
+    plan.unexpected_from(buffers, used, "accumulation")
 
 
 def _set_grad(t: torch.Tensor, value: np.ndarray) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from typing import Any
+from typing import Any, Callable, Container
 
 import numpy as np
 import torch
@@ -123,14 +123,18 @@ def hyper_of(group: dict[str, Any]) -> dict[str, Any]:
     return {k: tree_plain(v, f"param group {k}") for k, v in group.items() if k not in _NOT_HYPER}
 
 
-def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
-                   tensors: dict[str, Any], saved_params: Any = ()) -> None:
+def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None, tensors: dict[str, Any],
+                   source: Callable[[str, Container[str]], str | None] | None = None) -> None:
     """Plan loading ``state`` into ``opt``: every slot checked against its parameter now, then the
     whole state loaded through ``opt.load_state_dict`` (an action, after the model's tensors).
 
-    A target parameter whose slots the state lacks keeps its live value for them when it has
-    one (reported missing); a parameter the state holds without slots had none yet (it never got
-    a gradient), so its state is cleared, as it was.
+    ``source(name, slots)`` is the saved name target parameter ``name`` takes its state from (the
+    one its values come from: a tied weight's slots are saved under whichever of its names came
+    first, and the target may name it otherwise), or None when the state says nothing of it;
+    without it, its own name in ``slots``.  A target parameter whose slots the state lacks keeps
+    its live value for them when it has one (reported missing); a parameter the state holds
+    without slots had none yet (it never got a gradient), so its state is cleared, as it was.
+    Saved slots no target parameter takes are unexpected.
     """
     if state is None:
         plan.missing(qualified("optimizer"))
@@ -147,16 +151,22 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
     if any(n is None for g in targets for n in g):
         raise RestoreError(f"the {type(opt).__name__} optimizer updates a parameter that is not part "
                            "of the model; pass the model that owns every optimized parameter")
-    saved_groups = _check_groups(state, targets)
     params = {key_of[id(p)]: p for g in opt.param_groups for p in g["params"]}
+    if source is None:
+        source = _own_name
+    src_of = {name: source(name, state.slots) for name in params}
+    # The groups compared by saved names: the state's groups list its names, not the target's.
+    saved_groups = _check_groups(state, [[src_of[n] or n for n in g] for g in targets])
     known = set(SLOTS[base])
-    plan.unexpected(*(qualified("optimizer", n, s) for n in state.slots if n not in params for s in state.slots[n]))
+    taken = set(src_of.values())
+    plan.unexpected(*(qualified("optimizer", n, s) for n in state.slots if n not in taken for s in state.slots[n]))
     new_state: dict[str, dict[str, Any]] = {}
     for name, p in params.items():
         live = opt.state.get(p) or {}
-        saved = state.slots.get(name)
+        src = src_of[name]
+        saved = None if src is None else state.slots.get(src)
         if saved is None:
-            if name not in saved_params:  # the state says nothing about this parameter
+            if src is None:  # the state says nothing about this parameter
                 plan.missing(*(qualified("optimizer", name, s) for s in live))
                 if live:
                     new_state[name] = dict(live)
@@ -168,8 +178,8 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
                 continue
             like = live.get(slot)
             shape = () if slot in SCALAR_SLOTS else tuple(p.shape)
-            dtype = (numpy_dtype(like) if isinstance(like, torch.Tensor)
-                     else None if slot == "step" else numpy_dtype(p))
+            dtype = (numpy_dtype(like, RestoreError) if isinstance(like, torch.Tensor)
+                     else None if slot == "step" else numpy_dtype(p, RestoreError))
             plan.assign(qualified("optimizer", name, slot), value, shape=shape, dtype=dtype, put=_nothing)
             entry[slot] = (value, like)
         for slot in live:
@@ -178,6 +188,10 @@ def plan_optimizer(plan: RestorePlan, opt: Any, state: OptimizerState | None,
                 entry[slot] = (None, live[slot])
         new_state[name] = entry
     plan.then(functools.partial(_load, opt, params, new_state, saved_groups, state))
+
+
+def _own_name(name: str, slots: Container[str]) -> str | None:
+    return name if name in slots else None
 
 
 def _nothing() -> None:

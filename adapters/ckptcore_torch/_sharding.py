@@ -227,7 +227,7 @@ def template(model: Any) -> Any:
 
     from ._tensors import named_tensors, numpy_dtype
 
-    tensors, _ = named_tensors(model)
-    return TrainingState(model={n: dtensor_template(t, n, numpy_dtype(t)) if is_dtensor(t)
-                                else np.empty(tuple(t.shape), numpy_dtype(t))
+    tensors = named_tensors(model).tensors
+    return TrainingState(model={n: dtensor_template(t, n, numpy_dtype(t, RestoreError, n)) if is_dtensor(t)
+                                else np.empty(tuple(t.shape), numpy_dtype(t, RestoreError, n))
                                 for n, t in tensors.items()})
