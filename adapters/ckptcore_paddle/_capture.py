@@ -321,14 +321,17 @@ def _plan_model(plan: RestorePlan, state: TrainingState, extra: dict, layer: Any
 
 
 def _plan_grads(plan: RestorePlan, state: TrainingState, extra: dict, tensors: dict[str, Any]) -> None:
-    """Gradients as captured: saved buffers, zero gradients, and None for every other parameter."""
+    """Gradients as captured: saved buffers, zero gradients, and None for every other parameter;
+    a saved gradient no target parameter takes is unexpected (``accumulation/<param>``: a
+    strict restore refuses it, ``strict=False`` reports it, as it does the parameter)."""
     buffers = state.accumulation.buffers if state.accumulation else {}
     zero = extra.get("zero_grads")
     if zero is None and not buffers:
         return  # not captured by this adapter: leave the gradients alone
+    plan.unexpected_from(buffers, tensors, "accumulation")
     for name, arr in buffers.items():
         if name not in tensors:
-            raise RestoreError(f"{qualified('accumulation', name)}: the target model has no such parameter")
+            continue
         # Checked here, set by an action: the gradient tensor may not exist until then.
         plan.assign(qualified("accumulation", name), arr, shape=tensors[name].shape,
                     dtype=numpy_dtype(tensors[name]), put=lambda: None)

@@ -427,6 +427,23 @@ def test_report_names_are_qualified():
     assert cp.restore(cp.capture(src, src_opt, rng=False), Tiny(), None).ok
 
 
+def test_strict_false_drops_a_parameter_with_its_gradient():
+    """A fine-tune loading into a model without the saved one's ``extra`` layer: its gradients
+    (set at the save, as mid-step they are) are refused by a strict restore and reported by a
+    lenient one, as the parameters are, never an error about a missing parameter."""
+    src, opt, _ = _trained(model=Tiny(extra=True))
+    (src(paddle.to_tensor(X)).square().mean()).backward()
+    state = cp.capture(src, opt, rng=False)
+    assert "extra.weight" in state.accumulation.buffers
+    _raises(lambda: cp.restore(state, Tiny()), "accumulation/extra.weight", "extra.weight", "strict=False")
+    dst = Tiny()
+    report = cp.restore(state, dst, strict=False)
+    assert {"extra.weight", "extra.bias", "accumulation/extra.weight",
+            "accumulation/extra.bias"} <= set(report.unexpected), report
+    assert np.array_equal(dst.fc1.weight.numpy(), state.model["fc1.weight"])
+    assert np.array_equal(dst.fc1.weight.grad.numpy(), state.accumulation.buffers["fc1.weight"])
+
+
 def test_two_process_dataparallel_on_cpu(tmp_path, run_python):
     """Paddle's gloo backend: 2 ranks train, capture, and share names with the plain model."""
     run_python("_dataparallel.py", tmp_path, timeout=600)
