@@ -29,15 +29,17 @@ import threading
 import time
 from typing import Any, Iterator
 
+from concurrent.futures import ThreadPoolExecutor
+
 from . import _knobs, _meter, events
 from ._cas import intent, sweep
 from ._lock import WriterLock
 from ._manifest import MANIFEST_NAME
 from ._read import read_manifest
-from ._replica import CopyStats, check_structure, copy_checkpoint
+from ._replica import CopyStats, check_structure, copy_checkpoint, list_blob_objects
 from ._steps import step_name
 from ._retry import transient
-from ._storage import Store, bucket_missing, check_url
+from ._storage import CAS_PREFIX, Store, bucket_missing, check_url
 from ._tier import Tier
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StorageError
 from .options import Backup, Lease
@@ -81,9 +83,14 @@ class BackupTier:
         self._closed = False
         self._known: dict[str, Any] | None = None
         self._committed: set[int] | None = None  # replicas committed, as this tier knows them
-        # Steps whose replica this tier saw committed, including those its retention removed
+        # Steps whose replica this tier saw committed and whole (copied and verified by it, or
+        # found structurally whole: see confirmed()), including those its retention removed
         # since: the local tier need not keep them for the backup's sake.
         self._done: set[int] = set()
+        # Steps a listing shows committed that nobody checked yet (a replica made by an earlier
+        # run): counted as replicated only once confirmed() finds them whole.
+        self._listed: set[int] = set()
+        self._unlisted: str = ""  # why the backup could not be listed, while it cannot (logged once)
         self.last: CopyStats | None = None  # what the last replication moved
         self._copied: tuple[int, int] = (0, 0)  # its replica's tensor bytes and shards
         # When each step still to replicate was handed over (monotonic): the lag's seconds.
@@ -147,16 +154,100 @@ class BackupTier:
         steps = self.tier.steps(missing_ok=True)
         with self._cond:
             self._committed = set(steps)
-            self._done |= self._committed
+            self._listed = self._committed - self._done  # (unchecked: see confirmed())
         return steps
 
     def replicated(self, step: int) -> bool:
-        """Whether ``step``'s replica was committed (as of this tier's last listing or copy;
-        the backup's own retention may have removed it since)."""
+        """Whether ``step``'s replica was committed whole (as of this tier's last listing or
+        copy; the backup's own retention may have removed it since): see :meth:`confirmed`."""
+        return step in self.confirmed([step])
+
+    def confirmed(self, steps: list[int]) -> set[int]:
+        """Those of ``steps`` whose replica this tier copied and verified, or that a listing
+        shows and that pass the structural check (the manifest decodes, every object it names
+        is there with its size; not every byte's checksum).  A listed replica is checked once,
+        when first asked (the local retention asks only of the steps it is about to delete, so
+        a run resumed over thousands of steps pays no start-up cost); a broken one is queued to
+        be replicated again (logged).  A backup that cannot be listed or read now confirms
+        nothing new (logged): the local tier keeps its steps, and save() goes on."""
         with self._cond:
+            unknown = self._committed is None
+        if unknown:  # the listing at the start failed: try again now
+            try:
+                self.steps()
+            except (CheckpointError, OSError) as e:
+                self._unreachable(e)
+                with self._cond:
+                    return {s for s in steps if s in self._done}
+        with self._cond:
+            done = {s for s in steps if s in self._done}
+            todo = sorted({s for s in steps if s in self._listed} - done)
+        if todo:
+            done |= self._check_listed(todo)
+        return done
+
+    def _unreachable(self, error: BaseException) -> None:
+        """The backup could not be listed for :meth:`confirmed`: logged once per outage."""
+        why = f"{type(error).__name__}: {error}"
+        with self._cond:
+            first, self._unlisted = not self._unlisted, why
+        if first:
+            log.warning("backup: %s cannot be listed (%s); its steps count as not replicated "
+                        "(the local tier keeps them) until it can be", self.root.url, why)
+
+    def _check_listed(self, steps: list[int]) -> set[int]:
+        """The structural check of listed replicas (:meth:`confirmed`): their manifests read
+        concurrently, the blobs listed once for all of them."""
+        def read(step: int) -> Any:
+            try:
+                return read_manifest(self.tier.step_store(step))
+            except CheckpointError as e:  # judged below: the store (StorageError), or the replica
+                return e
+        with ThreadPoolExecutor(min(len(steps), max(1, self.root.writers)),
+                                thread_name_prefix="ckptcore-confirm") as pool:
+            read_back = dict(zip(steps, pool.map(read, steps)))
+        listing = None
+        good: set[int] = set()
+        for step, got in read_back.items():
+            if isinstance(got, StorageError):
+                self._unreachable(got)
+                continue
+            problem: BaseException | None = None if not isinstance(got, BaseException) else got
+            if problem is None:
+                try:
+                    if listing is None and any(s.path.startswith(CAS_PREFIX) for s in got.shards):
+                        listing = list_blob_objects(self.root)
+                    problems = check_structure(self.tier.step_store(step), got, listing)[1]
+                except (CheckpointError, OSError) as e:
+                    self._unreachable(e)
+                    continue
+                problem = problems[0] if problems else None
+            if problem is None:
+                good.add(step)
+            else:
+                self._broken(step, problem)
+        with self._cond:
+            self._done |= good
+            self._listed -= good
+            self._unlisted = ""
+        return good
+
+    def _broken(self, step: int, problem: BaseException) -> None:
+        """A listed replica failed the structural check: not replicated; queued again if the
+        local step is still there."""
+        with self._cond:
+            self._listed.discard(step)
             if self._committed is not None:
-                return step in self._done
-        return step in self.steps() or step in self._done
+                self._committed.discard(step)
+            again = not self._closed
+        again = again and self.local.child(step_name(step)).exists(MANIFEST_NAME)
+        log.warning("backup: the replica of step %d in %s %s (%s: %s); it does not count as "
+                    "replicated%s", step, self.root.url,
+                    "was deleted since it was listed" if isinstance(problem, FileNotFoundError)
+                    else "is broken", type(problem).__name__, problem,
+                    "; replicating it again" if again else "")
+        if again:
+            self.enqueue(step)
 
     def pending(self) -> list[int]:
         with self._cond:
@@ -359,8 +450,8 @@ class BackupTier:
             log.warning("backup: removing %s, committed by a writer after its lease was taken "
                         "over, to replicate step %d again", dst.url, step)
             self.tier.delete(step)
-        if dst.exists(MANIFEST_NAME):
-            there = read_manifest(dst)
+        there = self._readable_replica(step, dst)
+        if there is not None:
             here = read_manifest(src) if src.exists(MANIFEST_NAME) else None
             if here is None or here.writer.get("id") == there.writer.get("id"):
                 problems = check_structure(dst, there)[1]
@@ -397,6 +488,21 @@ class BackupTier:
         self._committed_now(step)
         return True
 
+    def _readable_replica(self, step: int, dst: Store) -> Any:
+        """The manifest of ``step``'s replica if one is committed; one that does not decode (a
+        damaged or truncated manifest) is no replica: deleted (logged), to be copied again."""
+        if not dst.exists(MANIFEST_NAME):
+            return None
+        try:
+            return read_manifest(dst)
+        except (StorageError, FileNotFoundError):
+            raise  # the store, or deleted meanwhile: judged by the retries
+        except CheckpointError as e:
+            log.warning("backup: the replica of step %d in %s cannot be read (%s: %s); "
+                        "replicating it again", step, self.root.url, type(e).__name__, e)
+            self.tier.delete(step)
+            return None
+
     def _committed_now(self, step: int) -> None:
         with self._cond:
             if self._committed is not None:
@@ -427,6 +533,9 @@ class BackupTier:
         with self._cond:
             if self._committed is not None:
                 self._committed -= set(gone)
+            # (the backup's own policy removed them: the local tier need not keep them for it)
+            self._done |= set(gone) & self._listed
+            self._listed -= set(gone)
         if gone and self.dedup:
             for url in sweep(self.root, _knobs.gc_grace(), fence=self._lock,
                              own=self._intents):
@@ -480,97 +589,3 @@ class BackupTier:
                 except (CheckpointError, OSError) as e:  # its lease expires by itself
                     log.warning("backup: releasing the writer lock of %s failed (%s: %s); its "
                                 "lease expires by itself", self.root.url, type(e).__name__, e)
-
-
-class Backups:
-    """A manager's backup tiers, acted on together: each committed step goes to every one, and
-    what one of them fails is raised once every one was waited for."""
-
-    def __init__(self, local: Store, specs: list[Backup], *, lock: bool, lease: Lease) -> None:
-        self.tiers = [BackupTier(local, s, lock=lock, lease=lease) for s in specs]
-        for i, b in enumerate(self.tiers):
-            for other in self.tiers[:i]:
-                if b.root.same_place(other.root):
-                    raise ValueError(f"backup: {b.root.url!r} is given twice (as "
-                                     f"{other.root.url!r}); each backup must be another location")
-
-    def __iter__(self) -> Iterator[BackupTier]:
-        return iter(self.tiers)
-
-    def __len__(self) -> int:
-        return len(self.tiers)
-
-    def __getitem__(self, i: int) -> BackupTier:
-        return self.tiers[i]
-
-    def reachable_steps(self) -> set[int]:
-        """The steps committed in any backup that can be listed now (one out of reach: logged)."""
-        steps: set[int] = set()
-        for b in self.tiers:
-            try:
-                steps |= set(b.steps())
-            except (CheckpointError, OSError) as e:
-                log.warning("latest_step: the backup %s cannot be listed (%s); the other tiers "
-                            "only", b.root.url, e)
-        return steps
-
-    def check(self, local_steps: list[int]) -> None:
-        for b in self.tiers:
-            b.check_reachable(local_steps)
-
-    def resume(self, local_steps: list[int]) -> None:
-        for b in self.tiers:
-            b.resume(local_steps)
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Replication waits at its next object while the block (a save) runs."""
-        for b in self.tiers:
-            b.pause()
-        try:
-            yield
-        finally:
-            for b in self.tiers:
-                b.proceed()
-
-    def enqueue(self, step: int) -> None:
-        for b in self.tiers:
-            b.enqueue(step)
-
-    def unreplicated(self, steps: list[int]) -> set[int]:
-        """Those of ``steps`` some backup with ``keep_unreplicated`` still lacks (logged)."""
-        held = set()
-        for s in steps:
-            for b in self.tiers:
-                if b.spec.keep_unreplicated and not b.replicated(s):
-                    log.info("retention: keeping checkpoint step %d under %s until its replica "
-                             "in %s is committed", s, b.local.url, b.root.url)
-                    held.add(s)
-        return held
-
-    def wait(self) -> None:
-        """Every tier's :meth:`BackupTier.wait`; the first error raised after all were waited."""
-        errors = []
-        for b in self.tiers:
-            try:
-                b.wait()
-            except BaseException as e:  # noqa: BLE001 - every backup waited for; first raised
-                errors.append(e)
-        if errors:
-            raise errors[0]
-
-    def closing(self) -> None:
-        for b in self.tiers:
-            b.closing()
-
-    def close(self) -> None:
-        """Stop every tier's thread and release its lock (after :meth:`wait`)."""
-        errors = []
-        for b in self.tiers:
-            try:
-                b.close()
-            except BaseException as e:  # noqa: BLE001 - every tier closed; first raised
-                errors.append(e)
-        if errors:
-            raise errors[0]
-

@@ -13,7 +13,7 @@ may go only when no committed manifest names it and no upload in progress may st
   sweep (what it names is unknown); a store that gives no modification time keeps everything.
 
 The caller holds the root's writer lock and passes it as ``fence``: a writer superseded
-meanwhile deletes nothing.
+meanwhile deletes nothing more (see :func:`sweep` for what this promises, and where it stops).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ log = logging.getLogger("ckptcore")
 INTENT_DIR = ".ckptcore.intents"
 _INTENT_MAX_AGE = 24 * 3600.0  # an unlocked uploader's intent is honoured this long
 _INTENT_SLACK = 60.0  # seconds of clock skew between an uploader and the store
+_BATCH = 64  # blobs deleted between two fence checks (each check: a listing of generations)
 
 
 @contextlib.contextmanager
@@ -85,7 +86,33 @@ def live_intents(root: Store, own: tuple[str, ...] = ()) -> tuple[float | None, 
 def sweep(root: Store, grace: float, fence: Any = None, own: tuple[str, ...] = ()) -> list[str]:
     """Remove blobs under ``root`` that no committed manifest refers to, that are older than
     ``grace`` seconds and that no upload in progress may name (``intent``); returns their URLs.
-    The caller holds ``root``'s writer lock (``fence``: checked before deleting)."""
+    The caller holds ``root``'s writer lock (``fence``: checked before each batch of deletes).
+
+    A sweeper paused (SIGSTOP, swap) while its lease lapses must not delete a blob that the new
+    holder reuses.  The interleaving, and what closes each part of it:
+
+    1. the sweep lists the blobs, then reads every manifest (a blob a manifest committed in
+       between names is kept), then decides which blobs are doomed;
+    2. before each batch of ``_BATCH`` deletes it checks the fence (no newer generation, its own
+       lease not overdue; an overdue one claims a new generation first), then lists the blobs
+       again and deletes only those of the batch that are still as old as the cutoff;
+    3. a new holder claims a generation only once the sweeper's lease has lapsed in its eyes,
+       that is at least the lease margin after the sweeper's last passed check; its first reuse
+       of a blob that no manifest it read since its claim names re-uploads the blob
+       (``_replica``: refreshed), so the blob's age is then that of the reuse.
+
+    Invariant: a blob is deleted only if, after the last fence check this sweeper passed, a
+    listing showed it older than the cutoff; so a holder that took over before that check
+    fences the sweep, and one that took over after it and refreshed the blob before the
+    listing keeps it.  A blob a manifest names at step 1 is never deleted (any manifest
+    committed later by another writer is by a newer generation, which fences step 2, or which
+    refreshed every reused blob step 1 could have doomed).  What is left: a sweeper stopped
+    for longer than the lease margin exactly between step 2's listing and its delete request,
+    whose new holder refreshed the blob in that gap; object stores have no delete conditional
+    on an object's age, so only a bounded pause there keeps it.  A replica naming a blob lost
+    that way fails its own post-commit check if the delete lands first, and is healed (the
+    blob uploaded again) by the next copy holding the same bytes.
+    """
     blobs = list_blobs(root)  # first: a blob listed here and referenced later is kept below
     referenced: set[str] = set()
     for _, name in committed_steps(root):
@@ -101,19 +128,31 @@ def sweep(root: Store, grace: float, fence: Any = None, own: tuple[str, ...] = (
         log.info("backup: an upload to %s is in progress since %s: keeping every blob written "
                  "since", root.url, time.strftime("%H:%M:%S", time.localtime(uploading)))
         cutoff = min(cutoff, uploading - _INTENT_SLACK)
-    doomed = [n for n, (_, mtime) in sorted(blobs.items())
-              if n not in referenced and mtime is not None and mtime <= cutoff]
-    # (a store that gives no time: a blob's age is unknown, so it is kept)
-    if (doomed or stale) and fence is not None:
-        fence.before_delete()
+
+    def old(listed: dict[str, tuple[int, float | None]], name: str) -> bool:
+        mtime = listed[name][1] if name in listed else None
+        return mtime is not None and mtime <= cutoff  # (no time: its age is unknown, so kept)
+
+    doomed = [n for n in sorted(blobs) if n not in referenced and old(blobs, n)]
     removed = []
-    for name in doomed:
-        url = root.join(blob_rel(name))
-        log.info("backup: removing blob %s, which no committed replica refers to", url)
-        root.delete(blob_rel(name))
-        removed.append(url)
+    for i in range(0, len(doomed), _BATCH):
+        if fence is not None:
+            fence.before_delete()
+        now = list_blobs(root)  # after the check: a blob a new holder refreshed is young again
+        for name in doomed[i:i + _BATCH]:
+            if not old(now, name):
+                if name in now:
+                    log.info("backup: keeping blob %s: it was written again since the sweep "
+                             "listed it (reused)", root.url_of(blob_rel(name)))
+                continue
+            url = root.url_of(blob_rel(name))
+            log.info("backup: removing blob %s, which no committed replica refers to", url)
+            root.delete(blob_rel(name))
+            removed.append(url)
+    if stale and fence is not None:
+        fence.before_delete()
     for rel in stale:
         log.info("backup: removing the stale upload intent %s (its uploader was superseded or "
-                 "is long gone)", root.join(rel))
+                 "is long gone)", root.url_of(rel))
         root.delete(rel)
     return removed

@@ -37,6 +37,13 @@ does not verify, the manifest is deleted again (uncommitted, logged) and the cop
 :class:`CorruptCheckpointError` or :class:`IncompleteCheckpointError` naming the blob, so the
 caller never counts it as replicated.
 
+Refreshed reuse.  A blob that no committed manifest names may be doomed by a sweep that was
+paused while this writer took the root over (``_cas.sweep``): the first reuse, in a writer's
+generation, of a blob that no manifest it read since its claim (or committed since) names writes
+the blob again, so that its age is that of the reuse and a sweep checking ages after its fence
+check keeps it (``refreshed`` in the stats).  A blob such a manifest names is never doomed by a
+sweep of an older generation, and is reused as it is.
+
 Blobs are never deleted here, not even after a failed commit: another step may reference them
 (``_commit`` skips ``cas:`` shards when it cleans up).  Unreferenced ones are swept by
 ``_backup.sweep`` under the root's writer lock, after a grace period.
@@ -44,14 +51,11 @@ Blobs are never deleted here, not even after a failed commit: another step may r
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextvars
 import dataclasses
 import hashlib
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -65,7 +69,8 @@ import numpy as np
 from ._commit import commit, shard_files
 from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, encoded_tree, shard_folder
 from ._read import read_manifest, read_manifest_bytes
-from ._storage import CAS_DIR, CAS_PREFIX, Store, as_time, mtime_of, fsync_dir
+from ._blobs import Listed, Named, list_blob_objects, list_blobs, references
+from ._storage import CAS_DIR, CAS_PREFIX, Store, fsync_dir
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 log = logging.getLogger("ckptcore")
@@ -75,7 +80,6 @@ PACK_BELOW = 256 << 10  # tensors below this many bytes travel in packs
 PACK_SIZE = 1 << 20  # a pack is closed once it holds this many bytes
 _ALIGN = 64
 _S3_PART = 50 << 20  # s3fs pipe_file's part size: an object of >= 2 parts gets a multipart ETag
-_ETAG = re.compile(r"[0-9a-f]{32}(-[0-9]+)?")
 # Stores whose listings carry an MD5 of each object (S3 ETag, GCS md5Hash, Azure Content-MD5):
 # an upload there records the MD5 of what it sent, compared with the listing after the commit.
 _MD5_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
@@ -114,81 +118,7 @@ class CopyStats:
     lists: int = 0
     healed: list = dataclasses.field(default_factory=list)
     reused_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class Listed:
-    """One blob object as a listing shows it: its size, time, and the store's checksum of it
-    (``md5``: an MD5 hex digest, or S3's multipart ETag ``<hex>-<parts>``; None when the store
-    gives none, as local disk and ``memory://``)."""
-
-    size: int
-    mtime: float | None
-    md5: str | None = None
-    exact: bool = False  # md5 is surely the MD5 of the bytes (GCS, Azure; not an S3 ETag)
-
-    @property
-    def tag(self) -> Any:
-        """What changes when the object is replaced: its checksum, else its time."""
-        return self.md5 if self.md5 is not None else self.mtime
-
-
-def _store_md5(info: dict) -> tuple[str | None, bool]:
-    """The MD5 a store's listing gives of an object: S3's ETag (quoted hex; ``-N`` after
-    multipart; not an MD5 under SSE-KMS, which then simply fails to match and is read back),
-    GCS's ``md5Hash`` (base64), Azure's ``content_settings.content_md5`` (bytes); and whether it
-    is surely an MD5 (a mismatch then proves damage without reading the object)."""
-    etag = info.get("ETag")
-    if isinstance(etag, str) and _ETAG.fullmatch(etag.strip('"').lower()):
-        return etag.strip('"').lower(), False
-    b64 = info.get("md5Hash")
-    if isinstance(b64, str):
-        try:
-            digest = base64.b64decode(b64)
-        except (binascii.Error, ValueError):
-            return None, False
-        return (digest.hex(), True) if len(digest) == 16 else (None, False)
-    settings = info.get("content_settings")
-    md5 = getattr(settings, "get", lambda _: None)("content_md5")  # (Azure's DictMixin)
-    if isinstance(md5, (bytes, bytearray)) and len(md5) == 16:
-        return bytes(md5).hex(), True
-    return None, False
-
-
-def list_blob_objects(root: Store) -> dict[str, Listed]:
-    """``{cas name: Listed}`` of every blob object under ``root``: one paginated listing,
-    with each object's checksum where the store gives one."""
-    out: dict[str, Listed] = {}
-
-    def add(rel: str, size: Any, mtime: Any, md5: tuple[str | None, bool] = (None, False)) -> None:
-        prefix, _, digest = rel.partition("/")
-        if len(digest) == 64 and digest.startswith(prefix) and len(prefix) == 2:
-            out[CAS_PREFIX + digest] = Listed(int(size or 0), mtime, *md5)
-
-    if root.local:
-        for e in root.find(CAS_DIR):
-            if not e.is_link:
-                add(e.name, e.size, e.mtime)
-        return out
-    path = root.join(CAS_DIR)
-    root.fs.invalidate_cache(path)  # another writer's uploads and deletions since
-    try:
-        with root.translate_errors("list", CAS_DIR):
-            infos = root.fs.find(path, detail=True, withdirs=False)
-    except FileNotFoundError:
-        return out
-    for full, info in infos.items():
-        if info.get("type") == "directory":
-            continue
-        size = info.get("size")
-        add(full[len(path):].lstrip("/"), size if isinstance(size, (int, float)) else 0,
-            as_time(mtime_of(info)), _store_md5(info))
-    return out
-
-
-def list_blobs(root: Store) -> dict[str, tuple[int, float | None]]:
-    """``{cas name: (size, mtime)}`` of every blob object under ``root`` (one listing)."""
-    return {n: (e.size, e.mtime) for n, e in list_blob_objects(root).items()}
+    refreshed: int = 0  # reused blobs no manifest named, written again (module docstring)
 
 
 def _md5_like(data: Any, md5: str) -> str | None:
@@ -299,14 +229,16 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
     root = dst.parent()
     placed: dict[str, tuple[int, tuple[str, ...]]] = {}  # cas name: (copy number, MD5s sent)
     listing: dict[str, Listed] = {}
+    named = None
     if dedup:
         listing = list_blob_objects(root)  # fresh per copy: others may have changed the root
         stats.lists += 1
+        named = Named.of(known, root, fence)
 
     def write(target: Store) -> Manifest:
         if dedup:
             return _write_dedup(src, target, root, manifest, known, stats, progress, pack_below,
-                                gate, listing=listing, placed=placed)
+                                gate, listing=listing, placed=placed, named=named)
         return _write_plain(src, target, manifest, stats, progress)
 
     out = commit(dst, write, token=token, overwrite=overwrite, fence=fence)
@@ -322,6 +254,8 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
         except (CheckpointError, OSError) as e2:
             log.error("copy: uncommitting %s failed too (%s: %s)", dst.url, type(e2).__name__, e2)
         raise
+    if named is not None:
+        named.add(references(out))  # reused as they are from now on, in this generation
     stats.seconds = time.perf_counter() - started
     log.info("copy: %s -> %s (%s): %d bytes read, %d bytes in %d objects written, %d reused, "
              "%d verified by checksum, %d bytes read back, %d healed, %.2f s", src.url, dst.url,
@@ -435,7 +369,8 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
                  stats: CopyStats, progress: Callable[[int], None] | None,
                  pack_below: int, gate: Callable[[], None] | None = None, *,
                  listing: dict[str, Listed] | None = None,
-                 placed: dict[str, tuple[int, tuple[str, ...]]] | None = None) -> Manifest:
+                 placed: dict[str, tuple[int, tuple[str, ...]]] | None = None,
+                 named: Named | None = None) -> Manifest:
     """The deduplicated layout (module docstring).  Pipelined: two threads hash (hashlib
     releases the GIL), and each new object is handed to the upload threads as soon as it is
     named, so hashing, reading the next shard and uploading overlap.  Small tensors are packed
@@ -443,7 +378,8 @@ def _write_dedup(src: Store, target: Store, root: Store, manifest: Manifest, kno
     each other in the table) then fill packs that do not change from step to step.  ``gate()``
     is called between objects: the backup tier pauses there while its manager saves."""
     job = _DedupCopy(src, root, manifest, known, stats, gate,
-                     {} if listing is None else listing, {} if placed is None else placed)
+                     {} if listing is None else listing, {} if placed is None else placed,
+                     named)
     job.run(progress, pack_below)
     new_table = manifest.tensors.with_locations(job.row_shard, job.row_offset)
     return dataclasses.replace(manifest, shards=tuple(job.new_shards), tensors=new_table)
@@ -458,9 +394,11 @@ class _DedupCopy:
     def __init__(self, src: Store, root: Store, manifest: Manifest, known: dict,
                  stats: CopyStats, gate: Callable[[], None] | None,
                  listing: dict[str, Listed],
-                 placed: dict[str, tuple[int, tuple[str, ...]]]) -> None:
+                 placed: dict[str, tuple[int, tuple[str, ...]]],
+                 named: Named | None = None) -> None:
         self.src, self.root, self.manifest, self.known = src, root, manifest, known
         self.stats, self.gate, self.listing, self.placed = stats, gate, listing, placed
+        self.named = named
         table = manifest.tensors
         n = len(table)
         self.shard_col = table.shard.astype(np.int64)
@@ -545,9 +483,13 @@ class _DedupCopy:
         self.placed[name] = (copy, ())
         entry, record = self.listing.get(name), self.known.get(name)
         if entry is not None and entry.size == len(data) and record == (entry.size, entry.tag):
-            with self.counting:
-                self.stats.reused += 1  # verified by this writer, unchanged since
-                self.stats.reused_bytes += len(data)
+            if self._named(name):
+                with self.counting:
+                    self.stats.reused += 1  # verified by this writer, unchanged since
+                    self.stats.reused_bytes += len(data)
+                return
+            self.pending.append(self.uploader.submit(contextvars.copy_context().run,
+                                                     self._refresh, name, data, copy))
             return
         if entry is None and record is None:  # new here
             self.pending.append(self.uploader.submit(contextvars.copy_context().run,
@@ -576,6 +518,9 @@ class _DedupCopy:
         with self.counting:
             self.stats.checked += mine.checked
             self.stats.read_back += mine.read_back
+        if good and not self._named(name):
+            self._refresh(name, data, copy)
+            return
         if good:
             self.known[name] = (entry.size, entry.tag)
             with self.counting:
@@ -593,7 +538,20 @@ class _DedupCopy:
         self._upload(name, data, copy)
 
 
-def references(manifest: Manifest) -> set[str]:
-    """The blob objects a manifest refers to."""
-    return {s.path for s in manifest.shards if s.path.startswith(CAS_PREFIX)}
+    def _named(self, name: str) -> bool:
+        """Whether a manifest this writer read or committed in its generation names ``name``
+        (or no sweep can doom it: a store that gives no times)."""
+        entry = self.listing.get(name)
+        return self.named is None or (entry is not None and entry.mtime is None) \
+            or self.named.has(self.root, name)
 
+    def _refresh(self, name: str, data: Any, copy: int) -> None:
+        """Reuse a blob no manifest names by writing it again (module docstring, "Refreshed
+        reuse"): its age is then this copy's, which a sweep of an older generation keeps."""
+        log.info("copy: blob %s under %s is named by no committed manifest; writing it again "
+                 "rather than reusing it as it is (a sweep may be deciding to remove it)",
+                 name, self.root.url)
+        with self.counting:
+            self.stats.refreshed += 1
+        self.known.pop(name, None)
+        self._upload(name, data, copy)

@@ -130,9 +130,22 @@ class Restorer:
         return work() if self.group is None else _dist.decide(self.anchor, self.group, work)
 
     def where(self, step: int) -> list[int]:
-        """The tiers where ``step`` is committed, local first (asked of rank 0 with a group)."""
+        """The tiers where ``step`` is committed, local first (asked of rank 0 with a group); a
+        backup out of reach is left out (logged), as in :meth:`_plan`: it cannot hold back a
+        step that is whole on the local tier."""
         return [int(i) for i in self._everyone(
-            lambda: [i for i, t in enumerate(self.tiers) if t.has(step)])]
+            lambda: [i for i, t in enumerate(self.tiers) if self._has(i, t, step)])]
+
+    @staticmethod
+    def _has(i: int, tier: Tier, step: int) -> bool:
+        if i == 0:
+            return tier.has(step)  # the local tier out of reach: no other step is better
+        try:
+            return tier.has(step)
+        except (CheckpointError, OSError) as e:
+            log.warning("restore: the backup %s cannot be asked for step %d (%s: %s); the other "
+                        "tiers only", tier.url, step, type(e).__name__, e)
+            return False
 
     def _plan(self) -> list[list[Any]]:
         """``[step, [tier, ...]]`` for every committed step of any tier, from one listing of

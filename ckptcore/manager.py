@@ -19,7 +19,8 @@ import warnings
 from typing import Any, Mapping, Sequence
 
 from . import _dist, _meter, _preempt, api, events, layout, lineage
-from ._backup import Backups, BackupTier
+from ._backup import BackupTier
+from ._backups import Backups
 from .adapter import unapplied_parts
 from ._lock import WriterLock
 from ._restore import Restorer, resumed_run

@@ -539,3 +539,117 @@ def test_close_with_the_bucket_down_tries_each_step_once_more_at_most(tmp_path, 
     assert "try 3 of" not in caplog.text
     assert "giving up on step 2 for now (2 tries)" in caplog.text
     assert mgr.steps() == [1, 2]  # kept locally; the next start replicates it
+
+
+# -- a sweep paused while another writer reuses what it is about to delete -------------------
+_BIG = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: a blob of its own
+
+
+def _two_unreferenced_blobs(local: str, backup: str, opts: dict, lease) -> np.ndarray:
+    """Steps 1 and 2 replicated with ``keep=1``: step 1's two blobs end unreferenced (young:
+    its sweep spares them).  Returns the array whose blob sorts second (deleted second)."""
+    from ckptcore._replica import content_name
+
+    a, b = _BIG, _BIG + 0.5
+    with CheckpointManager(local, backup=ckptcore.Backup(backup, keep=1, storage_options=opts),
+                           lease=lease, save_on_preemption=False) as mgr:
+        mgr.save(1, TrainingState(model={"a": a, "b": b}, step=1))
+        mgr.save(2, TrainingState(model={"a": a + 1, "b": b + 1}, step=2))
+        mgr.wait()
+    unreferenced = sorted(set(list_blobs(Store(backup, opts))) - set(ckptcore.inspect(
+        f"{backup}/step-000000000002", storage_options=opts).shards))
+    assert unreferenced == sorted(content_name(x.tobytes()) for x in (a, b))
+    return a if content_name(a.tobytes()) == unreferenced[1] else b
+
+
+def _pause_at_first_blob_delete(action) -> dict:
+    from ckptcore import _storage
+
+    state = {"fired": False, "inside": False}
+
+    def hook(op: str, path: str) -> None:
+        if state["inside"] or state["fired"] or op != "delete" or "/chunks/" not in path:
+            return
+        state["fired"] = state["inside"] = True
+        try:
+            action()
+        finally:
+            state["inside"] = False
+
+    _storage._op_hook = hook
+    return state
+
+
+@pytest.mark.parametrize("where", ["memory", "s3"])
+def test_a_paused_sweep_never_deletes_a_blob_a_new_holder_reuses(tmp_path, request, where,
+                                                                monkeypatch):
+    # gc of the backup sweeps two old unreferenced blobs, one per batch; it is stopped at its
+    # first delete while its lease lapses.  A new holder replicates a step holding the second
+    # blob's bytes (reused), keeps only the backup's copy, and the sweeper wakes: its fence
+    # check before the next batch stops it, so the new holder's replica stays whole.
+    from _faults import CLOCK, installed
+    from ckptcore import _cas, _storage
+
+    if where == "s3":
+        backend = request.getfixturevalue("s3_backend")
+        backup, opts = backend.url("backup"), backend.storage_options
+    else:
+        backup, opts = f"memory://sweep-{time.monotonic_ns()}/backup", {}
+    lease = ckptcore.Lease(seconds=30, heartbeat=10)
+    monkeypatch.setattr(_cas, "_BATCH", 1)
+    with installed():
+        reused = _two_unreferenced_blobs(str(tmp_path / "l1"), backup, opts, lease)
+
+        def takeover() -> None:
+            CLOCK.advance(10_000)  # the sweeper's lease lapses while it is stopped
+            with CheckpointManager(str(tmp_path / "l2"), keep=1, lease=lease,
+                                   backup=ckptcore.Backup(backup, storage_options=opts),
+                                   save_on_preemption=False) as m2:
+                m2.save(3, TrainingState(model={"w": reused}, step=3))
+                m2.save(4, TrainingState(model={"w": reused + 2}, step=4))
+                m2.wait()
+                assert m2.steps() == [4] and m2.backup.replicated(3)
+
+        try:
+            paused = _pause_at_first_blob_delete(takeover)
+            with pytest.raises(ckptcore.FencedError):
+                ckptcore.gc(backup, grace=0, storage_options=opts)
+        finally:
+            _storage._op_hook = None
+    assert paused["fired"]
+    url = f"{backup}/step-000000000003"
+    assert ckptcore.verify(url, storage_options=opts) == []
+    assert np.array_equal(ckptcore.load_state(url, storage_options=opts).model["w"], reused)
+
+
+def test_a_blob_no_manifest_names_is_written_again_when_reused_so_a_sweep_keeps_it(
+        tmp_path, monkeypatch):
+    # No fence (a sweep without a lock): the sweep decided on two old unreferenced blobs and
+    # is stopped at its first delete; a writer then reuses the second.  The reuse writes the
+    # blob again (no manifest names it), and the sweep, listing ages again before its next
+    # batch, keeps it.
+    from ckptcore import _cas, _storage
+    from ckptcore._replica import copy_checkpoint
+
+    local, backup = str(tmp_path / "l1"), str(tmp_path / "backup")
+    monkeypatch.setattr(_cas, "_BATCH", 1)
+    reused = _two_unreferenced_blobs(local, backup, {}, None)
+    src = str(tmp_path / "l2" / "step-000000000003")
+    ckptcore.save_state(src, TrainingState(model={"w": reused}, step=3))
+    stats = []
+
+    def reuse() -> None:
+        time.sleep(0.05)  # (past the sweep's cutoff, at the file system's time resolution)
+        stats.append(copy_checkpoint(Store(src), Store(backup).child("step-000000000003"),
+                                     dedup=True)[1])
+
+    try:
+        paused = _pause_at_first_blob_delete(reuse)
+        removed = sweep(Store(backup), 0)
+    finally:
+        _storage._op_hook = None
+    assert paused["fired"] and len(removed) == 1 and removed[0].startswith(Store(backup).url)
+    assert stats[0].refreshed == 1 and stats[0].reused == 0
+    url = f"{backup}/step-000000000003"
+    assert ckptcore.verify(url) == []
+    assert np.array_equal(ckptcore.load_state(url).model["w"], reused)

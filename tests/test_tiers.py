@@ -3,6 +3,7 @@ third tier is configuration (a list of ``ckptcore.Backup``), not code."""
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -130,3 +131,92 @@ def test_options_are_checked_where_they_are_written():
         ckptcore.Backup(None)  # type: ignore[arg-type]
     assert ckptcore.Backup("s3://b/r") == ckptcore.Backup("s3://b/r")
     assert hash(ckptcore.Backup("s3://b/r", storage_options={"anon": True}))
+
+
+# -- a backup that is down or damaged when a run resumes --------------------------------------
+def _dead_backup() -> Backup:
+    pytest.importorskip("s3fs")
+    from _support import dead_s3_options
+    return Backup("s3://bucket/run", storage_options=dead_s3_options())
+
+
+def test_save_goes_on_locally_when_the_backup_cannot_be_listed(tmp_path, caplog):
+    # A resumed run whose backup is down from the start: the local retention asks whether each
+    # step it would delete is replicated; a listing that fails means "not replicated" (logged
+    # once), never an exception out of save() after the local commit.
+    local = str(tmp_path / "run")
+    with CheckpointManager(local, save_on_preemption=False) as mgr:
+        for s in (1, 2):
+            mgr.save(s, _state(s))
+    with ckptcore._knobs.override(backup_retries=0), \
+            caplog.at_level(logging.WARNING, logger="ckptcore"):
+        mgr = CheckpointManager(local, keep=1, backup=_dead_backup(), save_on_preemption=False)
+        try:
+            assert mgr.restore().step == 2
+            mgr.save(3, _state(3))
+            mgr.save(4, _state(4))
+            assert mgr.steps() == [1, 2, 3, 4]  # none replicated: every one kept
+        finally:
+            with pytest.raises(ckptcore.StorageError):
+                mgr.close()  # what failed is reported by wait()/close(), as documented
+    said = [r.getMessage() for r in caplog.records if "count as not replicated" in r.getMessage()]
+    assert len(said) == 1 and "s3://bucket/run" in said[0], said
+
+
+def test_restore_of_a_step_whole_locally_ignores_a_backup_that_is_down(tmp_path, caplog):
+    local = str(tmp_path / "run")
+    with CheckpointManager(local, save_on_preemption=False) as mgr:
+        for s in (1, 2):
+            mgr.save(s, _state(s))
+    with ckptcore._knobs.override(backup_retries=0):
+        mgr = CheckpointManager(local, backup=_dead_backup(), save_on_preemption=False)
+        try:
+            with caplog.at_level(logging.WARNING, logger="ckptcore"):
+                state = mgr.restore(step=1)
+            assert state.step == 1 and np.array_equal(state.model["w"], _state(1).model["w"])
+            assert any("cannot be asked for step 1" in r.getMessage() for r in caplog.records)
+        finally:
+            with pytest.raises(ckptcore.StorageError):
+                mgr.close()
+
+
+def _damage_replica(backup: str, step: int, how: str) -> None:
+    from ckptcore._read import read_manifest
+    from ckptcore._replica import blob_rel
+
+    b = Store(backup)
+    folder = b.child(step_name(step))
+    if how == "blob":  # a blob only this step's replica names is lost (bit rot, a careless hand)
+        others = set().union(*({s.path for s in read_manifest(b.child(step_name(o))).shards}
+                               for o in Tier(b).steps() if o != step))
+        victim = next(s.path for s in read_manifest(folder).shards if s.path not in others)
+        os.remove(b.join(blob_rel(victim)))
+    else:  # one byte of its manifest flipped
+        path = os.path.join(folder.path, "manifest.msgpack")
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["blob", "manifest"])
+def test_a_resumed_run_counts_a_listed_replica_only_once_it_passes_the_structural_check(
+        tmp_path, caplog, how):
+    local, backup = str(tmp_path / "local"), str(tmp_path / "backup")
+    with CheckpointManager(local, backup=Backup(backup), save_on_preemption=False) as mgr:
+        for s in (1, 2):
+            mgr.save(s, _state(s))
+        mgr.wait()
+    _damage_replica(backup, 2, how)
+    with caplog.at_level(logging.WARNING, logger="ckptcore"):
+        with CheckpointManager(local, keep=1, backup=Backup(backup),
+                               save_on_preemption=False) as mgr:
+            assert mgr.backup.replicated(1)  # whole: counted
+            assert not mgr.backup.replicated(2)  # broken: not counted, queued again (logged)
+            mgr.save(3, _state(3))
+            mgr.wait()
+            assert mgr.backup.replicated(2) and mgr.backup.steps() == [1, 2, 3]
+    assert any("replica of step 2" in r.getMessage() and "replicating it again" in r.getMessage()
+               for r in caplog.records)
+    assert ckptcore.verify(Store(backup).child(step_name(2)).url) == []  # whole again
+    state = ckptcore.load_state(Store(backup).child(step_name(2)).url)
+    assert np.array_equal(state.model["w"], _state(2).model["w"])
