@@ -311,7 +311,15 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = (),
         other = read_record(root, g) or {}
         raise LockedError(f"{root.url}: another writer ({other.get('holder', 'unknown')}) claimed "
                           f"writer generation {g} at the same time; it holds the root") from None
-    late = _late_commits(root, before, accepted)
+    try:
+        late = _late_commits(root, before, accepted)
+    except (CheckpointError, OSError) as e:
+        # This generation stands now; a step the superseded writer committed in the instant
+        # before it, if any, cannot be added: said, and the claim fails (nothing is committed).
+        log.error("%s: writer generation %d is claimed, but listing the steps again failed "
+                  "(%s: %s): a step its predecessor committed while this claim was being made "
+                  "would not be accepted", root.url, g, type(e).__name__, e)
+        raise
     if late:
         log.info("%s: writer generation %d also accepts step(s) %s, committed by the writer it "
                  "supersedes while this claim was being made", root.url, g, late)

@@ -97,7 +97,7 @@ def test_a_claim_that_cannot_read_the_newest_record_raises_and_accepts_nothing(c
     gens = _fence.generations(Store(root))
     fail = _FailOnce(monkeypatch)
     c = _mgr(root)
-    with pytest.raises(StorageError, match="record of writer generation 2 cannot be read.*try again"):
+    with pytest.raises(StorageError, match="generation 2 cannot be read.*try again"):
         c._lock.acquire()  # a save's, gc's or ckpt sync's acquisition
     assert fail.failed
     assert _fence.generations(Store(root)) == gens  # nothing claimed from an unread view
@@ -205,7 +205,8 @@ def _race(root: str, clock, pause_t, pause_a, *, t_waits_at_gen: bool):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            threads = [threading.Thread(target=run_t, name="T"), threading.Thread(target=run_a, name="A")]
+            threads = [threading.Thread(target=run_t, name="T"),
+                       threading.Thread(target=run_a, name="A")]
             for th in threads:
                 th.start()
             for th in threads:
@@ -232,7 +233,8 @@ def test_a_reclaim_whose_lease_create_loses_to_a_taker_is_fenced(clock):
     the save succeeded while every reader ignored step 2.)"""
     root = _root("reclaim-lost-create")
     res = _race(root, clock,
-                pause_t=lambda op, path, n: op == "write_bytes" and n == 2,  # T's create after its delete
+                # T's create of the lease after its delete (its 2nd lease write)
+                pause_t=lambda op, path, n: op == "write_bytes" and n == 2,
                 pause_a=lambda op, path: op == "write_bytes" and path.endswith("/.ckptcore.lock"),
                 t_waits_at_gen=True)
     assert isinstance(res["A"], FencedError), res["A"]
@@ -274,7 +276,8 @@ def test_a_writer_renewed_in_time_still_finds_a_claim_made_before_its_commit(clo
         who = threading.current_thread().name
         if who == "T" and "T" not in seen and op == "delete" and path.endswith("/.ckptcore.lock"):
             seen.add("T"); ev["t_at_delete"].set(); ev["a_renewed"].wait(10)
-        elif who == "A" and "A-lease" not in seen and op == "write_bytes" and path.endswith("/.ckptcore.lock"):
+        elif (who == "A" and "A-lease" not in seen and op == "write_bytes"
+              and path.endswith("/.ckptcore.lock")):
             seen.add("A-lease")
         elif who == "A" and "A-pub" not in seen and op == "publish":
             seen.add("A-pub"); ev["a_renewed"].set(); ev["t_done"].wait(10)
@@ -300,7 +303,8 @@ def test_a_writer_renewed_in_time_still_finds_a_claim_made_before_its_commit(clo
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            threads = [threading.Thread(target=run_t, name="T"), threading.Thread(target=run_a, name="A")]
+            threads = [threading.Thread(target=run_t, name="T"),
+                       threading.Thread(target=run_a, name="A")]
             for th in threads:
                 th.start()
             for th in threads:
