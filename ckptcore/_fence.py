@@ -312,13 +312,13 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = (),
         raise LockedError(f"{root.url}: another writer ({other.get('holder', 'unknown')}) claimed "
                           f"writer generation {g} at the same time; it holds the root") from None
     try:
-        late = _late_commits(root, before, accepted)
+        late = _late_commits(root, gens[-1] if gens else None, accepted)
     except (CheckpointError, OSError) as e:
         # This generation stands now; a step the superseded writer committed in the instant
         # before it, if any, cannot be added: said, and the claim fails (nothing is committed).
-        log.error("%s: writer generation %d is claimed, but listing the steps again failed "
-                  "(%s: %s): a step its predecessor committed while this claim was being made "
-                  "would not be accepted", root.url, g, type(e).__name__, e)
+        log.error("%s: writer generation %d is claimed, but reading the record it supersedes "
+                  "again failed (%s: %s): a step its predecessor committed while this claim was "
+                  "being made would not be accepted", root.url, g, type(e).__name__, e)
         raise
     if late:
         log.info("%s: writer generation %d also accepts step(s) %s, committed by the writer it "
@@ -333,20 +333,20 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = (),
     return g, accepted, entries, named.get("backups", [])
 
 
-def _late_commits(root: Store, before: View | None, accepted: Iterable[int]) -> list[int]:
-    """Steps a claim's first listing missed that readers accepted until the claim was made:
-    listed again once the generation exists.  The superseded writer checks the generations
-    after each commit (``WriterLock.after_commit``); one that published before this claim's
-    create but listed the generations before it too was told its save succeeded, so this
-    listing, made after the create, must find that step and accept it.  Judged by ``before``
-    (the view of the claim's first listing; a step it does not name is asked of its manifest,
-    so only a newly listed folder costs a request); ``[]`` when there is nothing new."""
-    accepted = set(accepted)
-    known = accepted | (before.named if before is not None and before.readable else set())
-    new = [(s, n) for s, n in step_folders(root, known) if s not in accepted]
-    if not new or before is None:  # no generation before this one: nothing was fenced
-        return [s for s, _ in new]
-    return [s for s, _ in split(root, new, before)[0]]
+def _late_commits(root: Store, previous: int | None, accepted: Iterable[int]) -> list[int]:
+    """Steps the superseded generation's record names that a claim's listing missed: read again
+    once the claim's generation exists (one GET, whatever the number of steps).  A holder on an
+    object store rewrites its record with each step it commits and then lists the generations
+    (``WriterLock.after_commit``); one whose listing ran before this claim's create was told its
+    save succeeded, and its record, rewritten before that listing, names the step.  ``[]``
+    when there is no such record, or it is malformed (readers then accept every step anyway)."""
+    if previous is None:
+        return []
+    record = _load_record(root, previous)  # (an I/O failure raises: see claim)
+    if not isinstance(record, dict):
+        return []
+    named = _steps(record.get("accepted")) | _steps(record.get("committed"))
+    return sorted(named - set(accepted))
 
 
 def record(root: Store, g: int, holder: str, accepted: Iterable[int],

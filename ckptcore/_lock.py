@@ -335,31 +335,34 @@ class WriterLock:
         """Once ``ckpt``'s manifest is in place: make sure readers accept it (a pause between
         ``before_commit`` and the PUT may have let a taker in); ``FencedError`` if not.
 
-        On an object store this lists the generations after every commit (one LIST): a lease
-        renewed in time is not enough, since a taker that judged the lease expired earlier
-        (a pause between its check and its delete, or a reclaim racing it) may have listed the
-        steps for its claim before this PUT.  Either this listing finds its generation and the
-        commit is judged as readers judge it, or the claim is made after it and lists the steps
-        again once created (``_fence.claim``), finding this one."""
+        On an object store the holder records the step, then lists the generations (one LIST
+        per commit): a lease renewed in time is not enough, since a taker that judged the lease
+        expired earlier (a pause between its check and its delete) may have listed the steps
+        for its claim before this PUT.  Either this listing finds the taker's generation and the
+        commit is judged as readers judge it, or the claim was created after it and reads this
+        holder's record again once created (``_fence.claim``), finding the step there."""
         m = _fence.STEP.fullmatch(ckpt.name)
         if self.generation is None or m is None:
             return
         step = int(m.group(1))
         with self._mutex:
-            if not self.store.local and self._judged_remote(step, ckpt):
-                return
-            self._committed.add(step)
-            try:
-                self._write_record()
-            except Exception as e:  # noqa: BLE001 - readers then read the manifest instead
-                log.warning("%s: could not record step %d in the writer record (%s: %s); readers "
-                            "check its manifest instead", self.store.url, step, type(e).__name__, e)
+            overdue = not self.store.local and self._overdue()
+            if not overdue:
+                self._committed.add(step)
+                try:
+                    self._write_record()
+                except Exception as e:  # noqa: BLE001 - readers then read the manifest instead
+                    log.warning("%s: could not record step %d in the writer record (%s: %s); "
+                                "readers check its manifest instead", self.store.url, step,
+                                type(e).__name__, e)
+            if not self.store.local:
+                self._judge_remote(step, ckpt, overdue)
 
-    def _judged_remote(self, step: int, ckpt: Store) -> bool:
-        """``after_commit`` on an object store: True when the commit was settled here (claimed
-        into a new generation of this writer's, or superseded: it stands, and the writer is
-        fenced from its next operation, or ``FencedError``); False: still this writer's root."""
-        overdue = self._overdue()
+    def _judge_remote(self, step: int, ckpt: Store, overdue: bool) -> None:
+        """``after_commit`` on an object store, once the step is recorded (unless ``overdue``):
+        returns while the root is still this writer's, or the commit was claimed into a new
+        generation of its own, or it stands though a taker superseded the writer (fenced from
+        its next operation); ``FencedError`` when readers ignore it."""
         try:
             who = self._superseded()
         except (CheckpointError, OSError) as e:
@@ -368,16 +371,16 @@ class WriterLock:
             log.warning("%s: could not list the writer generations after committing step %d "
                         "(%s: %s); the lease was renewed in time, so the commit is taken to "
                         "stand", self.store.url, step, type(e).__name__, e)
-            who = ""
-        if not who and overdue:
+            return
+        if not who and not overdue:
+            return
+        if not who:
             try:
                 self._claim(extra=(step,))  # it is in the new claim's accepted list
                 self._renewed = time.monotonic()
-                return True
+                return
             except LockedError:
                 who = self._superseded()
-        if not who and not overdue:
-            return False
         # Whether the commit stands is what readers make of it now (a takeover's claim lists
         # the steps readers accepted, so a step accepted once stays accepted).
         if _fence.split(self.store, [(step, ckpt.name)])[0]:
@@ -385,7 +388,7 @@ class WriterLock:
                         "(generation %s): its next operation raises FencedError", self.store.url,
                         step, who or "another writer", self.generation)
             self._lost = who or "another writer"  # committed in time; the next operation raises
-            return True
+            return
         raise self._fenced(who or "another writer",
                            f"its commit of {ckpt.url} landed after that, and readers ignore it")
 

@@ -247,8 +247,8 @@ def test_a_reclaim_whose_lease_create_loses_to_a_taker_is_fenced(clock):
 def test_a_commit_between_a_takers_listing_and_its_claim_is_accepted(clock):
     """T judged A's lease lapsed and deletes it; A (overdue) reclaims meanwhile, renewing the
     lease T then deletes; T lists the steps, and before T creates its generation A commits step
-    2 and finds no newer generation after it.  T lists the steps again once its generation
-    exists, so it accepts step 2: A's acknowledged save is listed by every reader."""
+    2, records it and finds no newer generation after it.  T reads A's record again once its
+    generation exists, so it accepts step 2: A's acknowledged save is listed by every reader."""
     root = _root("taker-relists")
     res = _race(root, clock,
                 pause_t=lambda op, path, n: op == "delete" and path.endswith("/.ckptcore.lock"),
