@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Mapping
 from . import _codec, _knobs
 from ._manifest import MANIFEST_NAME
 from ._storage import Store
-from .errors import CheckpointError, LockedError
+from .errors import CheckpointError, LockedError, StorageError
 
 log = logging.getLogger("ckptcore")
 
@@ -55,14 +55,40 @@ def generations(root: Store) -> list[int]:
     return sorted(int(e.name) for e in root.listdir(GEN_DIR) if _GEN.fullmatch(e.name))
 
 
-def read_record(root: Store, g: int) -> dict[str, Any] | None:
-    """Generation ``g``'s record; None when absent or unreadable (then its lists are unknown)."""
+@dataclass(frozen=True)
+class _Malformed:
+    """A record that is there but is no record (junk, hostile, too large): why."""
+
+    why: str
+
+
+def _load_record(root: Store, g: int) -> Any:
+    """Generation ``g``'s record: a dict; None when absent; :class:`_Malformed` when it is there
+    but is not a record.  An I/O failure (the store's retries spent) raises
+    :class:`StorageError`: the record decides which commits are fenced, so a read that did not
+    happen is never taken for a record with nothing to say (see :func:`view`)."""
     try:
         record = json.loads(root.read(gen_name(g), max_bytes=64 << 20))
     except FileNotFoundError:
         return None
-    except (ValueError, CheckpointError, OSError) as e:
-        log.warning("%s: the record of writer generation %d cannot be read (%s)", root.url, g, e)
+    except (IsADirectoryError, NotADirectoryError, ValueError) as e:
+        # Not a record (junk, a torn or hostile write, over the limit, a folder, a link):
+        # retrying cannot help, so this is judged as no record at all (see View.accepts).
+        return _Malformed(f"{type(e).__name__}: {e}")
+    except OSError as e:  # StorageError, permissions, a disk error: the store failed
+        raise StorageError(f"{root.url}: the record of writer generation {g} cannot be read "
+                           f"({type(e).__name__}: {e}); it decides which commits readers accept, "
+                           "so nothing was judged: try again") from e
+    return record if isinstance(record, dict) else _Malformed("not a JSON object")
+
+
+def read_record(root: Store, g: int) -> dict[str, Any] | None:
+    """Generation ``g``'s record, for messages (its holder's name); None when absent, malformed
+    or unreadable (logged): never the basis of a verdict (:func:`view` is)."""
+    try:
+        record = _load_record(root, g)
+    except StorageError as e:
+        log.warning("%s", e)
         return None
     return record if isinstance(record, dict) else None
 
@@ -95,12 +121,20 @@ class View:
 
 
 def view(root: Store) -> View | None:
-    """The reader's view of ``root`` (None: no writer ever claimed a generation there)."""
+    """The reader's view of ``root`` (None: no writer ever claimed a generation there).
+
+    :class:`StorageError` when the newest record cannot be read (an I/O failure): accepting
+    every step then would show readers a fenced writer's commit, and a claim would write it into
+    its own record for good.  A record that is absent or malformed, which no retry changes, is
+    judged as no record: every step is accepted (never hide a step), logged."""
     gens = generations(root)
     if not gens:
         return None
-    record = read_record(root, gens[-1])
-    if record is None:
+    record = _load_record(root, gens[-1])
+    if not isinstance(record, dict):
+        log.warning("%s: the record of writer generation %d is %s: every committed step is "
+                    "accepted, none is hidden", root.url, gens[-1],
+                    "absent" if record is None else f"malformed ({record.why})")
         return View(gens[-1], readable=False)
     named = frozenset(_steps(record.get("accepted")) | _steps(record.get("committed")))
     return View(gens[-1], named, str(record.get("holder", "unknown")),
@@ -159,10 +193,21 @@ def _entries(value: Any, named: frozenset[int]) -> dict[int, tuple[float, Any]]:
 
 
 def manifest_generation(ckpt: Store) -> int | None:
-    """The generation a committed manifest records; None for none (or unreadable: such a step
-    is judged as damage by whoever loads it, not hidden here)."""
+    """The generation a committed manifest records; None for none (or a damaged manifest: such
+    a step is judged as damage by whoever loads it, not hidden here).  An I/O failure raises
+    :class:`StorageError`, as for the record (:func:`view`): a step whose writer could not be
+    told is neither hidden nor taken for accepted."""
     try:
         data = ckpt.read(MANIFEST_NAME, max_bytes=_knobs.max_manifest_bytes())
+    except FileNotFoundError:  # deleted since it was listed: whoever loads it says so
+        return None
+    except (IsADirectoryError, NotADirectoryError, ValueError):
+        return None  # not a manifest (damage, or hostile): not ours to judge here
+    except OSError as e:  # StorageError too: the store failed, not the manifest
+        raise StorageError(f"{ckpt.url}: its manifest cannot be read to tell which writer "
+                           f"generation committed it ({type(e).__name__}: {e}); nothing was "
+                           "judged: try again") from e
+    try:
         outer = _codec.unpack_plain(data, MANIFEST_NAME)  # the reader's own bounded decoders
         g = _codec.unpack_raw(outer["body"])["writer"].get("generation")
     except Exception:  # noqa: BLE001 - damaged or foreign: not ours to judge here
@@ -245,7 +290,13 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = (),
     roots (None: those the newest record names, carried forward); returned as recorded."""
     gens = generations(root)
     g = (gens[-1] if gens else 0) + 1
+    # (an I/O failure reading the newest record raises here: a claim that took every step for
+    # accepted would write a fenced writer's commits into its record, accepted for good)
     steps, before = accepted_steps(root)
+    if before is not None and not before.readable:
+        log.warning("%s: claiming writer generation %d over a newest record that is absent or "
+                    "malformed: its accepted list is every committed step (%d), as readers "
+                    "accept them", root.url, g, len(steps))
     accepted = sorted(set(steps) | set(extra))
     entries = read_index(root, before.newest, accepted) if before is not None else {}
     if backups is None:  # (the view just read the newest record: no second read)
@@ -260,11 +311,42 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = (),
         other = read_record(root, g) or {}
         raise LockedError(f"{root.url}: another writer ({other.get('holder', 'unknown')}) claimed "
                           f"writer generation {g} at the same time; it holds the root") from None
+    try:
+        late = _late_commits(root, gens[-1] if gens else None, accepted)
+    except (CheckpointError, OSError) as e:
+        # This generation stands now; a step the superseded writer committed in the instant
+        # before it, if any, cannot be added: said, and the claim fails (nothing is committed).
+        log.error("%s: writer generation %d is claimed, but reading the record it supersedes "
+                  "again failed (%s: %s): a step its predecessor committed while this claim was "
+                  "being made would not be accepted", root.url, g, type(e).__name__, e)
+        raise
+    if late:
+        log.info("%s: writer generation %d also accepts step(s) %s, committed by the writer it "
+                 "supersedes while this claim was being made", root.url, g, late)
+        accepted = sorted(set(accepted) | set(late))
+        record["accepted"] = accepted
+        root.write_bytes(gen_name(g), json.dumps(record).encode())
     for old in gens[:max(0, len(gens) + 1 - _KEEP_RECORDS)]:
         log.debug("%s: pruning the record of writer generation %d", root.url, old)
         root.delete(gen_name(old))
         root.delete(index_name(old))  # (nothing if absent)
     return g, accepted, entries, named.get("backups", [])
+
+
+def _late_commits(root: Store, previous: int | None, accepted: Iterable[int]) -> list[int]:
+    """Steps the superseded generation's record names that a claim's listing missed: read again
+    once the claim's generation exists (one GET, whatever the number of steps).  A holder on an
+    object store rewrites its record with each step it commits and then lists the generations
+    (``WriterLock.after_commit``); one whose listing ran before this claim's create was told its
+    save succeeded, and its record, rewritten before that listing, names the step.  ``[]``
+    when there is no such record, or it is malformed (readers then accept every step anyway)."""
+    if previous is None:
+        return []
+    record = _load_record(root, previous)  # (an I/O failure raises: see claim)
+    if not isinstance(record, dict):
+        return []
+    named = _steps(record.get("accepted")) | _steps(record.get("committed"))
+    return sorted(named - set(accepted))
 
 
 def record(root: Store, g: int, holder: str, accepted: Iterable[int],

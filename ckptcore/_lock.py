@@ -333,35 +333,64 @@ class WriterLock:
 
     def after_commit(self, ckpt: Store) -> None:
         """Once ``ckpt``'s manifest is in place: make sure readers accept it (a pause between
-        ``before_commit`` and the PUT may have let a taker in); ``FencedError`` if not."""
+        ``before_commit`` and the PUT may have let a taker in); ``FencedError`` if not.
+
+        On an object store the holder records the step, then lists the generations (one LIST
+        per commit): a lease renewed in time is not enough, since a taker that judged the lease
+        expired earlier (a pause between its check and its delete) may have listed the steps
+        for its claim before this PUT.  Either this listing finds the taker's generation and the
+        commit is judged as readers judge it, or the claim was created after it and reads this
+        holder's record again once created (``_fence.claim``), finding the step there."""
         m = _fence.STEP.fullmatch(ckpt.name)
         if self.generation is None or m is None:
             return
         step = int(m.group(1))
         with self._mutex:
-            if not self.store.local and self._overdue():
-                who = self._superseded()
-                if not who:
-                    try:
-                        self._claim(extra=(step,))  # it is in the new claim's accepted list
-                        self._renewed = time.monotonic()
-                        return
-                    except LockedError:
-                        who = self._superseded()
-                # Whether the commit stands is what readers make of it now (a takeover's claim
-                # lists the steps readers accepted, so a step accepted once stays accepted).
-                if _fence.split(self.store, [(step, ckpt.name)])[0]:
-                    self._lost = who or "another writer"  # committed in time; the next
-                    return  # operation raises
-                raise self._fenced(who or "another writer",
-                                   f"its commit of {ckpt.url} landed after that, and readers "
-                                   "ignore it")
-            self._committed.add(step)
+            overdue = not self.store.local and self._overdue()
+            if not overdue:
+                self._committed.add(step)
+                try:
+                    self._write_record()
+                except Exception as e:  # noqa: BLE001 - readers then read the manifest instead
+                    log.warning("%s: could not record step %d in the writer record (%s: %s); "
+                                "readers check its manifest instead", self.store.url, step,
+                                type(e).__name__, e)
+            if not self.store.local:
+                self._judge_remote(step, ckpt, overdue)
+
+    def _judge_remote(self, step: int, ckpt: Store, overdue: bool) -> None:
+        """``after_commit`` on an object store, once the step is recorded (unless ``overdue``):
+        returns while the root is still this writer's, or the commit was claimed into a new
+        generation of its own, or it stands though a taker superseded the writer (fenced from
+        its next operation); ``FencedError`` when readers ignore it."""
+        try:
+            who = self._superseded()
+        except (CheckpointError, OSError) as e:
+            if overdue:
+                raise
+            log.warning("%s: could not list the writer generations after committing step %d "
+                        "(%s: %s); the lease was renewed in time, so the commit is taken to "
+                        "stand", self.store.url, step, type(e).__name__, e)
+            return
+        if not who and not overdue:
+            return
+        if not who:
             try:
-                self._write_record()
-            except Exception as e:  # noqa: BLE001 - readers then read the manifest instead
-                log.warning("%s: could not record step %d in the writer record (%s: %s); readers "
-                            "check its manifest instead", self.store.url, step, type(e).__name__, e)
+                self._claim(extra=(step,))  # it is in the new claim's accepted list
+                self._renewed = time.monotonic()
+                return
+            except LockedError:
+                who = self._superseded()
+        # Whether the commit stands is what readers make of it now (a takeover's claim lists
+        # the steps readers accepted, so a step accepted once stays accepted).
+        if _fence.split(self.store, [(step, ckpt.name)])[0]:
+            log.warning("%s: step %d stands (readers accept it), but %s superseded this writer "
+                        "(generation %s): its next operation raises FencedError", self.store.url,
+                        step, who or "another writer", self.generation)
+            self._lost = who or "another writer"  # committed in time; the next operation raises
+            return
+        raise self._fenced(who or "another writer",
+                           f"its commit of {ckpt.url} landed after that, and readers ignore it")
 
     def _write_record(self) -> None:
         _fence.record(self.store, self.generation, self.holder, self._accepted, self._committed,
@@ -446,10 +475,18 @@ class WriterLock:
             raise self._fenced(self._superseded() or "another writer", "nothing was committed")
         try:
             self.store.write_bytes(LOCK_NAME, self._lease(), create_only=lease is None)
-        except FileExistsError:  # a taker's lease object: its claim failed, and it removes it
-            log.info("%s: a would-be taker's lease object is in place; this writer holds "
-                     "generation %d and renews the lease once it is gone", self.store.url,
-                     self.generation)
+        except FileExistsError:
+            # A taker deleted the expired lease and created its own between the read above and
+            # this create.  Its claim may come after this one (then it supersedes this
+            # generation, with a list of accepted steps made before this writer's next commit)
+            # or may have lost to it (then it gives the root up): this writer cannot tell, so it
+            # stops, as the loser of the race (nothing committed readers would not accept).
+            other = self._read_lease() or {}
+            log.warning("%s: reclaiming the root as writer generation %d, this writer found "
+                        "another writer's lease object in place (%s): it stops", self.store.url,
+                        self.generation, other.get("holder", "a writer that took it just now"))
+            raise self._fenced(str(other.get("holder", "another writer")),
+                               "nothing was committed") from None
         self._renewed = t0
 
     # -- local disk: flock ----------------------------------------------------------------------
