@@ -348,7 +348,22 @@ def remove_uncommitted(folder: Store, *, fence: Any = None, why: str,
         log.warning("%s: %s has a manifest again (a writer committed there meanwhile); its "
                     "listed leftovers were deleted, the step is left alone", why, folder.url)
         return False
+    _remove_empty_folders(folder, names)
     return True
+
+
+def _remove_empty_folders(folder: Store, names: list[str]) -> None:
+    """The folders a filesystem keeps of its own (``memory://``'s pseudo folders, made by
+    ``makedirs``; object stores have none, and a folder there goes with its last object),
+    deepest first, each only if empty: ``rmdir`` never removes what a writer put there since."""
+    if getattr(folder.fs, "pseudo_dirs", None) is None:
+        return
+    subs = sorted({n.rpartition("/")[0] for n in names if "/" in n}, key=len, reverse=True)
+    for rel in subs + [""]:
+        try:
+            folder.fs.rmdir(folder.join(rel))
+        except (OSError, ValueError):  # not empty (a writer put something there since), or gone
+            pass
 
 
 def uncommit(ckpt: Store, token: str, fence: Any = None) -> None:
