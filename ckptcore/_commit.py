@@ -49,6 +49,7 @@ import os
 from typing import Any, Callable
 
 from . import _knobs
+from ._fence import STEP
 from ._manifest import MANIFEST_NAME, SHARD_FOLDER, Manifest, safe_shard_name, shard_folder
 from ._manifest4 import encode_manifest, memory_fetch, reader
 from ._storage import CAS_PREFIX, Entry, Store, tick, fsync_dir
@@ -78,14 +79,20 @@ def commit(store: Store, write: Callable[[Store], Manifest], *, token: str, over
     if present and not overwrite:
         raise CheckpointExistsError(f"{store.url}: a checkpoint already exists there; "
                                     "pass overwrite=True to replace it")
+    stale: list[str] = []
     if store.atomic_rename:
         manifest = _commit_rename(store, write, token=token, overwrite=overwrite, fence=fence,
                                   durable=durable)
     else:
-        manifest = _commit_publish(store, write, token=token, overwrite=overwrite, fence=fence,
-                                   durable=durable)
+        manifest, stale = _commit_publish(store, write, token=token, overwrite=overwrite,
+                                          fence=fence, durable=durable)
     if fence is not None:
         fence.after_commit(store)
+    # An overwrite's previous shards go only once this commit stands: a writer found fenced
+    # here deletes nothing (they are gc's, which sees what readers accept).
+    for name in stale:
+        log.debug("%s: removing %s of the overwritten checkpoint", store.url, name)
+        store.delete(name)
     return manifest
 
 
@@ -244,7 +251,9 @@ def _rename_exchange(a: str, b: str) -> bool:
 
 
 def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: Any,
-                    durable: Callable[[], None] | None = None) -> Manifest:
+                    durable: Callable[[], None] | None = None) -> tuple[Manifest, list[str]]:
+    """The manifest published, and the shards of the overwritten checkpoint it does not name
+    (removed by the caller once the commit is known to stand)."""
     old_shards: set[str] = set()
     if overwrite:
         old_shards = {e.name for e in shard_files(store) if is_shard_file(e.name)}
@@ -270,25 +279,104 @@ def _commit_publish(store: Store, write, *, token: str, overwrite: bool, fence: 
                  "attempt's shards", store.url, type(e).__name__, e)
         _remove_shards(store, manifest, token=token)
         raise
-    for name in sorted(old_shards - set(manifest.files())):
-        log.debug("%s: removing %s of the overwritten checkpoint", store.url, name)
-        store.delete(name)
-    return manifest
+    return manifest, sorted(old_shards - set(manifest.files()))
 
 
 def _remove_shards(store: Store, manifest: Manifest | None, token: str | None = None) -> None:
     """Best-effort removal of this attempt's shards; ``gc()`` catches what this misses.
 
-    Only plain names are removed: a manifest that failed validation may name anything (a peer's
-    ``../evil.bin``), and a deduplicated replica's blobs are shared with other steps (never
-    removed here; unreferenced ones are swept under the root's lock, ``_backup.sweep``)."""
+    Only names carrying this attempt's ``token`` are removed (every shard a save or a copy
+    writes does, docs/FORMAT.md): a name without it is another attempt's, such as the committed
+    shards of a writer that took the root over while this one was paused.  A manifest that
+    failed validation may name anything (a peer's ``../evil.bin``), and a deduplicated
+    replica's blobs are shared with other steps (never removed here; unreferenced ones are
+    swept under the root's lock, ``_cas.sweep``)."""
+    if not token:
+        return
     try:
-        names = {e.name for e in shard_files(store) if token and token in e.name}
-        if manifest is not None:
-            names |= {p for p in manifest.files()
-                      if safe_shard_name(p) and not p.startswith(CAS_PREFIX)}
+        names = {e.name for e in shard_files(store) if carries_token(e.name, token)}
+        if manifest is not None:  # (named, but missed by a listing that lags its writes)
+            names |= {p for p in manifest.files() if safe_shard_name(p)
+                      and not p.startswith(CAS_PREFIX) and carries_token(p, token)}
         for name in sorted(names):
             store.delete(name)
     except Exception as e:  # cleanup must never mask the original error
         log.warning("%s: could not remove this attempt's shards (%s: %s); gc() will", store.url,
                     type(e).__name__, e)
+
+
+def carries_token(name: str, token: str) -> bool:
+    """Whether the listed file ``name`` (``3f/shard-...`` too) is named with the attempt ``token``."""
+    return name.rpartition("/")[2].endswith(f"-{token}.bin")
+
+
+def remove_uncommitted(folder: Store, *, fence: Any = None, why: str,
+                       listed: list[Entry] | None = None) -> bool:
+    """Remove ``folder``, which holds no manifest (a leftover of a save, or a step whose
+    manifest was just deleted); whether it is gone.
+
+    On an object store, where a writer paused past its lease may wake after another took the
+    root over and committed this very step here, only the objects ``listed`` go (listed now
+    when not given, and in any case before the fence is asked: a taker claims its generation
+    before it writes, so nothing listed is its).  Each is deleted right after asking ``fence``
+    (``before_delete``: a superseded writer deletes nothing more, ``FencedError``) and checking
+    that no manifest appeared: if one did, a writer committed there meanwhile and the rest is
+    left alone (logged, False; also when one appeared after the last deletion).  Every
+    deletion is logged under ``why``.  On local disk the
+    folder goes whole: the writer's flock cannot lapse while this process lives, so nobody
+    else writes there.
+    """
+    if folder.local:
+        if fence is not None:
+            fence.before_delete()
+        log.info("%s: removing %s", why, folder.url)
+        folder.delete_tree()
+        return True
+    names = sorted(e.name for e in (folder.find() if listed is None else listed)
+                   if e.name != MANIFEST_NAME)
+    for name in names:
+        if fence is not None:
+            fence.before_delete()
+        if folder.exists(MANIFEST_NAME):
+            log.warning("%s: %s has a manifest again (a writer committed there meanwhile); "
+                        "leaving it, and %d listed object(s) not yet deleted, alone", why,
+                        folder.url, len(names) - names.index(name))
+            return False
+        log.info("%s: deleting %s", why, folder.join(name))
+        folder.delete(name)
+    if names and folder.exists(MANIFEST_NAME):  # (the folder is not gone: a step is there)
+        log.warning("%s: %s has a manifest again (a writer committed there meanwhile); its "
+                    "listed leftovers were deleted, the step is left alone", why, folder.url)
+        return False
+    _remove_empty_folders(folder, names)
+    return True
+
+
+def _remove_empty_folders(folder: Store, names: list[str]) -> None:
+    """The folders a filesystem keeps of its own (``memory://``'s pseudo folders, made by
+    ``makedirs``; object stores have none, and a folder there goes with its last object),
+    deepest first, each only if empty: ``rmdir`` never removes what a writer put there since."""
+    if getattr(folder.fs, "pseudo_dirs", None) is None:
+        return
+    subs = sorted({n.rpartition("/")[0] for n in names if "/" in n}, key=len, reverse=True)
+    for rel in subs + [""]:
+        try:
+            folder.fs.rmdir(folder.join(rel))
+        except (OSError, ValueError):  # not empty (a writer put something there since), or gone
+            pass
+
+
+def uncommit(ckpt: Store, token: str, fence: Any = None) -> None:
+    """Take back the commit ``token`` just made at ``ckpt`` (a copy that did not verify once
+    committed, ``_replica``): the writer record stops naming the step, its manifest goes, then
+    the files that commit wrote (their names carry ``token``, listed before the fence is
+    asked), all only while ``fence`` says this writer still holds the root: a superseded one
+    deletes nothing (``FencedError``)."""
+    ours = [] if ckpt.local else [e for e in ckpt.find() if carries_token(e.name, token)]
+    if fence is not None:
+        fence.before_delete()
+        m = STEP.fullmatch(ckpt.name)
+        if m:  # (readers trust a step the record names to have its manifest)
+            fence.forget(int(m.group(1)))
+    ckpt.delete(MANIFEST_NAME)
+    remove_uncommitted(ckpt, fence=fence, why="uncommitting", listed=ours)

@@ -7,9 +7,9 @@ each source shard is read whole and checked against its CRC-32C before a byte of
 
 Two layouts:
 
-* **plain**: the shards are copied as they are, under the same names (a large group's
-  ``3f/shard-...`` in the same shard folders; a deduplicated source's ``cas:`` objects become
-  ``shard-<hash>.bin`` files of the step folder); the manifest is the source's with those names.
+* **plain**: the shards are copied as they are, named ``shard-<n>-<token>.bin`` by the copy's
+  own token like a save's (in the same shard folders, ``3f/...``; a source's ``cas:`` objects
+  become files of the step folder); the manifest is the source's with those names.
 * **deduplicated** (a backup root): every tensor's bytes become a content-addressed object, a
   *blob*, ``<root>/chunks/<hh>/<hash>`` (BLAKE2b-256 of the bytes, docs/FORMAT.md,
   "Deduplicated replicas"; the folder's name predates the word, which keeps "chunk" for format
@@ -66,7 +66,7 @@ from typing import Any, Callable
 import crc32c as _crc
 import numpy as np
 
-from ._commit import commit, shard_files
+from ._commit import commit, shard_files, uncommit
 from ._manifest import MANIFEST_NAME, Manifest, ShardEntry, encoded_tree, shard_folder
 from ._read import read_manifest, read_manifest_bytes
 from ._blobs import Listed, Named, list_blob_objects, list_blobs, references
@@ -239,7 +239,7 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
         if dedup:
             return _write_dedup(src, target, root, manifest, known, stats, progress, pack_below,
                                 gate, listing=listing, placed=placed, named=named)
-        return _write_plain(src, target, manifest, stats, progress)
+        return _write_plain(src, target, manifest, stats, progress, token)
 
     out = commit(dst, write, token=token, overwrite=overwrite, fence=fence)
     try:
@@ -249,9 +249,8 @@ def copy_checkpoint(src: Store, dst: Store, *, dedup: bool, known: dict[str, Any
                     "uncommitting it (deleting its manifest): it is not a replica", dst.url,
                     type(e).__name__, e)
         try:
-            dst.delete(MANIFEST_NAME)
-            dst.delete_tree()
-        except (CheckpointError, OSError) as e2:
+            uncommit(dst, token, fence)
+        except (CheckpointError, OSError) as e2:  # (FencedError too: then it deleted nothing)
             log.error("copy: uncommitting %s failed too (%s: %s)", dst.url, type(e2).__name__, e2)
         raise
     if named is not None:
@@ -334,12 +333,14 @@ def _check_committed(dst: Store, manifest: Manifest, *, dedup: bool, known: dict
 
 
 def _write_plain(src: Store, target: Store, manifest: Manifest, stats: CopyStats,
-                 progress: Callable[[int], None] | None) -> Manifest:
+                 progress: Callable[[int], None] | None, token: str) -> Manifest:
     shards = []
-    for shard in manifest.shards:
+    for j, shard in enumerate(manifest.shards):
         data = _read_shard(src, shard)
-        name = (f"shard-{shard.path[len(CAS_PREFIX):]}.bin" if shard.path.startswith(CAS_PREFIX)
-                else shard.path)
+        # This copy's token, as a save's: two copies of one step (one paused past its lease,
+        # one by the writer that took over) share no file, and a loser removes only its own.
+        folder = "" if shard.path.startswith(CAS_PREFIX) else shard_folder(shard.path)
+        name = f"{folder + '/' if folder else ''}shard-{j:05d}-{token}.bin"
         if shard_folder(name):  # a large group's save: its shards are in shard folders
             target.makedirs(shard_folder(name))
         target.write_bytes(name, data)

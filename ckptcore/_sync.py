@@ -4,7 +4,9 @@ Every step committed under SRC and missing under DST is copied in step order wit
 ``_replica.copy_checkpoint`` (the source verified as it is read, the copy committed with the
 save protocol), deduplicated by default, so a step whose tensors DST already holds uploads only
 what changed.  A run interrupted anywhere leaves no half step under DST, and the next run
-copies what is still missing (blobs already uploaded are found and not sent again).  DST's
+copies what is still missing (blobs already uploaded are found and not sent again).  A step
+folder of DST that no reader accepts (committed by a writer after its lease was taken over) is
+removed before its step is copied there, logged, as a manager's save does.  DST's
 writer lock is held throughout, so a manager replicating there, or another sync, waits its
 turn; retention (``keep``) then applies to DST, and blobs no step refers to any more are swept.
 
@@ -32,8 +34,8 @@ from ._steps import committed_steps
 from ._storage import Store, check_url
 from .policies import as_policy
 from ._tier import Tier
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                     IncompleteCheckpointError)
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
+                     CorruptCheckpointError, IncompleteCheckpointError)
 
 log = logging.getLogger("ckptcore")
 
@@ -168,10 +170,20 @@ class _Sync:
             if progress:
                 progress(name, done[0], total)
 
+        def copy() -> Any:
+            return copy_checkpoint(self.src.child(name), self.dst.child(name), dedup=self.dedup,
+                                   known=self.known, progress=tick, fence=self.lock)
+
         try:
-            _, stats = copy_checkpoint(self.src.child(name), self.dst.child(name),
-                                       dedup=self.dedup, known=self.known, progress=tick,
-                                       fence=self.lock)
+            try:
+                _, stats = copy()
+            except CheckpointExistsError:
+                # A step DST's readers ignore (committed there by a writer after its lease was
+                # taken over) is in the way: removed first, as a manager's save does.
+                if not Tier(self.dst, self.dso, lock=self.lock).clear_fenced(step, by="sync"):
+                    raise
+                done[0] = 0
+                _, stats = copy()
         except (CorruptCheckpointError, IncompleteCheckpointError) as e:
             # (a damaged source, or a copy that did not verify: uncommitted, not a step)
             log.error("sync: step %d could not be copied to %s: %s", step, self.dst.url, e)

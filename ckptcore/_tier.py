@@ -21,10 +21,11 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
 
-from . import layout
+from . import _fence, layout
 from .api import save_state, verify
 from ._manifest import MANIFEST_NAME
 from ._read import inspect
+from ._commit import remove_uncommitted
 from ._replica import copy_checkpoint
 from ._steps import STEP, committed_steps, fenced_steps, is_committed, step_name
 from ._storage import Store
@@ -215,12 +216,16 @@ class Tier:
             raise UnsafeCheckpointError(f"{self.root.join(name)} is a symbolic link, not a "
                                         "checkpoint folder of this root; refusing to delete "
                                         "through it")
+        ckpt = self.root.child(name)
+        # Listed before the lock is asked: a writer that takes the root over while this one is
+        # paused claims first and writes after, so only objects of this step as it was go (on
+        # an object store it may commit the step again in this very folder: a rewind's).
+        listed = None if ckpt.local else ckpt.find()
         if self.lock is not None:
             self.lock.before_delete()  # a superseded writer deletes nothing
             self.lock.forget(step)
-        ckpt = self.root.child(name)
         ckpt.delete(MANIFEST_NAME)  # uncommit first: a half-deleted step is never "committed"
-        ckpt.delete_tree()
+        remove_uncommitted(ckpt, fence=self.lock, why=f"deleting step {step}", listed=listed)
         self._entries.pop(step, None)
         if self._listed is not None and step in self._listed:
             self._listed.remove(step)
@@ -278,22 +283,41 @@ class Tier:
         for e in self.root.listdir():
             m = STEP.fullmatch(e.name)
             if m and not e.is_link and int(m.group(1)) >= step:
-                log.info("rewind(%d): removing leftover %s", step, self.root.child(e.name).url)
-                try:
-                    self.root.child(e.name).delete_tree()
-                except FileNotFoundError:
-                    pass  # an object store's folder vanishes with its last object
+                self._remove_leftover(step, int(m.group(1)), self.root.child(e.name))
         self.relist()
         return gone
 
-    def clear_fenced(self, step: int) -> bool:
+    def _remove_leftover(self, rewound: int, step: int, ckpt: Store) -> None:
+        """A step folder ``rewind(rewound)`` found after deleting the committed steps: removed
+        if it has no manifest, or one no reader accepts; a step readers accept (committed
+        meanwhile, by a writer that took the root over from this paused one) is left alone."""
+        listed = None if ckpt.local else ckpt.find()  # before the lock is asked (see delete)
+        if ckpt.exists(MANIFEST_NAME):
+            if self.lock is not None:
+                self.lock.before_delete()
+            if not _fence.split(self.root, [(step, ckpt.name)])[1]:
+                log.warning("rewind(%d): not removing %s: a committed step readers accept "
+                            "(saved after the rewind's listing)", rewound, ckpt.url)
+                return
+            log.info("rewind(%d): removing %s, committed by a writer after its lease was taken "
+                     "over", rewound, ckpt.url)
+            ckpt.delete(MANIFEST_NAME)
+        else:
+            log.info("rewind(%d): removing leftover %s (no manifest)", rewound, ckpt.url)
+        try:
+            remove_uncommitted(ckpt, fence=self.lock, why=f"rewind({rewound})", listed=listed)
+        except FileNotFoundError:
+            pass  # an object store's folder vanishes with its last object
+
+    def clear_fenced(self, step: int, *, by: str = "save") -> bool:
         """Remove a checkpoint of ``step`` that no reader accepts (committed by a writer after
-        its lease was taken over), so a save can go there; whether there was one."""
+        its lease was taken over), so a save (``by``: what logs call it) can go there; whether
+        there was one."""
         if self.lock is None or step not in {s for s, _ in fenced_steps(self.root)}:
             return False
-        log.warning("save(%d): removing %s, committed by a writer after its lease was taken "
-                    "over (no reader accepts it), to save the step there", step,
-                    self.step_url(step))
+        log.warning("%s(%d): removing %s, committed by a writer after its lease was taken "
+                    "over (no reader accepts it), to %s the step there", by, step,
+                    self.step_url(step), "copy" if by == "sync" else "save")
         self.delete(step)
         return True
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from . import _fence, _knobs
 from ._cas import sweep
-from ._commit import TMP_MARK, is_shard_file, shard_files
+from ._commit import TMP_MARK, is_shard_file, remove_uncommitted, shard_files
 from ._lock import LOCK_NAME, WriterLock
 from ._manifest import MANIFEST_NAME
 from ._read import CheckpointInfo, inspect, read_manifest
@@ -154,16 +154,18 @@ def structure_problem(ckpt: Store) -> str:
 
 def remove_leftovers(root: Store, grace: float, fence: Any = None) -> list[str]:
     """The work of :func:`gc`, for a caller that holds ``root``'s writer lock (the manager;
-    ``fence``: that lock, checked before blobs are swept)."""
+    ``fence``: that lock, asked before every deletion).
+
+    On an object store gc may be paused past its lease (a stopped process) while another writer
+    takes the root over and commits a step whose folder gc judged a leftover: each folder is
+    listed first and only the objects listed go, each right after the fence is asked and the
+    folder is checked still to have no manifest (``_commit.remove_uncommitted``); a fenced step
+    is checked still fenced before its manifest goes.  Every deletion is logged."""
     cutoff = time.time() - grace
     removed = []
     for step, name in fenced_steps(root):  # never accepted by any reader: not a checkpoint
-        log.info("gc: removing step %d (%s), committed by a writer after its lease was taken "
-                 "over", step, root.child(name).url)
-        ckpt = root.child(name)
-        ckpt.delete(MANIFEST_NAME)  # uncommit first
-        ckpt.delete_tree()
-        removed.append(ckpt.url)
+        if _remove_fenced(root, step, name, fence):
+            removed.append(root.child(name).url)
     root.fs.invalidate_cache()  # a stale "no manifest" here would delete a committed step
     for e in root.listdir():
         if e.name in (LOCK_NAME, _fence.GEN_DIR):
@@ -173,22 +175,49 @@ def remove_leftovers(root: Store, grace: float, fence: Any = None) -> list[str]:
             continue
         child = root.child(e.name)
         if TMP_MARK in e.name or (STEP.fullmatch(e.name) and not child.exists(MANIFEST_NAME)):
-            if _older(child, e, cutoff):
-                log.info("gc: removing leftover %s", child.url)
-                m = STEP.fullmatch(e.name)
-                if m and fence is not None:  # a manifest removed by hand: the record may name it
-                    fence.forget(int(m.group(1)))
-                child.delete_tree()
+            # (listed once: what is judged old is what may be deleted, and nothing else)
+            listed = None if child.local else child.find()
+            if not _older(child, e, cutoff, listed):
+                log.info("gc: keeping %s: touched within the last %s s (a save may be writing "
+                         "it)", child.url, grace)
+                continue
+            log.info("gc: removing leftover %s (no manifest; untouched for %s s)", child.url,
+                     grace)
+            m = STEP.fullmatch(e.name)
+            if m and fence is not None:  # a manifest removed by hand: the record may name it
+                fence.forget(int(m.group(1)))
+            if remove_uncommitted(child, fence=fence, why="gc", listed=listed):
                 removed.append(child.url)
         elif STEP.fullmatch(e.name):
-            removed += _gc_shards(child, cutoff)
+            removed += _gc_shards(child, cutoff, fence)
         elif e.name == CAS_DIR and e.is_dir:  # a backup root: blobs no replica names any more
             removed += sweep(root, grace, fence)
     return removed
 
 
-def _older(store: Store, entry: Entry, cutoff: float) -> bool:
-    """Whether ``entry`` (a leftover folder or file) was last touched before ``cutoff``."""
+def _remove_fenced(root: Store, step: int, name: str, fence: Any) -> bool:
+    """Remove the step ``name``, committed by a writer after its lease was taken over, unless
+    it is no longer that (a writer that took the root over from this gc while it was paused
+    removed it and committed the step again: left alone, logged); whether it was removed."""
+    ckpt = root.child(name)
+    listed = None if ckpt.local else ckpt.find()  # before the fence: none of a later taker's
+    if fence is not None:
+        fence.before_delete()
+    if not ckpt.exists(MANIFEST_NAME) or not _fence.split(root, [(step, name)])[1]:
+        log.warning("gc: not removing step %d (%s): it is no longer a commit of a superseded "
+                    "writer (removed, or committed again meanwhile)", step, ckpt.url)
+        return False
+    log.info("gc: removing step %d (%s), committed by a writer after its lease was taken "
+             "over", step, ckpt.url)
+    ckpt.delete(MANIFEST_NAME)  # uncommit first
+    return remove_uncommitted(ckpt, fence=fence, why=f"gc: fenced step {step}", listed=listed)
+
+
+def _older(store: Store, entry: Entry, cutoff: float, listed: list[Entry] | None = None) -> bool:
+    """Whether ``entry`` (a leftover folder or file) was last touched before ``cutoff``;
+    ``listed``: every object in it (an object store's listing), which decides alone."""
+    if listed is not None:
+        return max((e.mtime for e in listed if e.mtime is not None), default=0.0) <= cutoff
     times = [entry.mtime] if entry.mtime is not None else []
     if entry.is_dir:
         inner = store.listdir()
@@ -200,8 +229,10 @@ def _older(store: Store, entry: Entry, cutoff: float) -> bool:
     return (max(times) if times else 0.0) <= cutoff
 
 
-def _gc_shards(ckpt: Store, cutoff: float) -> list[str]:
-    """Shards in a committed step folder that its manifest does not name (a losing writer's)."""
+def _gc_shards(ckpt: Store, cutoff: float, fence: Any = None) -> list[str]:
+    """Shards in a committed step folder that its manifest does not name (a losing writer's),
+    listed before the fence is asked (before each deletion): a taker's later shards are not
+    among them."""
     try:
         named = set(read_manifest(ckpt).files())  # shards and a rows object
     except CheckpointError:
@@ -210,6 +241,8 @@ def _gc_shards(ckpt: Store, cutoff: float) -> list[str]:
     for e in shard_files(ckpt):  # nested ones too (3f/shard-...)
         if is_shard_file(e.name) and e.name not in named and (e.mtime or 0.0) <= cutoff \
                 and not e.is_link:
+            if fence is not None:
+                fence.before_delete()
             log.info("gc: removing unreferenced shard %s", ckpt.join(e.name))
             ckpt.delete(e.name)
             removed.append(ckpt.join(e.name))

@@ -39,6 +39,7 @@ from _support import assert_state_same, run_ranks
 from test_dist_replies import _Tampering, _assert_refused
 
 NAME = re.compile(r"([0-9a-f]{2})/shard-[0-9]{5}-r([0-9]{5})-([0-9a-f]{16})\.bin")
+COPY_NAME = re.compile(r"[0-9a-f]{2}/shard-[0-9]{5}-[0-9a-f]{16}\.bin")  # a plain copy's
 
 
 def _state(seed: int = 0, metadata: dict | None = None) -> TrainingState:
@@ -302,8 +303,12 @@ def test_a_backup_of_a_nested_step_restores_bit_for_bit(tmp_path, memory_backend
     assert out == {r: [] for r in range(4)}, out
     replica = f"{backup}/{ckptcore.layout.step_name(7)}"
     assert ckptcore.verify(replica) == []
-    if not dedup:  # a plain copy keeps the folders
-        assert all(NAME.fullmatch(p) for p in ckptcore.inspect(replica).shards)
+    if not dedup:  # a plain copy keeps the folders, its names carry its own token (FORMAT.md)
+        copied = ckptcore.inspect(replica).shards
+        assert all(COPY_NAME.fullmatch(p) for p in copied), copied
+        assert len({p.rsplit("-", 1)[1] for p in copied}) == 1
+        source = ckptcore.inspect(f"{root}/{ckptcore.layout.step_name(7)}").shards
+        assert sorted(p.split("/")[0] for p in copied) == sorted(p.split("/")[0] for p in source)
     shutil.rmtree(root)  # the machine is lost: only the backup is left
     with ckptcore.CheckpointManager(root, backup=ckptcore.Backup(backup, dedup=dedup),
                                     save_on_preemption=False) as mgr:
@@ -316,8 +321,11 @@ def test_ckpt_sync_copies_nested_shards(tmp_path):
     info = _save(f"{src}/{name}", 5, _state(3))[0]
     assert cli.main(["sync", src, dst, "--plain", "-q"]) == 0
     copy = tmp_path / "dst" / name
+    copied = ckptcore.inspect(str(copy)).shards  # named by the copy's token, in the same folders
+    assert all(COPY_NAME.fullmatch(p) for p in copied), copied
+    assert sorted(p.split("/")[0] for p in copied) == sorted(p.split("/")[0] for p in info.shards)
     assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()) == \
-        sorted(list(info.shards) + [MANIFEST_NAME])
+        sorted(list(copied) + [MANIFEST_NAME])
     assert ckptcore.verify(str(copy)) == []
     assert_state_same(ckptcore.load_state(str(copy)), _state(3))
 
