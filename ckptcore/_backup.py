@@ -192,7 +192,7 @@ class BackupTier:
         with self._cond:
             first, self._unlisted = not self._unlisted, why
         if first:
-            log.warning("backup: %s cannot be listed (%s); its steps count as not replicated "
+            log.warning("backup: %s cannot be listed or read (%s); its steps count as not replicated "
                         "(the local tier keeps them) until it can be", self.root.url, why)
 
     def _check_listed(self, steps: list[int]) -> set[int]:
@@ -201,16 +201,19 @@ class BackupTier:
         def read(step: int) -> Any:
             try:
                 return read_manifest(self.tier.step_store(step))
-            except CheckpointError as e:  # judged below: the store (StorageError), or the replica
+            except (CheckpointError, OSError) as e:  # judged below: the store, or the replica
                 return e
         with ThreadPoolExecutor(min(len(steps), max(1, self.root.writers)),
                                 thread_name_prefix="ckptcore-confirm") as pool:
             read_back = dict(zip(steps, pool.map(read, steps)))
         listing = None
         good: set[int] = set()
+        failed = False
         for step, got in read_back.items():
-            if isinstance(got, StorageError):
-                self._unreachable(got)
+            if isinstance(got, StorageError) or (isinstance(got, OSError) and not isinstance(
+                    got, (CheckpointError, FileNotFoundError))):
+                self._unreachable(got)  # (EIO, EACCES of a local backup: the store, not the replica)
+                failed = True
                 continue
             problem: BaseException | None = None if not isinstance(got, BaseException) else got
             if problem is None:
@@ -220,6 +223,7 @@ class BackupTier:
                     problems = check_structure(self.tier.step_store(step), got, listing)[1]
                 except (CheckpointError, OSError) as e:
                     self._unreachable(e)
+                    failed = True
                     continue
                 problem = problems[0] if problems else None
             if problem is None:
@@ -229,7 +233,8 @@ class BackupTier:
         with self._cond:
             self._done |= good
             self._listed -= good
-            self._unlisted = ""
+            if not failed:
+                self._unlisted = ""  # reachable again: the next outage is logged anew
         return good
 
     def _broken(self, step: int, problem: BaseException) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +97,35 @@ def list_blob_objects(root: Store) -> dict[str, Listed]:
         size = info.get("size")
         add(full[len(path):].lstrip("/"), size if isinstance(size, (int, float)) else 0,
             as_time(mtime_of(info)), _store_md5(info))
+    return out
+
+
+def blob_ages(root: Store, names: list[str]) -> dict[str, tuple[int, float | None]]:
+    """``{cas name: (size, mtime)}`` of those of ``names`` that exist now, one stat or HEAD
+    each (a sweep's check before a batch of deletes: its cost is the batch's, not the store's;
+    :func:`list_blobs` would list every blob again for each batch)."""
+    out: dict[str, tuple[int, float | None]] = {}
+    for name in names:
+        digest = name[len(CAS_PREFIX):]
+        rel = f"{CAS_DIR}/{digest[:2]}/{digest}"
+        if root.local:
+            try:
+                st = os.stat(root.join(rel))
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise StorageError(f"{root.url_of(rel)}: stat failed: {e}") from e
+            out[name] = (st.st_size, st.st_mtime)
+            continue
+        full = root.join(rel)
+        root.fs.invalidate_cache(full)
+        try:
+            with root.translate_errors("info", rel):
+                info = root.fs.info(full)
+        except FileNotFoundError:
+            continue
+        size = info.get("size")
+        out[name] = (int(size) if isinstance(size, (int, float)) else 0, as_time(mtime_of(info)))
     return out
 
 

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 from . import _fence
 from ._read import read_manifest
+from ._blobs import blob_ages
 from ._replica import blob_rel, list_blobs, references
 from ._steps import committed_steps
 from ._storage import Store
@@ -94,24 +95,27 @@ def sweep(root: Store, grace: float, fence: Any = None, own: tuple[str, ...] = (
     1. the sweep lists the blobs, then reads every manifest (a blob a manifest committed in
        between names is kept), then decides which blobs are doomed;
     2. before each batch of ``_BATCH`` deletes it checks the fence (no newer generation, its own
-       lease not overdue; an overdue one claims a new generation first), then lists the blobs
-       again and deletes only those of the batch that are still as old as the cutoff;
+       lease not overdue; an overdue one claims a new generation first), then asks the store
+       again for the batch's blobs (a stat or HEAD each) and deletes only those still as old
+       as the cutoff;
     3. a new holder claims a generation only once the sweeper's lease has lapsed in its eyes,
        that is at least the lease margin after the sweeper's last passed check; its first reuse
        of a blob that no manifest it read since its claim names re-uploads the blob
        (``_replica``: refreshed), so the blob's age is then that of the reuse.
 
-    Invariant: a blob is deleted only if, after the last fence check this sweeper passed, a
-    listing showed it older than the cutoff; so a holder that took over before that check
-    fences the sweep, and one that took over after it and refreshed the blob before the
-    listing keeps it.  A blob a manifest names at step 1 is never deleted (any manifest
+    Invariant: a blob is deleted only if, after the last fence check this sweeper passed, the
+    store showed it older than the cutoff; so a holder that took over before that check
+    fences the sweep, and one that took over after it and refreshed the blob before that
+    look keeps it.  A blob a manifest names at step 1 is never deleted (any manifest
     committed later by another writer is by a newer generation, which fences step 2, or which
     refreshed every reused blob step 1 could have doomed).  What is left: a sweeper stopped
-    for longer than the lease margin exactly between step 2's listing and its delete request,
+    for longer than the lease margin exactly between step 2's look and its delete request,
     whose new holder refreshed the blob in that gap; object stores have no delete conditional
     on an object's age, so only a bounded pause there keeps it.  A replica naming a blob lost
-    that way fails its own post-commit check if the delete lands first, and is healed (the
-    blob uploaded again) by the next copy holding the same bytes.
+    that way fails its own post-commit check if the delete lands first; if it lands after
+    that check, the replica stays broken (``ckpt verify`` of the backup names it) until the
+    next copy holding the same bytes heals it, and once the local tier's retention removed
+    the local copy, that step is lost from both tiers.
     """
     blobs = list_blobs(root)  # first: a blob listed here and referenced later is kept below
     referenced: set[str] = set()
@@ -138,7 +142,9 @@ def sweep(root: Store, grace: float, fence: Any = None, own: tuple[str, ...] = (
     for i in range(0, len(doomed), _BATCH):
         if fence is not None:
             fence.before_delete()
-        now = list_blobs(root)  # after the check: a blob a new holder refreshed is young again
+        # After the check, the batch's blobs alone (a stat or HEAD each, not a listing of the
+        # whole store per batch): a blob a new holder refreshed is young again.
+        now = blob_ages(root, doomed[i:i + _BATCH])
         for name in doomed[i:i + _BATCH]:
             if not old(now, name):
                 if name in now:

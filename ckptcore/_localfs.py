@@ -205,6 +205,10 @@ def unlink(path: str) -> None:
         if stat.S_ISLNK(st.st_mode):
             log.warning("%s: is a symbolic link; removing the link itself, not its target",
                         path)
+        elif stat.S_ISDIR(st.st_mode):  # (unlink would raise a bare IsADirectoryError)
+            raise UnsafeCheckpointError(
+                f"{path}: is a folder where a checkpoint holds a file; not deleting it "
+                "(remove it by hand)")
         os.unlink(name, dir_fd=dfd)  # unlink never follows a link
     except FileNotFoundError:
         pass

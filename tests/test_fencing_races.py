@@ -317,3 +317,45 @@ def test_a_writer_renewed_in_time_still_finds_a_claim_made_before_its_commit(clo
     assert "readers ignore it" in str(res_holder["A"])
     _consistent(root, res_holder)
     assert _reader_steps(root) == [1]
+
+
+def test_a_claim_whose_second_read_fails_leaves_the_step_to_the_next_claim(clock, monkeypatch):
+    """T's claim creates generation 2; before that, the holder H (renewed in time) committed
+    step 2 and was told so, its record naming it.  T's second read of H's record fails (a
+    timeout, retries spent): the claim fails, but generation 2 stands without step 2.  Its
+    record says which record it did not read again ("unchecked"), so the next claim reads that
+    one too: step 2 is accepted again and gc never deletes it."""
+    root = _root("late-read")
+    h = _mgr(root)
+    h.save(1, tiny_state(1))
+    real = RemoteStore.read
+    told = []
+
+    def fail_once(store, rel, **kw):
+        if rel == _fence.gen_name(1):
+            monkeypatch.setattr(RemoteStore, "read", real)
+            raise StorageError(f"{store.url}/{rel}: read failed: ReadTimeoutError (injected)")
+        return real(store, rel, **kw)
+
+    def hook(op, path):
+        if f"{_fence.GEN_DIR}/" in path and path.endswith(_fence.gen_name(2).rsplit("/", 1)[-1]) \
+                and not told:
+            _storage._op_hook = None
+            told.append(h.save(2, tiny_state(2)))  # H's listing runs before T's create: acknowledged
+            monkeypatch.setattr(RemoteStore, "read", fail_once)
+
+    _storage._op_hook = hook
+    try:
+        with pytest.raises(StorageError, match="injected"):
+            _fence.claim(Store(root), "T")
+    finally:
+        _storage._op_hook = None
+    assert told and _fence.generations(Store(root)) == [1, 2]
+    assert _fence.read_record(Store(root), 2).get("unchecked") == 1
+    clock.advance(LEASE.seconds + 1)
+    with _mgr(root) as c:
+        assert c.restore().step == 2
+    assert _reader_steps(root) == [1, 2]
+    assert ckptcore.gc(root, grace=0) == []
+    assert _reader_steps(root) == [1, 2]
+    h.close()

@@ -185,3 +185,31 @@ def test_a_record_naming_a_step_whose_manifest_was_removed_by_hand(tmp_path):
         with pytest.warns(ckptcore.CheckpointFallbackWarning, match="step 2|000000000002"):
             state = mgr.restore()
     assert state.step == 1
+
+
+def test_a_sweep_does_not_list_every_blob_again_per_batch(s3_backend):
+    """A sweep deleting many unreferenced blobs looks again only at each batch's blobs (a HEAD
+    each) after its fence check, not at a listing of every blob per batch of 64: on a store of
+    a million blobs that was a million listing pages per 64,000 deletes."""
+    import hashlib
+    import time
+
+    from ckptcore._cas import sweep
+
+    opts = s3_backend.storage_options
+    fs = s3fs.S3FileSystem(**opts)
+    root = s3_backend.prefix + "/dedup"
+    n = 200  # 4 batches of 64
+    for i in range(n):
+        digest = hashlib.blake2b(str(i).encode(), digest_size=32).hexdigest()
+        fs.pipe(f"{root.removeprefix('s3://')}/chunks/{digest[:2]}/{digest}", b"x" * 8)
+    time.sleep(1.1)  # older than the cutoff of a sweep with no grace
+    counter = _Requests(opts)
+    try:
+        removed = sweep(Store(root, opts), 0.0)
+        ops = counter.take()
+    finally:
+        counter.close()
+    assert len(removed) == n and all(u.startswith("s3://") for u in removed), removed[:3]
+    assert ops["ListObjectsV2"] <= 8, ops  # one blob listing (a page), the steps, intents
+    assert ops["HeadObject"] <= n + 8, ops

@@ -3,6 +3,7 @@ third tier is configuration (a list of ``ckptcore.Backup``), not code."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -161,6 +162,70 @@ def test_save_goes_on_locally_when_the_backup_cannot_be_listed(tmp_path, caplog)
                 mgr.close()  # what failed is reported by wait()/close(), as documented
     said = [r.getMessage() for r in caplog.records if "count as not replicated" in r.getMessage()]
     assert len(said) == 1 and "s3://bucket/run" in said[0], said
+
+
+def _two_replicated_steps(tmp_path) -> tuple[str, str]:
+    local, backup = str(tmp_path / "run"), str(tmp_path / "backup")
+    with CheckpointManager(local, backup=Backup(backup), save_on_preemption=False) as mgr:
+        for s in (1, 2):
+            mgr.save(s, _state(s))
+        mgr.wait()
+    return local, backup
+
+
+def test_save_goes_on_when_a_local_backups_replica_manifest_cannot_be_read(tmp_path, caplog,
+                                                                           monkeypatch):
+    # A local-disk backup (an NFS mount) whose listed replica's manifest cannot be read (EIO,
+    # an OSError that is not a CheckpointError; injected below the storage layer, at the one
+    # function that reads a local file) when a resumed run's retention first asks about that
+    # step: not replicated (logged), the local step kept, and save() returns, never a bare
+    # OSError out of it.
+    import errno
+
+    from ckptcore import _localfs
+
+    local, backup = _two_replicated_steps(tmp_path)
+    manifest = os.path.join(backup, step_name(1), "manifest.msgpack")
+    real = _localfs.read_file
+
+    def eio(path, *a, **kw):
+        if path == manifest:
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(_localfs, "read_file", eio)
+    with caplog.at_level(logging.WARNING, logger="ckptcore"):
+        mgr = CheckpointManager(local, keep=1, backup=Backup(backup), save_on_preemption=False)
+        try:
+            assert mgr.restore().step == 2
+            mgr.save(3, _state(3))
+            assert 1 in mgr.steps() and 3 in mgr.steps()  # step 1 kept: its replica is unknown
+        finally:
+            with contextlib.suppress(ckptcore.errors.CheckpointError):
+                mgr.close()  # (replicating step 1 again may meet the same EIO: typed if so)
+    assert any("count as not replicated" in r.getMessage() and "Input/output" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_folder_in_place_of_a_replicas_manifest_is_a_typed_error(tmp_path, caplog):
+    # A hostile replica: a folder named like its manifest.  Retention counts it as broken (not
+    # replicated, the local step kept); replicating the step again cannot delete the folder:
+    # a typed UnsafeCheckpointError from wait()/close(), never a bare IsADirectoryError.
+    local, backup = _two_replicated_steps(tmp_path)
+    manifest = os.path.join(backup, step_name(1), "manifest.msgpack")
+    os.replace(manifest, manifest + ".moved")
+    os.mkdir(manifest)
+    with caplog.at_level(logging.WARNING, logger="ckptcore"):
+        mgr = CheckpointManager(local, keep=1, backup=Backup(backup), save_on_preemption=False)
+        try:
+            assert mgr.restore().step == 2
+            mgr.save(3, _state(3))
+            assert 1 in mgr.steps() and 3 in mgr.steps()
+        finally:
+            with pytest.raises(ckptcore.errors.UnsafeCheckpointError, match="is a folder"):
+                mgr.close()
+    assert any("replica of step 1" in r.getMessage() and "is broken" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_restore_of_a_step_whole_locally_ignores_a_backup_that_is_down(tmp_path, caplog):
