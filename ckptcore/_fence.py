@@ -136,13 +136,8 @@ def view(root: Store) -> View | None:
                     "accepted, none is hidden", root.url, gens[-1],
                     "absent" if record is None else f"malformed ({record.why})")
         return View(gens[-1], readable=False)
-    named = _steps(record.get("accepted")) | _steps(record.get("committed"))
-    unchecked = record.get("unchecked")
-    if isinstance(unchecked, int) and not isinstance(unchecked, bool) and unchecked < gens[-1]:
-        # A claim in progress, or one that failed before reading the record it supersedes
-        # again: the steps that record names are accepted too (claim(), _late_commits).
-        named |= set(_late_commits(root, unchecked, named))
-    return View(gens[-1], frozenset(named), str(record.get("holder", "unknown")),
+    named = frozenset(_steps(record.get("accepted")) | _steps(record.get("committed")))
+    return View(gens[-1], named, str(record.get("holder", "unknown")),
                 backups=record.get("backups"))
 
 
@@ -352,8 +347,9 @@ def _late_commits(root: Store, previous: int | None, accepted: Iterable[int]) ->
     (``WriterLock.after_commit``); one whose listing ran before this claim's create was told its
     save succeeded, and its record, rewritten before that listing, names the step.  ``[]``
     when there is no such record, or it is malformed (readers then accept every step anyway).
-    Readers follow "unchecked" too (:func:`view`): a step only the superseded record names is
-    accepted by them while a claim is in progress and after one that failed there."""
+    Readers do not follow "unchecked": between a claim that failed there and the next claim,
+    a step only the superseded record names is hidden from them (the failed claim logged it);
+    a step that record names but whose manifest is gone is not accepted."""
     named: set[int] = set()
     seen: set[int] = set()
     # A record whose own claim failed before it read its predecessor again says "unchecked":
@@ -367,7 +363,10 @@ def _late_commits(root: Store, previous: int | None, accepted: Iterable[int]) ->
         named |= _steps(record.get("accepted")) | _steps(record.get("committed"))
         nxt = record.get("unchecked")
         previous = nxt if isinstance(nxt, int) and not isinstance(nxt, bool) and nxt < previous else None
-    return sorted(named - set(accepted))
+    # Only steps that are committed now: a superseded holder that found its commit ignored may
+    # have removed it since, its record still naming it (one HEAD per such step, rarely any).
+    return sorted(s for s in named - set(accepted)
+                  if root.child(f"step-{s:012d}").exists(MANIFEST_NAME))
 
 
 def record(root: Store, g: int, holder: str, accepted: Iterable[int],
