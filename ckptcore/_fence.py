@@ -304,11 +304,6 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = (),
     named = _backups_field(backups)
     record = {"generation": g, "holder": holder, "claimed": time.time(), "accepted": accepted,
               "committed": [], **named}
-    if gens:
-        # Until the superseded record is read again below, this record says so: if that read
-        # fails, the claim fails but this generation stands, and the next claim then reads
-        # that record too (_late_commits), so a step acknowledged meanwhile is not lost.
-        record["unchecked"] = gens[-1]
     root.makedirs(GEN_DIR)
     try:
         root.write_bytes(gen_name(g), json.dumps(record).encode(), create_only=True)
@@ -330,8 +325,6 @@ def claim(root: Store, holder: str, *, extra: Iterable[int] = (),
                  "supersedes while this claim was being made", root.url, g, late)
         accepted = sorted(set(accepted) | set(late))
         record["accepted"] = accepted
-    if gens:  # (one more PUT per claim: the record no longer says "unchecked")
-        record.pop("unchecked", None)
         root.write_bytes(gen_name(g), json.dumps(record).encode())
     for old in gens[:max(0, len(gens) + 1 - _KEEP_RECORDS)]:
         log.debug("%s: pruning the record of writer generation %d", root.url, old)
@@ -346,27 +339,14 @@ def _late_commits(root: Store, previous: int | None, accepted: Iterable[int]) ->
     object store rewrites its record with each step it commits and then lists the generations
     (``WriterLock.after_commit``); one whose listing ran before this claim's create was told its
     save succeeded, and its record, rewritten before that listing, names the step.  ``[]``
-    when there is no such record, or it is malformed (readers then accept every step anyway).
-    Readers do not follow "unchecked": between a claim that failed there and the next claim,
-    a step only the superseded record names is hidden from them (the failed claim logged it);
-    a step that record names but whose manifest is gone is not accepted."""
-    named: set[int] = set()
-    seen: set[int] = set()
-    # A record whose own claim failed before it read its predecessor again says "unchecked":
-    # that predecessor's steps are read too (a chain of such failed claims, up to the records
-    # kept).
-    while previous is not None and previous not in seen and len(seen) < _KEEP_RECORDS:
-        seen.add(previous)
-        record = _load_record(root, previous)  # (an I/O failure raises: see claim)
-        if not isinstance(record, dict):
-            break
-        named |= _steps(record.get("accepted")) | _steps(record.get("committed"))
-        nxt = record.get("unchecked")
-        previous = nxt if isinstance(nxt, int) and not isinstance(nxt, bool) and nxt < previous else None
-    # Only steps that are committed now: a superseded holder that found its commit ignored may
-    # have removed it since, its record still naming it (one HEAD per such step, rarely any).
-    return sorted(s for s in named - set(accepted)
-                  if root.child(f"step-{s:012d}").exists(MANIFEST_NAME))
+    when there is no such record, or it is malformed (readers then accept every step anyway)."""
+    if previous is None:
+        return []
+    record = _load_record(root, previous)  # (an I/O failure raises: see claim)
+    if not isinstance(record, dict):
+        return []
+    named = _steps(record.get("accepted")) | _steps(record.get("committed"))
+    return sorted(named - set(accepted))
 
 
 def record(root: Store, g: int, holder: str, accepted: Iterable[int],
