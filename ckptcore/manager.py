@@ -215,10 +215,12 @@ class CheckpointManager:
             if sync:
                 self._report(meter, step, url, info, None)
                 return SaveHandle(step, url, completed(info))
+            # The caller's wait ends here, recorded before the save thread starts: a small
+            # state's manifest (whose stats carry it) could otherwise be built first.
+            with meter.guard:
+                meter.blocked = meter.elapsed()
             future = self._inflight.submit(self._write_measured, meter, step, url, snapshot,
                                            overwrite, handoff=handoff)
-        with meter.guard:
-            meter.blocked = meter.elapsed()
         return SaveHandle(step, url, future)
 
     def _write_measured(self, meter: _meter.Meter, step: int, url: str, state: TrainingState,
